@@ -1,0 +1,34 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.fedbayes-installed
+
+.PHONY: demo test test-arviz1 bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plot]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	MPLBACKEND=Agg $(PY) examples/fedpop_synthetic.py --quick
+
+test: $(STAMP)
+	MPLBACKEND=Agg $(PY) -m pytest -q tests
+
+# The ArviZ 1.x line (DataTree) needs Python >= 3.12: run the ArviZ-facing tests there.
+# Usage: make test-arviz1 PYTHON=python3.12
+test-arviz1: .venv312/.fedbayes-installed
+	MPLBACKEND=Agg .venv312/bin/python -m pytest -q tests/test_result.py
+
+.venv312/.fedbayes-installed: pyproject.toml
+	@test -x .venv312/bin/python || $(PYTHON) -m venv .venv312
+	.venv312/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev,plot]"
+	@touch $@
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_fedsoul.py
+
+clean:
+	rm -rf $(VENV) .venv312 build *.egg-info .pytest_cache

@@ -1,0 +1,333 @@
+"""FedSOUL: FedPop's Algorithm 1 (FedSOUK) with unadjusted Langevin local kernels.
+
+Personalised federated learning as empirical Bayes (Kotelevskii, Vono, Durmus, Moulines, 2022).
+Clients hold local latents z_i with population prior p(z_i | theta); the server estimates the global
+parameters theta by maximising the marginal posterior
+
+    log p(theta) + sum_i log p(D_i | theta),   p(D_i | theta) = int p(D_i | theta, z) p(z | theta) dz
+
+with a stochastic-approximation scheme whose gradient comes from the Fisher identity (eqs. 8-11).
+Round k, for each client i of the cohort A_{k+1} (in parallel, on the device):
+
+    Z^{(i,0)} = last state of the client's chain (stateful) or a draw from p(z | theta_k) (stateless)
+    Z^{(i,m+1)} = Z^{(i,m)} + gamma_i grad_z log p(Z^{(i,m)} | D_i, theta_k) + sqrt(2 gamma_i) xi   (ULA)
+    G_i = mean_{m = B+1..M} grad_theta log p(D_i, Z^{(i,m)} | theta_k)          (I_k and J_k together)
+    upload C(G_i) (unbiased compression; sites in ``exact_sites`` go uncompressed)
+
+and the server (eqs. 6-7, one projected step on all global sites)
+
+    theta_{k+1} = Pi( theta_k + eta_{k+1} [ grad log p(theta_k) + (b / |A|) sum_{i in A} C(G_i) ] ).
+
+The global prior's gradient is added once, at the server. ``res.params`` reports the weighted
+average theta_bar = sum eta_k theta_k / sum eta_k over the last rounds (Theorem 1's iterate).
+
+Corrections to the paper and its public code: the Langevin drift is +gamma grad log p (the text's
+sign is wrong), the server broadcasts theta_k (not theta_{k+1}), the Monte Carlo average excludes
+Z^{(i,0)}, the cohort is aggregated before one server step (not stepped client by client), and
+log p(D_i | theta, z) is a sum over the client's points.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from .. import optim
+from ..compress import Compressor, identity, require_unbiased
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
+from ..errors import ConfigError
+from ..kernels import curvature, ula_step
+from ..model import FedModel, Params
+
+
+class ServerState(NamedTuple):
+    theta: Params
+    opt_state: Any
+    avg_sum: Params
+    avg_weight: jax.Array
+
+
+class ClientState(NamedTuple):
+    z: Params
+    v: jax.Array
+    step: jax.Array
+
+
+class Upload(NamedTuple):
+    grad: Params
+    objective: jax.Array
+
+
+def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class FedSOUL:
+    """FedSOUL (FedPop Algorithm 1 with ULA): personalised empirical-Bayes federated learning.
+
+    Parameters
+    ----------
+    local_steps:
+        M, ULA steps per client and round.
+    burn_in:
+        B, first steps of each round's chain left out of the gradient average (0 <= B < M).
+    stateful:
+        Warm-start each client's chain from its last state (True) or restart it from
+        p(z | theta_k) every round (False; use more ``local_steps``, e.g. 50).
+    step_size:
+        Langevin step gamma_i: a float for every client, a sequence with one per client, or None
+        for the automatic default gamma_i = step_scale / L_i, where L_i is the largest eigenvalue of
+        -grad_z^2 log p(z | D_i, theta) tracked by a warm-started power iteration (clients with more
+        data have larger L_i and get smaller steps; ULA needs gamma_i < 2 / L_i).
+    step_scale:
+        gamma_i * L_i for the automatic step (the ULA covariance bias is about step_scale / 2).
+    server_lr:
+        eta_k: a float or a schedule ``k -> eta_k``.
+    server_optimizer:
+        "adam" (default; robust to the scale of the summed client gradients), "sgd" (the plain
+        Robbins-Monro step of eqs. 6-7) or any optax GradientTransformation.
+    compressor:
+        Unbiased compressor of the uploaded gradient (default: none).
+    exact_sites:
+        Global sites whose gradient is uploaded uncompressed (FedPop compresses only the
+        likelihood parameters phi; pass the prior hyper-parameters beta here).
+    bounds:
+        ``{site: (low, high)}`` box in constrained space for the projection Pi.
+    average_from:
+        Fraction of the rounds after which iterates enter the reported average.
+    init:
+        Initial constrained values of global sites (others: param inits / prior medians).
+    num_samples, warmup:
+        After the last round each client runs ``warmup`` + ``num_samples`` ULA steps at the
+        averaged theta; the samples are its local posterior in ``res.idata``.
+    """
+
+    local_steps: int = 10
+    burn_in: int = 0
+    stateful: bool = True
+    step_size: float | Sequence[float] | None = None
+    step_scale: float = 0.1
+    power_iters: int = 2
+    server_lr: float | Callable = 0.05
+    server_optimizer: Any = "adam"
+    compressor: Compressor = identity()
+    exact_sites: tuple[str, ...] = ()
+    bounds: Mapping[str, tuple[float, float]] | None = None
+    average_from: float = 0.5
+    init: Mapping[str, Any] | None = None
+    num_samples: int = 200
+    warmup: int = 200
+    name: str = "FedSOUL"
+
+    def __post_init__(self):
+        _positive_int(self.local_steps, "FedSOUL local_steps")
+        _positive_int(self.burn_in, "FedSOUL burn_in", 0)
+        if self.burn_in >= self.local_steps:
+            raise ConfigError(f"FedSOUL burn_in={self.burn_in} must be smaller than local_steps={self.local_steps}")
+        _positive_int(self.power_iters, "FedSOUL power_iters")
+        _positive_int(self.num_samples, "FedSOUL num_samples")
+        _positive_int(self.warmup, "FedSOUL warmup", 0)
+        if not (isinstance(self.step_scale, (int, float)) and 0 < self.step_scale < 2):
+            raise ConfigError(f"FedSOUL step_scale must lie in (0, 2) (ULA is unstable beyond 2), got {self.step_scale!r}")
+        if self.step_size is not None:
+            steps = np.asarray(self.step_size, dtype=float)
+            if steps.ndim > 1 or not np.all(np.isfinite(steps)) or np.any(steps <= 0):
+                raise ConfigError("FedSOUL step_size must be a positive float or a 1-d sequence of them (one per client)")
+        if not 0.0 <= self.average_from < 1.0:
+            raise ConfigError(f"FedSOUL average_from must lie in [0, 1), got {self.average_from!r}")
+        optim.as_schedule(self.server_lr, "FedSOUL server_lr")
+        optim.resolve(self.server_optimizer, self.server_lr)
+        require_unbiased(self.compressor, "FedSOUL")
+        for site, box in (self.bounds or {}).items():
+            if len(box) != 2 or not box[0] < box[1]:
+                raise ConfigError(f"FedSOUL bounds for '{site}' must be (low, high) with low < high, got {box!r}")
+
+    def build(self, problem: Problem) -> "FedSOULRun":
+        """Bind the configuration to a problem: the object that runs the round protocol."""
+        fm: FedModel = problem.model
+        fm.require("FedSOUL")
+        if not fm.local_names:
+            raise ConfigError("FedSOUL needs at least one local latent (a sample site under fb.local())")
+        for site in (*self.exact_sites, *(self.bounds or {})):
+            if site not in fm.global_names:
+                raise ConfigError(f"'{site}' is not a global site of the model; global sites are {list(fm.global_names)}")
+        n = problem.data.num_clients
+        if np.ndim(self.step_size) == 1 and len(self.step_size) != n:
+            raise ConfigError(f"FedSOUL step_size has {len(self.step_size)} entries for {n} clients")
+        return FedSOULRun(self, fm, int(self.average_from * problem.num_rounds))
+
+
+class FedSOULRun:
+    """FedSOUL bound to a model: ``init``, ``client_step``, ``server_step`` of the engine protocol."""
+
+    def __init__(self, cfg: FedSOUL, fm: FedModel, avg_start: int):
+        self.cfg, self._fm, self._avg_start = cfg, fm, avg_start
+        self.name = cfg.name
+        self._opt = optim.resolve(cfg.server_optimizer, cfg.server_lr)
+        self._schedule = optim.as_schedule(cfg.server_lr)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def _auto_step(self) -> bool:
+        return self.cfg.step_size is None
+
+    def _project(self, fm: FedModel, theta: Params) -> Params:
+        if not self.cfg.bounds:
+            return theta
+        out = dict(theta)
+        for site, (lo, hi) in self.cfg.bounds.items():
+            t = fm.sites[site].transform
+            out[site] = t.inv(jnp.clip(t(theta[site]), lo, hi))
+        return out
+
+    def _log_joint_fn(self, fm: FedModel, theta: Params, client: ClientData):
+        return lambda z: fm.client_log_joint(theta, z, client.data, client.mask)
+
+    def _run_chain(self, fm, key, theta, z0, step, client, num_steps, keep_from, collect):
+        """ULA chain of ``num_steps`` moves from z0; averages grad_theta log p(D, z | theta) over the
+        states after move ``keep_from`` and optionally collects those states."""
+        val, g_theta, g_z = fm.joint_grads(theta, z0, client.data, client.mask)
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, g_theta)
+
+        def body(carry, xs):
+            z, g_z, acc, acc_val = carry
+            k, m = xs
+            z = ula_step(k, z, g_z, step)
+            val, g_theta, g_z = fm.joint_grads(theta, z, client.data, client.mask)
+            keep = m >= keep_from
+            acc = jax.tree_util.tree_map(lambda a, g: a + jnp.where(keep, g, 0.0), acc, g_theta)
+            return (z, g_z, acc, acc_val + jnp.where(keep, val, 0.0)), (z if collect else None)
+
+        xs = (jax.random.split(key, num_steps), jnp.arange(num_steps))
+        (z, _, acc, acc_val), zs = jax.lax.scan(body, (z0, g_z, zeros, jnp.zeros_like(val)), xs)
+        n = num_steps - keep_from
+        return z, jax.tree_util.tree_map(lambda a: a / n, acc), acc_val / n, zs
+
+    def _step_for(self, fm, theta, z, v, step, client, iters):
+        if not self._auto_step:
+            return v, step
+        lam, v = curvature(self._log_joint_fn(fm, theta, client), z, v, iters)
+        return v, self.cfg.step_scale / jnp.maximum(lam, 1e-12)
+
+    # ------------------------------------------------------------------ protocol
+    def init(self, key: jax.Array, problem: Problem) -> tuple[ServerState, ClientState, Message]:
+        fm = self._fm
+        num_clients = problem.data.num_clients
+        k_theta, k_z, k_v = jax.random.split(key, 3)
+        theta = self._project(fm, fm.init_globals(k_theta, self.cfg.init))
+        clients = stack_clients(problem.data)
+        z0 = jax.vmap(fm.sample_local_prior, in_axes=(0, None, 0, 0))(
+            jax.random.split(k_z, num_clients), theta, clients.data, clients.mask
+        )
+        dim_z = ravel_pytree(fm.zeros_local())[0].size
+        v0 = jax.random.normal(k_v, (num_clients, dim_z))
+        if self._auto_step:
+            steps = jnp.zeros((num_clients,))
+            v0, steps = jax.vmap(lambda z, v, s, c: self._step_for(fm, theta, z, v, s, c, 50))(z0, v0, steps, clients)
+        else:
+            steps = jnp.broadcast_to(jnp.asarray(self.cfg.step_size, dtype=jnp.result_type(float)), (num_clients,))
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, theta)
+        server = ServerState(theta, self._opt.init(theta), zeros, jnp.zeros(()))
+        return server, ClientState(z0, v0, steps), self._broadcast(theta)
+
+    def _broadcast(self, theta: Params) -> Message:
+        return Message(theta, jnp.asarray(FLOAT_BITS * ravel_pytree(theta)[0].size, jnp.int32))
+
+    def client_step(self, key, theta: Params, state: ClientState, client: ClientData):
+        fm: FedModel = self._fm
+        k_init, k_chain, k_comp = jax.random.split(key, 3)
+        z0 = state.z if self.cfg.stateful else fm.sample_local_prior(k_init, theta, client.data, client.mask)
+        v, step = self._step_for(fm, theta, z0, state.v, state.step, client, self.cfg.power_iters)
+        z, grad, objective, _ = self._run_chain(fm, k_chain, theta, z0, step, client, self.cfg.local_steps, self.cfg.burn_in, False)
+        grad_hat, bits = self._compress(k_comp, grad)
+        return ClientState(z, v, step), Message(Upload(grad_hat, objective), bits + FLOAT_BITS)
+
+    def _compress(self, key, grad: Params) -> tuple[Params, jax.Array]:
+        exact = {n: g for n, g in grad.items() if n in self.cfg.exact_sites}
+        rest = {n: g for n, g in grad.items() if n not in self.cfg.exact_sites}
+        bits = jnp.asarray(FLOAT_BITS * ravel_pytree(exact)[0].size, jnp.int32)
+        if rest:
+            flat, unravel = ravel_pytree(rest)
+            flat_hat, rest_bits = self.cfg.compressor(key, flat)
+            rest = unravel(flat_hat)
+            bits = bits + rest_bits
+        return {**exact, **rest}, bits
+
+    def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
+        fm: FedModel = self._fm
+        theta = state.theta
+        n_active = jnp.sum(info.active)
+        weight = info.num_clients / jnp.maximum(n_active, 1)  # b / |A|: unbiased for uniform cohorts
+        w = jnp.where(info.active, weight, 0.0)
+        agg = jax.tree_util.tree_map(lambda g: jnp.tensordot(w, g, axes=1), uploads.payload.grad)
+        prior_lp, prior_grad = jax.value_and_grad(fm.log_prior)(theta)
+        grad = jax.tree_util.tree_map(jnp.add, prior_grad, agg)
+        updates, opt_state = self._opt.update(jax.tree_util.tree_map(jnp.negative, grad), state.opt_state, theta)
+        stepped = self._project(fm, jax.tree_util.tree_map(jnp.add, theta, updates))
+        any_active = n_active > 0
+        new_theta = jax.tree_util.tree_map(lambda a, b: jnp.where(any_active, a, b), stepped, theta)
+        opt_state = jax.tree_util.tree_map(lambda a, b: jnp.where(any_active, a, b), opt_state, state.opt_state)
+        eta = self._schedule(info.round)
+        in_avg = (info.round >= self._avg_start) & any_active
+        a = jnp.where(in_avg, eta, 0.0)
+        avg_sum = jax.tree_util.tree_map(lambda s, t: s + a * t, state.avg_sum, new_theta)
+        diag = {
+            "objective": prior_lp + jnp.sum(w * uploads.payload.objective),
+            "grad_norm": jnp.linalg.norm(ravel_pytree(grad)[0]),
+            **{f"theta/{n}": v for n, v in fm.constrain(new_theta).items()},
+        }
+        return ServerState(new_theta, opt_state, avg_sum, state.avg_weight + a), self._broadcast(new_theta), diag
+
+    def averaged_theta(self, state: ServerState) -> Params:
+        """The weighted average of the iterates (the last iterate if no round was averaged)."""
+        w = state.avg_weight
+        return jax.tree_util.tree_map(
+            lambda s, t: jnp.where(w > 0, s / jnp.where(w > 0, w, 1.0), t), state.avg_sum, state.theta
+        )
+
+    def sample_locals(self, key, theta: Params, states: ClientState, clients: ClientData, num_samples=None, warmup=None):
+        """Local posterior samples for every client at ``theta``: (z stacked (C, S, ...), step sizes)."""
+        fm: FedModel = self._fm
+        num_samples = self.cfg.num_samples if num_samples is None else num_samples
+        warmup = self.cfg.warmup if warmup is None else warmup
+
+        def one(k, z, v, s, client):
+            v, s = self._step_for(fm, theta, z, v, s, client, 20)
+            _, _, _, zs = self._run_chain(fm, k, theta, z, s, client, warmup + num_samples, warmup, True)
+            return jax.tree_util.tree_map(lambda a: a[warmup:], zs), s
+
+        keys = jax.random.split(key, clients.index.shape[0])
+        return jax.jit(jax.vmap(one))(keys, states.z, states.v, states.step, clients)
+
+    def finalize(self, key, carry, problem: Problem) -> dict[str, Any]:
+        """Averaged estimate, last iterate, and every client's local posterior samples at the estimate."""
+        server, states, _ = carry
+        theta = self.averaged_theta(server)
+        zs, steps = self.sample_locals(key, theta, states, stack_clients(problem.data))
+        return {
+            "theta": theta,
+            "theta_last": server.theta,
+            "local_samples": zs,
+            "client_info": {"step_size": steps},
+        }
+
+    def sample_new_client(self, key, theta: Params, client: ClientData, num_samples: int, warmup: int) -> Params:
+        """Local posterior samples for a client unseen in training, from a prior draw (no server round trip)."""
+        k_z, k_v, k_run = jax.random.split(key, 3)
+        z0 = self._fm.sample_local_prior(k_z, theta, client.data, client.mask)
+        v0 = jax.random.normal(k_v, ravel_pytree(z0)[0].shape)
+        step = jnp.asarray(np.mean(self.cfg.step_size) if self.cfg.step_size is not None else 0.0)
+        if self._auto_step:
+            v0, step = self._step_for(self._fm, theta, z0, v0, step, client, 50)
+        batch = lambda t: jax.tree_util.tree_map(lambda a: a[None], t)  # noqa: E731
+        zs, _ = self.sample_locals(k_run, theta, ClientState(batch(z0), v0[None], step[None]), batch(client),
+                                   num_samples, warmup)
+        return jax.tree_util.tree_map(lambda a: a[0], zs)

@@ -1,0 +1,539 @@
+"""Federated data containers and partitioners.
+
+:class:`FederatedData` holds one dictionary of arrays per client. Clients have ragged sizes, so the
+arrays are also stored padded to a common length with a boolean mask, letting algorithms
+``jax.vmap`` over clients. The partitioners split a pooled data set into clients (IID, Dirichlet
+label skew, or a fixed number of classes per client) and return one client id per item, ready for
+:meth:`FederatedData.from_pooled`.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpy.typing import ArrayLike
+
+from fedbayes.errors import ConfigError, DataError
+
+__all__ = ["FederatedData", "partition_dirichlet", "partition_iid", "partition_shards"]
+
+
+def _check_keys(data: Mapping[str, object]) -> None:
+    if not isinstance(data, Mapping) or len(data) == 0:
+        raise DataError(
+            "federated data needs at least one key; got an empty or non-mapping value. "
+            "Pass e.g. {'x': [x_client0, x_client1]}."
+        )
+    for key in data:
+        if not isinstance(key, str):
+            raise DataError(
+                f"data keys must be str; got {key!r} of type {type(key).__name__}. "
+                "Rename the key to a string."
+            )
+
+
+def _to_numpy(value: ArrayLike, where: str) -> np.ndarray:
+    """Convert one array to numpy, checking it is numeric with a leading observation axis."""
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as err:
+        raise DataError(
+            f"{where}: cannot be converted to an array ({err}); pass a rectangular numeric array."
+        ) from err
+    if array.dtype.kind not in "biuf":
+        raise DataError(
+            f"{where}: dtype {array.dtype} is not numeric; pass float, integer or bool arrays "
+            "(encode categories as integers)."
+        )
+    if array.ndim == 0:
+        raise DataError(
+            f"{where}: got a 0-d array; every array needs a leading observation axis "
+            "(wrap a scalar as np.atleast_1d(value))."
+        )
+    return array
+
+
+def _target_dtype(arrays: Sequence[np.ndarray]) -> np.dtype:
+    """JAX default float if any array is float, bool if all are bool, else JAX default int."""
+    kinds = {a.dtype.kind for a in arrays}
+    if "f" in kinds:
+        return np.dtype(jnp.result_type(float))
+    if kinds == {"b"}:
+        return np.dtype(bool)
+    return np.dtype(jnp.result_type(int))
+
+
+def _cast(array: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
+    """Cast to ``dtype``, rejecting integer overflow and non-finite floats."""
+    if dtype.kind == "i" and array.dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if array.min() < info.min or array.max() > info.max:
+            raise DataError(
+                f"{where}: integer values outside the {dtype} range [{info.min}, {info.max}]; "
+                "enable jax_enable_x64 or rescale the values."
+            )
+    with np.errstate(over="ignore"):
+        out = array.astype(dtype)
+    if dtype.kind == "f":
+        bad = int(np.count_nonzero(~np.isfinite(out)))
+        if bad:
+            raise DataError(
+                f"{where}: {bad} NaN/inf entries (as {dtype}); remove or impute them before "
+                "building federated data."
+            )
+    return out
+
+
+def _check_index(value: object, name: str, size: int) -> int:
+    i = operator.index(value)
+    if not -size <= i < size:
+        raise IndexError(f"{name} {i} out of range for {size} clients.")
+    return i % size
+
+
+class FederatedData:
+    """Per-client data dictionaries, stored both ragged and padded with a mask.
+
+    Parameters
+    ----------
+    clients
+        Mapping from key to a sequence with one array per client, e.g.
+        ``{"x": [x1, x2], "y": [y1, y2]}``. All arrays of one client share a leading observation
+        axis; a key's trailing shape is the same for every client.
+
+    Attributes
+    ----------
+    keys : tuple of str
+        Data keys in insertion order.
+    num_clients : int
+        Number of clients ``C``.
+    padded : dict of str to jax.Array
+        Arrays of shape ``(C, max_size, *trailing)``. Rows past a client's size repeat its last
+        real row, so per-row log-densities stay finite there.
+    mask : jax.Array
+        Boolean ``(C, max_size)``, True on real rows.
+
+    Raises
+    ------
+    DataError
+        If keys, shapes, dtypes or values are invalid; the message names the key and client.
+
+    Notes
+    -----
+    Float arrays become JAX's default float (float64 only under ``jax_enable_x64``), integer
+    arrays JAX's default int, and bool arrays stay bool. A key mixing kinds across clients is
+    promoted in that order.
+    """
+
+    def __init__(self, clients: Mapping[str, Sequence[ArrayLike]]) -> None:
+        _check_keys(clients)
+        for key, value in clients.items():
+            if (
+                isinstance(value, (str, bytes))
+                or hasattr(value, "shape")
+                or not isinstance(value, Sequence)
+            ):
+                raise DataError(
+                    f"key {key!r}: expected a list with one array per client, got "
+                    f"{type(value).__name__}. Wrap a single client's array as [array], or use "
+                    "FederatedData.from_pooled for pooled arrays with client ids."
+                )
+        counts = {key: len(value) for key, value in clients.items()}
+        if len(set(counts.values())) > 1:
+            listing = ", ".join(f"{key!r} has {n}" for key, n in counts.items())
+            raise DataError(
+                f"keys have different numbers of clients ({listing}); every key needs exactly "
+                "one array per client."
+            )
+        num_clients = next(iter(counts.values()))
+        if num_clients == 0:
+            raise DataError("federated data has zero clients; pass at least one array per key.")
+
+        raw = {
+            key: [_to_numpy(a, f"key {key!r}, client {i}") for i, a in enumerate(value)]
+            for key, value in clients.items()
+        }
+        keys = tuple(raw)
+        sizes = np.array([len(raw[keys[0]][i]) for i in range(num_clients)], dtype=np.int64)
+        for i, n in enumerate(sizes):
+            for key in keys[1:]:
+                if len(raw[key][i]) != n:
+                    raise DataError(
+                        f"client {i}: {keys[0]!r} has {n} rows but {key!r} has "
+                        f"{len(raw[key][i])}; all arrays of a client must share the leading "
+                        "observation axis."
+                    )
+            if n == 0:
+                raise DataError(
+                    f"client {i} has 0 rows (keys {list(keys)}); drop the client or give it at "
+                    "least one observation."
+                )
+        for key in keys:
+            trailing = raw[key][0].shape[1:]
+            for i, a in enumerate(raw[key]):
+                if a.shape[1:] != trailing:
+                    raise DataError(
+                        f"key {key!r}: client 0 has trailing shape {trailing} but client {i} has "
+                        f"{a.shape[1:]}; the shape after the observation axis must match across "
+                        "clients."
+                    )
+
+        self._data: dict[str, list[np.ndarray]] = {}
+        for key in keys:
+            dtype = _target_dtype(raw[key])
+            self._data[key] = [
+                _cast(a, dtype, f"key {key!r}, client {i}") for i, a in enumerate(raw[key])
+            ]
+        self._sizes = sizes
+        max_size = int(sizes.max())
+        padded = {}
+        for key, arrays in self._data.items():
+            out = np.empty((num_clients, max_size, *arrays[0].shape[1:]), dtype=arrays[0].dtype)
+            for i, a in enumerate(arrays):
+                out[i, : len(a)] = a
+                out[i, len(a) :] = a[-1]
+            padded[key] = jnp.asarray(out)
+        self._padded = padded
+        self._mask = jnp.asarray(np.arange(max_size)[None, :] < sizes[:, None])
+
+    @classmethod
+    def from_pooled(
+        cls,
+        data: Mapping[str, ArrayLike],
+        client_ids: ArrayLike,
+        num_clients: int | None = None,
+    ) -> FederatedData:
+        """Split pooled arrays into clients by a per-row client id.
+
+        Parameters
+        ----------
+        data
+            Mapping from key to an array with leading axis ``N``.
+        client_ids
+            1-D integer array of length ``N``; row ``r`` goes to client ``client_ids[r]``, and
+            rows with id ``-1`` are dropped. Rows keep their relative order within a client.
+        num_clients
+            Number of clients; defaults to ``max(client_ids) + 1``.
+
+        Returns
+        -------
+        FederatedData
+
+        Raises
+        ------
+        DataError
+            If the arrays or ids are malformed, or a client in ``0..num_clients-1`` has no rows.
+        """
+        _check_keys(data)
+        arrays = {key: _to_numpy(value, f"pooled key {key!r}") for key, value in data.items()}
+        lengths = {key: len(a) for key, a in arrays.items()}
+        if len(set(lengths.values())) > 1:
+            listing = ", ".join(f"{key!r} has {n}" for key, n in lengths.items())
+            raise DataError(
+                f"pooled arrays have different leading lengths ({listing}); each needs one row "
+                "per observation."
+            )
+        n = next(iter(lengths.values()))
+        ids = np.asarray(client_ids)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) != n:
+            raise DataError(
+                f"client_ids must be a 1-D integer array of length {n} (one id per pooled row); "
+                f"got shape {ids.shape} and dtype {ids.dtype}."
+            )
+        if n and ids.min() < -1:
+            row = int(np.argmax(ids < -1))
+            raise DataError(
+                f"client_ids[{row}] is {ids[row]}; ids must be >= 0, or -1 for unassigned rows."
+            )
+        needed = int(ids.max(initial=-1)) + 1
+        if num_clients is None:
+            num_clients = needed
+        elif isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)):
+            raise DataError(f"num_clients must be an int or None; got {num_clients!r}.")
+        elif num_clients < needed:
+            raise DataError(
+                f"num_clients={num_clients} but client_ids contains id {needed - 1}; pass "
+                f"num_clients >= {needed} or leave it None."
+            )
+        if num_clients < 1:
+            raise DataError(
+                "federated data has zero clients: every client id is -1 or num_clients < 1; "
+                "assign rows to clients 0..C-1."
+            )
+        counts = np.bincount(ids[ids >= 0], minlength=num_clients)
+        empty = np.flatnonzero(counts == 0)
+        if empty.size:
+            raise DataError(
+                f"client {empty[0]} has no rows in client_ids (clients without rows: "
+                f"{empty.tolist()}); renumber the clients or lower num_clients."
+            )
+        order = np.argsort(ids, kind="stable")[n - int(counts.sum()) :]
+        splits = np.cumsum(counts)[:-1]
+        return cls({key: np.split(a[order], splits) for key, a in arrays.items()})
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Data keys in insertion order."""
+        return tuple(self._data)
+
+    @property
+    def num_clients(self) -> int:
+        """Number of clients."""
+        return len(self._sizes)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """Number of rows of each client, int64 of shape ``(C,)``."""
+        return self._sizes.copy()
+
+    @property
+    def max_size(self) -> int:
+        """Largest client size (the padded length)."""
+        return int(self._sizes.max())
+
+    @property
+    def total_size(self) -> int:
+        """Number of rows over all clients."""
+        return int(self._sizes.sum())
+
+    @property
+    def padded(self) -> dict[str, jax.Array]:
+        """Edge-padded arrays of shape ``(C, max_size, *trailing)``."""
+        return dict(self._padded)
+
+    @property
+    def mask(self) -> jax.Array:
+        """Boolean ``(C, max_size)`` mask, True on real rows."""
+        return self._mask
+
+    def client(self, i: int) -> dict[str, np.ndarray]:
+        """Unpadded arrays of client ``i`` (negative indices count from the end)."""
+        i = _check_index(i, "client index", self.num_clients)
+        return {key: arrays[i].copy() for key, arrays in self._data.items()}
+
+    def pooled(self) -> dict[str, np.ndarray]:
+        """Arrays of all clients concatenated in client order."""
+        return {key: np.concatenate(arrays) for key, arrays in self._data.items()}
+
+    def pooled_client_ids(self) -> np.ndarray:
+        """Client id of each row of :meth:`pooled`, int64."""
+        return np.repeat(np.arange(self.num_clients, dtype=np.int64), self._sizes)
+
+    def subset(self, indices: Sequence[int]) -> FederatedData:
+        """New data with the clients ``indices``, in that order (negative indices allowed)."""
+        idx = [_check_index(i, "client index", self.num_clients) for i in indices]
+        return FederatedData({key: [arrays[i] for i in idx] for key, arrays in self._data.items()})
+
+    def __len__(self) -> int:
+        return self.num_clients
+
+    def __repr__(self) -> str:
+        s = self._sizes
+        return (
+            f"FederatedData(keys={self.keys}, num_clients={self.num_clients}, "
+            f"sizes min/median/max={s.min()}/{np.median(s):g}/{s.max()})"
+        )
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"{name} must be an int; got {value!r}.")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}; got {value}.")
+    return int(value)
+
+
+def _check_labels(labels: ArrayLike) -> np.ndarray:
+    array = np.asarray(labels)
+    if array.ndim != 1 or array.size == 0 or array.dtype.kind not in "iu":
+        raise ConfigError(
+            f"labels must be a non-empty 1-D integer array; got shape {array.shape} and dtype "
+            f"{array.dtype}. Encode classes with np.unique(labels, return_inverse=True)[1]."
+        )
+    return array
+
+
+def partition_iid(num_items: int, num_clients: int, *, seed: int = 0) -> np.ndarray:
+    """Split items uniformly at random into clients of near-equal size.
+
+    Parameters
+    ----------
+    num_items
+        Number of items ``N``.
+    num_clients
+        Number of clients ``C``; at most ``N`` so that no client is empty.
+    seed
+        Seed of ``np.random.default_rng``.
+
+    Returns
+    -------
+    np.ndarray
+        int64 client id per item; client sizes differ by at most one.
+    """
+    num_items = _check_int("num_items", num_items, 1)
+    num_clients = _check_int("num_clients", num_clients, 1)
+    if num_clients > num_items:
+        raise ConfigError(
+            f"num_clients={num_clients} exceeds num_items={num_items}; some clients would be "
+            "empty. Lower num_clients."
+        )
+    rng = np.random.default_rng(_check_int("seed", seed, 0))
+    ids = np.empty(num_items, dtype=np.int64)
+    ids[rng.permutation(num_items)] = np.arange(num_items) % num_clients
+    return ids
+
+
+def partition_dirichlet(
+    labels: ArrayLike,
+    num_clients: int,
+    *,
+    alpha: float,
+    seed: int = 0,
+    min_size: int = 1,
+    max_tries: int = 100,
+) -> np.ndarray:
+    """Label-skewed split: each class is divided among clients by Dirichlet proportions.
+
+    Parameters
+    ----------
+    labels
+        1-D integer class label per item.
+    num_clients
+        Number of clients ``C``.
+    alpha
+        Dirichlet concentration; small values give strong label skew, large values near-IID.
+    seed
+        Seed of ``np.random.default_rng``.
+    min_size
+        Minimum number of items per client; proportions are redrawn until it holds.
+    max_tries
+        Number of draws before giving up.
+
+    Returns
+    -------
+    np.ndarray
+        int64 client id per item.
+
+    Raises
+    ------
+    ConfigError
+        On invalid arguments, or if no draw in ``max_tries`` meets ``min_size``.
+    """
+    labels = _check_labels(labels)
+    num_clients = _check_int("num_clients", num_clients, 1)
+    min_size = _check_int("min_size", min_size, 0)
+    max_tries = _check_int("max_tries", max_tries, 1)
+    try:
+        conc = float(alpha)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"alpha must be a positive float; got {alpha!r}.") from err
+    if not (np.isfinite(conc) and conc > 0):
+        raise ConfigError(f"alpha must be a positive finite float; got {alpha!r}.")
+    if min_size * num_clients > labels.size:
+        raise ConfigError(
+            f"min_size={min_size} for {num_clients} clients needs {min_size * num_clients} items "
+            f"but there are {labels.size}; lower min_size or num_clients."
+        )
+    rng = np.random.default_rng(_check_int("seed", seed, 0))
+    classes = [np.flatnonzero(labels == k) for k in np.unique(labels)]
+    for _ in range(max_tries):
+        ids = np.empty(labels.size, dtype=np.int64)
+        for items in classes:
+            shares = np.cumsum(rng.dirichlet(np.full(num_clients, conc)))[:-1]
+            bounds = np.minimum((shares * items.size).astype(np.int64), items.size)
+            counts = np.diff(bounds, prepend=0, append=items.size)
+            ids[rng.permutation(items)] = np.repeat(np.arange(num_clients), counts)
+        if np.bincount(ids, minlength=num_clients).min() >= min_size:
+            return ids
+    raise ConfigError(
+        f"no Dirichlet(alpha={conc}) draw gave every one of {num_clients} clients at least "
+        f"{min_size} items in {max_tries} tries; lower min_size, raise alpha or raise max_tries."
+    )
+
+
+def partition_shards(
+    labels: ArrayLike,
+    num_clients: int,
+    *,
+    classes_per_client: int,
+    seed: int = 0,
+    sizes: Sequence[int] | None = None,
+) -> np.ndarray:
+    """Give each client a fixed number of classes ("S classes per client").
+
+    The ``K`` classes are randomly permuted; client ``i`` gets classes
+    ``perm[(i * S + j) % K]`` for ``j < S``, so each class is held by about ``C * S / K``
+    clients. Each class's items are split evenly at random among its holders.
+
+    Parameters
+    ----------
+    labels
+        1-D integer class label per item.
+    num_clients
+        Number of clients ``C``.
+    classes_per_client
+        Number ``S`` of distinct classes per client, ``1 <= S <= K``.
+    seed
+        Seed of ``np.random.default_rng``.
+    sizes
+        Optional number of items per client; client ``i`` keeps ``sizes[i]`` items drawn at
+        random from its share and the rest become unassigned.
+
+    Returns
+    -------
+    np.ndarray
+        int64 client id per item, ``-1`` for unassigned items (classes nobody holds, or items
+        dropped by ``sizes``).
+
+    Raises
+    ------
+    ConfigError
+        On invalid arguments, if a class has fewer items than holders, or if a client's share is
+        smaller than its requested size.
+    """
+    labels = _check_labels(labels)
+    num_clients = _check_int("num_clients", num_clients, 1)
+    per_client = _check_int("classes_per_client", classes_per_client, 1)
+    classes, inverse = np.unique(labels, return_inverse=True)
+    num_classes = classes.size
+    if per_client > num_classes:
+        raise ConfigError(
+            f"classes_per_client={per_client} exceeds the {num_classes} classes in labels; "
+            f"use at most {num_classes}."
+        )
+    if sizes is not None:
+        if len(sizes) != num_clients:
+            raise ConfigError(f"sizes has {len(sizes)} entries but num_clients={num_clients}.")
+        sizes = [_check_int(f"sizes[{i}]", s, 1) for i, s in enumerate(sizes)]
+    rng = np.random.default_rng(_check_int("seed", seed, 0))
+    perm = rng.permutation(num_classes)
+    holders: list[list[int]] = [[] for _ in range(num_classes)]
+    for i in range(num_clients):
+        for j in range(per_client):
+            holders[perm[(i * per_client + j) % num_classes]].append(i)
+    ids = np.full(labels.size, -1, dtype=np.int64)
+    for k, owners in enumerate(holders):
+        if not owners:
+            continue
+        items = np.flatnonzero(inverse == k)
+        if items.size < len(owners):
+            raise ConfigError(
+                f"class {classes[k]} has {items.size} items but is held by {len(owners)} "
+                "clients; lower num_clients or classes_per_client."
+            )
+        owners_shuffled = rng.permutation(np.asarray(owners, dtype=np.int64))
+        ids[rng.permutation(items)] = owners_shuffled[np.arange(items.size) % len(owners)]
+    if sizes is not None:
+        for i, size in enumerate(sizes):
+            share = np.flatnonzero(ids == i)
+            if share.size < size:
+                raise ConfigError(
+                    f"client {i} has {share.size} items in its share but sizes[{i}]={size}; "
+                    "lower sizes[i] or num_clients."
+                )
+            ids[rng.choice(share, share.size - size, replace=False)] = -1
+    return ids

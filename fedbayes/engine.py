@@ -1,0 +1,224 @@
+"""The federated round loop shared by every algorithm.
+
+An algorithm is a set of pure functions over pytrees (see :class:`Algorithm`):
+
+    init(key, problem)                                   -> server_state, client_states, broadcast
+    client_step(key, broadcast, client_state, client)    -> client_state, upload
+    server_step(key, server_state, uploads, round_info)  -> server_state, broadcast, diagnostics
+
+``upload`` and ``broadcast`` are :class:`Message` objects: exactly what crosses the network, already
+compressed, with their exact size in bits. Nothing else passes between clients and server.
+
+One round: the server's broadcast goes to a cohort of ``cohort_size`` clients drawn uniformly
+without replacement (a fixed size keeps shapes static); the cohort's client steps run under
+``jax.vmap``; the server step aggregates the uploads. Rounds run inside ``jax.lax.scan`` in
+chunks compiled once; between chunks the host records the ledger and updates the progress bar.
+Randomness is a pure function of ``(seed, round, client id)``, so a fit is reproducible.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .data import FederatedData
+from .errors import ConfigError
+
+PyTree = Any
+
+FLOAT_BITS = 32
+"""Bits of one uncompressed float on the wire (float32), used by every ledger entry."""
+
+
+class Message(NamedTuple):
+    """A message on the wire: its (decoded) payload and its exact size in bits."""
+
+    payload: PyTree
+    bits: jax.Array
+
+
+class ClientData(NamedTuple):
+    """One client's padded data as the client step sees it (stacked over clients in the engine)."""
+
+    data: dict[str, jax.Array]
+    mask: jax.Array
+    size: jax.Array
+    index: jax.Array
+
+
+class RoundInfo(NamedTuple):
+    """What the server knows about a round: its index, the cohort and who answered."""
+
+    round: jax.Array
+    cohort: jax.Array
+    active: jax.Array
+    num_clients: int
+
+
+class Problem(NamedTuple):
+    """A federated problem: the analysed model, the data and the planned number of rounds."""
+
+    model: Any
+    data: FederatedData
+    num_rounds: int
+
+
+class Algorithm(Protocol):
+    name: str
+
+    def init(self, key: jax.Array, problem: Problem) -> tuple[PyTree, PyTree, Message]: ...
+
+    def client_step(
+        self, key: jax.Array, broadcast: PyTree, client_state: PyTree, client: ClientData
+    ) -> tuple[PyTree, Message]: ...
+
+    def server_step(
+        self, key: jax.Array, server_state: PyTree, uploads: Message, info: RoundInfo
+    ) -> tuple[PyTree, Message, dict[str, jax.Array]]: ...
+
+
+def stack_clients(data: FederatedData) -> ClientData:
+    """All clients' padded data, stacked on a leading client axis."""
+    return ClientData(
+        dict(data.padded), data.mask, jnp.asarray(data.sizes), jnp.arange(data.num_clients)
+    )
+
+
+def sample_cohort(key: jax.Array, num_clients: int, cohort_size: int) -> jax.Array:
+    """``cohort_size`` distinct client indices drawn uniformly (all clients, in order, when full)."""
+    if cohort_size == num_clients:
+        return jnp.arange(num_clients)
+    return jax.random.choice(key, num_clients, (cohort_size,), replace=False)
+
+
+def resolve_cohort_size(clients_per_round: int | float | None, num_clients: int) -> int:
+    """Cohort size from an int count, a float fraction in (0, 1], or None (all clients)."""
+    if clients_per_round is None:
+        return num_clients
+    if isinstance(clients_per_round, bool):
+        raise ConfigError("clients_per_round must be an int, a fraction in (0, 1] or None")
+    if isinstance(clients_per_round, float):
+        if not 0.0 < clients_per_round <= 1.0:
+            raise ConfigError(f"clients_per_round as a fraction must lie in (0, 1], got {clients_per_round}")
+        return max(1, int(round(clients_per_round * num_clients)))
+    if isinstance(clients_per_round, (int, np.integer)):
+        if not 1 <= clients_per_round <= num_clients:
+            raise ConfigError(
+                f"clients_per_round={clients_per_round} must lie in [1, {num_clients}] (the number of clients)"
+            )
+        return int(clients_per_round)
+    raise ConfigError(f"clients_per_round must be an int, a fraction in (0, 1] or None, got {clients_per_round!r}")
+
+
+def _take(tree: PyTree, idx: jax.Array) -> PyTree:
+    return jax.tree_util.tree_map(lambda a: a[idx], tree)
+
+
+def _put(tree: PyTree, idx: jax.Array, values: PyTree) -> PyTree:
+    return jax.tree_util.tree_map(lambda a, v: a.at[idx].set(v), tree, values)
+
+
+class Progress:
+    """A one-line progress report on stderr, shown only on a terminal unless forced."""
+
+    def __init__(self, total: int, label: str, enabled: bool | None):
+        self.total, self.label = total, label
+        self.enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
+        self.start = time.perf_counter()
+
+    def update(self, done: int) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.start
+        rate = done / elapsed if elapsed > 0 else float("nan")
+        eta = (self.total - done) / rate if rate > 0 else float("nan")
+        sys.stderr.write(
+            f"\r[fedbayes] {self.label}: round {done}/{self.total} ({100 * done / self.total:.0f}%), "
+            f"{rate:.1f} rounds/s, ~{eta:.0f}s left "
+        )
+        if done >= self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, cohort_size: int, base_key: jax.Array):
+    """The pure function of one round: ``(carry, k) -> (carry, record)``."""
+
+    def round_fn(carry, k):
+        server_state, client_states, broadcast = carry
+        rk = jax.random.fold_in(base_key, k)
+        k_cohort, k_clients, k_server = jax.random.split(rk, 3)
+        cohort = sample_cohort(k_cohort, num_clients, cohort_size)
+        keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(cohort)
+        step = jax.vmap(algorithm.client_step, in_axes=(0, None, 0, 0))
+        new_states, uploads = step(keys, broadcast.payload, _take(client_states, cohort), _take(clients, cohort))
+        client_states = _put(client_states, cohort, new_states)
+        active = jnp.ones((cohort_size,), bool)
+        info = RoundInfo(k, cohort, active, num_clients)
+        server_state, new_broadcast, diag = algorithm.server_step(k_server, server_state, uploads, info)
+        record = {
+            "bits_up": jnp.where(active, uploads.bits, 0),
+            "bits_down": jnp.where(active, broadcast.bits, 0),
+            "active": jnp.sum(active),
+            **diag,
+        }
+        return (server_state, client_states, new_broadcast), record
+
+    return round_fn
+
+
+def run_rounds(
+    algorithm: Algorithm,
+    problem: Problem,
+    carry: tuple[PyTree, PyTree, Message],
+    *,
+    base_key: jax.Array,
+    cohort_size: int,
+    start: int = 0,
+    chunk_size: int = 50,
+    progress: bool | None = None,
+) -> tuple[tuple[PyTree, PyTree, Message], dict[str, np.ndarray]]:
+    """Run rounds ``start .. problem.num_rounds - 1`` and return the final carry and the history.
+
+    The history maps each recorded quantity to a numpy array with one row per round; ``bits_up`` and
+    ``bits_down`` are exact int64 totals per round (summed on the host so they cannot overflow).
+    """
+    num_rounds = problem.num_rounds
+    clients = stack_clients(problem.data)
+    round_fn = make_round(algorithm, clients, problem.data.num_clients, cohort_size, base_key)
+    remaining = num_rounds - start
+    n_chunks = max(1, math.ceil(remaining / max(1, chunk_size)))
+    chunk = max(1, math.ceil(remaining / n_chunks))
+    rec_shape = jax.eval_shape(round_fn, carry, jnp.asarray(start))[1]
+
+    def skip(c, _k):
+        return c, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), rec_shape)
+
+    @jax.jit
+    def run_chunk(c, ks, valid):
+        def body(c, xs):
+            k, ok = xs
+            return jax.lax.cond(ok, round_fn, skip, c, k)
+
+        return jax.lax.scan(body, c, (ks, valid))
+
+    bar = Progress(num_rounds, getattr(algorithm, "name", type(algorithm).__name__), progress)
+    records: list[dict[str, np.ndarray]] = []
+    for first in range(start, num_rounds, chunk):
+        ks = jnp.arange(first, first + chunk)
+        valid = ks < num_rounds
+        carry, rec = run_chunk(carry, ks, valid)
+        n = int(np.sum(np.asarray(valid)))
+        rec = {name: np.asarray(v)[:n] for name, v in rec.items()}
+        for name in ("bits_up", "bits_down"):
+            rec[name] = rec[name].astype(np.int64).sum(axis=1)
+        records.append(rec)
+        bar.update(first + n)
+    history = {name: np.concatenate([r[name] for r in records]) for name in records[0]} if records else {}
+    return carry, history

@@ -1,0 +1,348 @@
+"""NumPyro model introspection: site roles, per-client log joint, Fisher-identity gradients.
+
+A user writes a NumPyro model of *one* client's data and calls it as ``model(**client_data)``.
+Tracing it once classifies every site:
+
+* ``global`` -- an unobserved ``sample`` site outside ``fb.local()`` and outside any data plate:
+  a global parameter with a prior ``p(theta)``;
+* ``param`` -- a ``numpyro.param`` site: a global parameter without prior;
+* ``local`` -- an unobserved ``sample`` site under ``fb.local()``: a per-client latent ``z_i``
+  with population prior ``p(z_i | theta)``; it never leaves the client;
+* ``obs_latent`` -- an unobserved ``sample`` site inside a data plate (e.g. mixture labels);
+* ``observed`` -- an observed site (including ``numpyro.factor``): the client's likelihood.
+
+A *data plate* is a plate whose size follows the number of observations; it is found by tracing
+the model at two data lengths. Clients are padded to a common length and the padded rows are
+masked out of every site inside a data plate, so padding never changes a log-density.
+
+Everything works in unconstrained space (NumPyro's ``biject_to`` transforms). For a client,
+
+    log p(D_i, z_i | theta) = log p(z_i | theta) + log p(D_i | theta, z_i)
+
+and the Fisher identity (FedPop eqs. 8-11) gives the marginal-likelihood gradient as a posterior
+expectation,
+
+    grad_theta log p(D_i | theta) = E_{z ~ p(z | D_i, theta)} [ grad_theta log p(D_i, z | theta) ].
+
+The global prior ``log p(theta)`` is kept apart and counted once overall by the algorithms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro import handlers
+from numpyro.distributions import biject_to
+from numpyro.distributions.transforms import Transform
+from numpyro.infer.initialization import init_to_median
+from numpyro.primitives import Messenger
+
+from .data import FederatedData
+from .errors import ModelError
+
+Params = dict[str, jax.Array]
+
+_LOCAL_FLAG = "fedbayes_local"
+
+
+class local(Messenger):
+    """Context manager marking the sample sites inside it as per-client latents.
+
+    >>> with fb.local():
+    ...     b = numpyro.sample("b", dist.Normal(0.0, tau))
+
+    Such sites are sampled on the client (e.g. by Langevin steps) and never sent to the server.
+    """
+
+    def process_message(self, msg: dict[str, Any]) -> None:
+        if msg["type"] == "sample":
+            msg["infer"] = {**(msg.get("infer") or {}), _LOCAL_FLAG: True}
+
+
+class _DataMask(Messenger):
+    """Mask padded observations out of every sample site inside a data plate."""
+
+    def __init__(self, fn: Callable, mask: jax.Array, data_plates: frozenset[str]):
+        self.mask = mask
+        self.data_plates = data_plates
+        super().__init__(fn)
+
+    def process_message(self, msg: dict[str, Any]) -> None:
+        if msg["type"] != "sample":
+            return
+        for frame in msg["cond_indep_stack"]:
+            if frame.name in self.data_plates:
+                m = jnp.reshape(self.mask, (-1,) + (1,) * (-frame.dim - 1))
+                msg["fn"] = msg["fn"].mask(m)
+
+
+@dataclass(frozen=True)
+class Site:
+    """One latent site of the model: its role, constrained shape and bijection to R^n."""
+
+    name: str
+    role: str
+    shape: tuple[int, ...]
+    transform: Transform
+    discrete: bool = False
+
+    @property
+    def unconstrained_shape(self) -> tuple[int, ...]:
+        return tuple(self.transform.inverse_shape(self.shape))
+
+
+def _trace(model: Callable, kwargs: Mapping[str, Any], substitutions=None, substitute_fn=None, seed=0):
+    fn = handlers.seed(model, seed)
+    if substitutions is not None or substitute_fn is not None:
+        fn = handlers.substitute(fn, data=substitutions, substitute_fn=substitute_fn)
+    return handlers.trace(fn).get_trace(**kwargs)
+
+
+def _support_transform(site: dict[str, Any]) -> Transform:
+    if site["type"] == "param":
+        constraint = site["kwargs"].get("constraint")
+        if constraint is None:
+            from numpyro.distributions import constraints
+
+            constraint = constraints.real
+        return biject_to(constraint)
+    return biject_to(site["fn"].support)
+
+
+def _sum_log_prob(site: dict[str, Any]) -> jax.Array:
+    lp = site["fn"].log_prob(site["value"])
+    if site.get("scale") is not None:
+        lp = site["scale"] * lp
+    return jnp.sum(lp)
+
+
+class FedModel:
+    """A NumPyro model of one client's data, analysed for federated inference.
+
+    Parameters
+    ----------
+    model:
+        ``model(**client_data, **model_kwargs)`` for one client's data.
+    data:
+        The federated data; its first client is used to trace the model.
+    model_kwargs:
+        Extra keyword arguments passed to every model call (not data: same on every client).
+    """
+
+    def __init__(self, model: Callable, data: FederatedData, model_kwargs: Mapping[str, Any] | None = None):
+        if not callable(model):
+            raise ModelError(f"model must be a callable NumPyro model, got {type(model).__name__}")
+        self.model = model
+        self.model_kwargs = dict(model_kwargs or {})
+        clash = set(self.model_kwargs) & set(data.keys)
+        if clash:
+            raise ModelError(f"model_kwargs {sorted(clash)} clash with data keys of the same names")
+        self.data_keys = data.keys
+        example = {k: np.asarray(v[0]) for k, v in data.padded.items()}
+        longer = {k: np.concatenate([v, v[-1:]], axis=0) for k, v in example.items()}
+        try:
+            tr = _trace(model, {**example, **self.model_kwargs})
+            tr_longer = _trace(model, {**longer, **self.model_kwargs})
+        except Exception as err:  # the user's model failed on a client's data
+            raise ModelError(
+                f"calling the model on client 0's data failed with {type(err).__name__}: {err}. "
+                f"The model is called as model(**client_data, **model_kwargs) with data keys {list(data.keys)}."
+            ) from err
+        self.data_plates = self._find_data_plates(tr, tr_longer)
+        self.sites: dict[str, Site] = {}
+        self.observed: tuple[str, ...] = ()
+        self._classify(tr, tr_longer)
+        self._example = {k: jnp.asarray(v) for k, v in example.items()}
+        self.global_names = tuple(n for n, s in self.sites.items() if s.role in ("global", "param"))
+        self.local_names = tuple(n for n, s in self.sites.items() if s.role == "local")
+        self.obs_latent_names = tuple(n for n, s in self.sites.items() if s.role == "obs_latent")
+
+    # ----------------------------------------------------------------------------- introspection
+    @staticmethod
+    def _find_data_plates(tr, tr_longer) -> frozenset[str]:
+        plates = set()
+        for name, site in tr.items():
+            other = tr_longer.get(name)
+            if other is None:
+                continue
+            sizes = {f.name: f.size for f in other["cond_indep_stack"]}
+            for frame in site["cond_indep_stack"]:
+                if frame.name in sizes and sizes[frame.name] != frame.size:
+                    plates.add(frame.name)
+        return frozenset(plates)
+
+    def _classify(self, tr, tr_longer) -> None:
+        observed = []
+        for name, site in tr.items():
+            if site["type"] not in ("sample", "param"):
+                continue
+            in_data_plate = any(f.name in self.data_plates for f in site["cond_indep_stack"])
+            shape = tuple(jnp.shape(site["value"]))
+            grows = tuple(jnp.shape(tr_longer[name]["value"])) != shape if name in tr_longer else False
+            if site["type"] == "sample" and site["is_observed"]:
+                if grows and not in_data_plate:
+                    raise ModelError(
+                        f"observed site '{name}' has a dimension of the client's data size but is not inside "
+                        "a numpyro.plate; wrap it in `with numpyro.plate('obs', n):` so padded rows can be masked"
+                    )
+                observed.append(name)
+                continue
+            if site["type"] == "param":
+                if in_data_plate or grows:
+                    raise ModelError(f"param site '{name}' depends on the data size; params must be global")
+                role = "param"
+            elif in_data_plate:
+                role = "obs_latent"
+            elif site["infer"].get(_LOCAL_FLAG, False):
+                role = "local"
+            else:
+                role = "global"
+            if grows and role != "obs_latent":
+                raise ModelError(
+                    f"latent site '{name}' changes shape with the client's data size but is not inside a "
+                    "numpyro.plate over observations; put per-observation latents inside the data plate"
+                )
+            discrete = bool(site["type"] == "sample" and getattr(site["fn"].support, "is_discrete", False))
+            self.sites[name] = Site(name, role, shape, _support_transform(site), discrete)
+        if not observed:
+            raise ModelError("the model has no observed site: condition at least one sample site on the data (obs=...)")
+        self.observed = tuple(observed)
+
+    def require(self, algorithm: str, *, local_continuous: bool = True, allow_obs_latent: bool = False) -> None:
+        """Raise ModelError if the model has sites ``algorithm`` cannot handle, naming the site."""
+        for site in self.sites.values():
+            if site.role == "obs_latent" and not allow_obs_latent:
+                raise ModelError(
+                    f"{algorithm} does not support the per-observation latent site '{site.name}' "
+                    "(an unobserved sample site inside the data plate); marginalise it in the model "
+                    "or use an algorithm with an E-step for it"
+                )
+            if site.role == "local" and site.discrete and local_continuous:
+                raise ModelError(
+                    f"{algorithm} samples local latents with Langevin steps, but local site '{site.name}' "
+                    "is discrete; enumerate or marginalise it in the model"
+                )
+            if site.role == "global" and site.discrete:
+                raise ModelError(f"global site '{site.name}' is discrete; {algorithm} needs continuous globals")
+
+    # ----------------------------------------------------------------------------- transforms
+    def _constrain(self, u: Params) -> Params:
+        return {n: self.sites[n].transform(v) for n, v in u.items()}
+
+    def _unconstrain(self, c: Mapping[str, Any]) -> Params:
+        return {n: self.sites[n].transform.inv(jnp.asarray(v)) for n, v in c.items()}
+
+    def constrain(self, u: Params) -> Params:
+        """Map unconstrained values (globals and/or locals) to the model's constrained space."""
+        return self._constrain(u)
+
+    def unconstrain(self, c: Mapping[str, Any]) -> Params:
+        """Map constrained values to unconstrained space."""
+        return self._unconstrain(c)
+
+    def _log_jacobian(self, u: Params) -> jax.Array:
+        total = jnp.zeros(())
+        for n, v in u.items():
+            t = self.sites[n].transform
+            total = total + jnp.sum(t.log_abs_det_jacobian(v, t(v)))
+        return total
+
+    def init_globals(self, key: jax.Array, values: Mapping[str, Any] | None = None) -> Params:
+        """Initial unconstrained globals: user ``values`` where given, param inits, prior medians."""
+        seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
+        tr = _trace(self.model, {**self._example, **self.model_kwargs},
+                    substitute_fn=init_to_median(num_samples=15), seed=seed)
+        values = dict(values or {})
+        unknown = set(values) - set(self.global_names)
+        if unknown:
+            raise ModelError(f"initial values given for {sorted(unknown)}, which are not global sites {list(self.global_names)}")
+        out = {}
+        for n in self.global_names:
+            v = jnp.asarray(values.get(n, tr[n]["value"]), dtype=jnp.result_type(float))
+            if v.shape != self.sites[n].shape:
+                raise ModelError(f"initial value of '{n}' has shape {v.shape}, expected {self.sites[n].shape}")
+            out[n] = self.sites[n].transform.inv(v)
+        return out
+
+    # ----------------------------------------------------------------------------- densities
+    def _client_trace(self, values_c: Params, data: Mapping[str, jax.Array], mask: jax.Array):
+        fn = _DataMask(handlers.substitute(handlers.seed(self.model, 0), data=values_c), mask, self.data_plates)
+        return handlers.trace(fn).get_trace(**data, **self.model_kwargs)
+
+    def log_prior(self, theta_u: Params, jacobian: bool = False) -> jax.Array:
+        """log p(theta) of the global ``sample`` sites, counted once for the whole federation.
+
+        With ``jacobian=False`` (estimation: MAP in the model's own parametrisation) the density is
+        that of the constrained values; ``jacobian=True`` adds log|det J| of the unconstrained map
+        (sampling in unconstrained space).
+        """
+        prior_sites = [n for n in self.global_names if self.sites[n].role == "global"]
+        if not prior_sites:
+            return jnp.zeros(())
+        values = self._constrain(theta_u)
+        fn = handlers.substitute(handlers.seed(self.model, 0), data=values)
+        # Only the prior sites are read; client 0's data stand in (they do not enter the prior, and
+        # the unused likelihood terms are dropped by XLA under jit).
+        tr = handlers.trace(fn).get_trace(**self._example, **self.model_kwargs)
+        lp = sum(_sum_log_prob(tr[n]) for n in prior_sites)
+        if jacobian:
+            lp = lp + self._log_jacobian({n: theta_u[n] for n in prior_sites})
+        return lp
+
+    def client_log_terms(
+        self, theta_u: Params, z_u: Params, data: Mapping[str, jax.Array], mask: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(log p(z_i | theta) + log|J(z_i)|, log p(D_i | theta, z_i))`` for one padded client.
+
+        The first term is the local prior density of the *unconstrained* local latents (so it includes
+        the Jacobian of their transform); the second is the client's log-likelihood, a sum over its
+        real (unmasked) observations.
+        """
+        values = {**self._constrain(theta_u), **self._constrain(z_u)}
+        tr = self._client_trace(values, data, mask)
+        local_lp = sum((_sum_log_prob(tr[n]) for n in self.local_names), jnp.zeros(()))
+        local_lp = local_lp + self._log_jacobian(z_u)
+        loglik = sum((_sum_log_prob(tr[n]) for n in self.observed), jnp.zeros(()))
+        return local_lp, loglik
+
+    def client_log_joint(self, theta_u: Params, z_u: Params, data, mask) -> jax.Array:
+        """log p(D_i, z_i | theta) in unconstrained z (global prior excluded)."""
+        a, b = self.client_log_terms(theta_u, z_u, data, mask)
+        return a + b
+
+    def local_score(self, theta_u: Params, z_u: Params, data, mask) -> Params:
+        """grad_z log p(z | D_i, theta): the drift of the client's Langevin chain."""
+        return jax.grad(lambda z: self.client_log_joint(theta_u, z, data, mask))(z_u)
+
+    def joint_grads(self, theta_u: Params, z_u: Params, data, mask) -> tuple[jax.Array, Params, Params]:
+        """``(log p(D_i, z | theta), grad_theta, grad_z)`` from one reverse pass."""
+        val, (g_theta, g_z) = jax.value_and_grad(self.client_log_joint, argnums=(0, 1))(theta_u, z_u, data, mask)
+        return val, g_theta, g_z
+
+    def fisher_gradient(self, theta_u: Params, z_samples_u: Params, data, mask) -> Params:
+        """Monte Carlo Fisher-identity estimate of grad_theta log p(D_i | theta) (FedPop eqs. 8-11).
+
+        ``z_samples_u`` holds samples of the local posterior p(z | D_i, theta) stacked on a leading
+        axis; the estimate is the mean over samples of grad_theta log p(D_i, z | theta).
+        """
+        g = jax.vmap(jax.grad(self.client_log_joint), in_axes=(None, 0, None, None))(theta_u, z_samples_u, data, mask)
+        return jax.tree_util.tree_map(lambda a: jnp.mean(a, axis=0), g)
+
+    def sample_local_prior(self, key: jax.Array, theta_u: Params, data, mask) -> Params:
+        """Draw unconstrained local latents from the population prior p(z | theta)."""
+        fn = handlers.substitute(handlers.seed(self.model, key), data=self._constrain(theta_u))
+        tr = handlers.trace(fn).get_trace(**data, **self.model_kwargs)
+        return self._unconstrain({n: tr[n]["value"] for n in self.local_names})
+
+    def zeros_local(self) -> Params:
+        """Unconstrained zero local latents (shapes of one client)."""
+        return {n: jnp.zeros(self.sites[n].unconstrained_shape) for n in self.local_names}
+
+    def federated_log_density(self, theta_u: Params, z_u_stacked: Params, data: FederatedData) -> jax.Array:
+        """log p(theta) + sum_i log p(D_i, z_i | theta): the federated target over all clients."""
+        per_client = jax.vmap(self.client_log_joint, in_axes=(None, 0, 0, 0))(theta_u, z_u_stacked, data.padded, data.mask)
+        return self.log_prior(theta_u) + jnp.sum(per_client)

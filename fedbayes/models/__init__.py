@@ -1,0 +1,9 @@
+"""Ready-made NumPyro models of one client's data, for use with ``fb.fed_fit``."""
+
+from .fedpop import fedpop_synthetic, make_fedpop_synthetic, principal_angle_distance
+from .mixed import linear_mixed_effects, make_linear_mixed_effects, personalized_logistic
+
+__all__ = [
+    "fedpop_synthetic", "linear_mixed_effects", "make_fedpop_synthetic", "make_linear_mixed_effects",
+    "personalized_logistic", "principal_angle_distance",
+]

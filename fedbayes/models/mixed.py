@@ -1,0 +1,80 @@
+"""Mixed-effects models of one client (a group): linear and logistic with personal effects."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+from numpyro.distributions import constraints
+
+from ..data import FederatedData
+from ..model import local
+
+
+def linear_mixed_effects(x, z, y=None):
+    """Linear mixed model with correlated random effects (maximum marginal likelihood via ``param``s).
+
+        b_i ~ N(0, Omega),   Omega = L L^T,
+        y_ij = x_ij^T beta + z_ij^T b_i + eps_ij,   eps_ij ~ N(0, sigma^2)
+
+    ``x`` (n, p) are fixed-effect covariates, ``z`` (n, q) random-effect covariates (a column of
+    ones and a slope for random intercepts and slopes). The marginal likelihood is Gaussian,
+    y_i ~ N(X_i beta, Z_i Omega Z_i^T + sigma^2 I), so the estimates can be checked exactly.
+    """
+    p, q = x.shape[-1], z.shape[-1]
+    beta = numpyro.param("beta", jnp.zeros(p))
+    scale_tril = numpyro.param("scale_tril", jnp.eye(q), constraint=constraints.lower_cholesky)
+    sigma = numpyro.param("sigma", jnp.ones(()), constraint=constraints.positive)
+    with local():
+        b = numpyro.sample("b", dist.MultivariateNormal(jnp.zeros(q), scale_tril=scale_tril))
+    with numpyro.plate("obs", x.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ beta + z @ b, sigma), obs=y)
+
+
+def make_linear_mixed_effects(
+    num_clients: int = 30,
+    *,
+    sizes: tuple[int, int] = (5, 20),
+    beta=(1.0, -0.5),
+    cov=((0.8, 0.2), (0.2, 0.3)),
+    sigma: float = 0.5,
+    seed: int = 0,
+) -> tuple[FederatedData, dict[str, np.ndarray]]:
+    """Random intercepts and slopes: x = [1, t], z = [1, t], t ~ N(0, 1), ragged sizes in ``sizes``."""
+    rng = np.random.default_rng(seed)
+    beta, cov = np.asarray(beta), np.asarray(cov)
+    b = rng.multivariate_normal(np.zeros(len(cov)), cov, size=num_clients)
+    xs, zs, ys = [], [], []
+    for i in range(num_clients):
+        n = int(rng.integers(sizes[0], sizes[1] + 1))
+        t = rng.normal(size=n)
+        design = np.column_stack([np.ones(n), t])
+        xs.append(design)
+        zs.append(design)
+        ys.append(design @ beta + design @ b[i] + sigma * rng.normal(size=n))
+    return FederatedData({"x": xs, "z": zs, "y": ys}), {"beta": beta, "cov": cov, "sigma": sigma, "b": b}
+
+
+def personalized_logistic(features, y=None, *, num_classes: int = 2, hidden: int = 16):
+    """Multinomial logistic regression with a personal last layer over shared learned features.
+
+        h = tanh(features W_phi + c_phi)               (shared representation, ``param``s)
+        vec(W_i, b_i) = z_i ~ N(mu, sigma^2 I)        (personal head, local)
+        y_ij ~ Categorical(softmax(h_ij W_i + b_i))
+
+    The FedPop image models' structure (a personalised head on a shared backbone) at laptop size.
+    """
+    k = features.shape[-1]
+    d = (hidden + 1) * num_classes
+    w_phi = numpyro.param("w_phi", lambda key: jax.random.normal(key, (k, hidden)) / np.sqrt(k))
+    c_phi = numpyro.param("c_phi", jnp.zeros(hidden))
+    mu = numpyro.param("mu", jnp.zeros(d))
+    sigma = numpyro.param("sigma", jnp.ones(()), constraint=constraints.positive)
+    with local():
+        head = numpyro.sample("head", dist.Normal(mu, sigma).expand([d]).to_event(1))
+    h = jnp.tanh(features @ w_phi + c_phi)
+    w, b = head[: hidden * num_classes].reshape(hidden, num_classes), head[hidden * num_classes:]
+    with numpyro.plate("obs", features.shape[0]):
+        numpyro.sample("y", dist.Categorical(logits=h @ w + b), obs=y)

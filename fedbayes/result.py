@@ -1,0 +1,176 @@
+"""Fit results: point estimates, history, ArviZ data (both ArviZ lines) and predictions."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import xarray as xr
+
+from .data import FederatedData
+from .engine import ClientData
+from .errors import DataError
+from .model import FedModel
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import arviz as az
+
+ARVIZ_1 = int(az.__version__.split(".")[0]) >= 1
+"""True on the ArviZ 1.x line (``xarray.DataTree``), False on 0.x (``InferenceData``)."""
+
+
+def to_arviz(groups: Mapping[str, xr.Dataset]) -> Any:
+    """The one adapter between fedbayes and ArviZ: named xarray groups -> InferenceData or DataTree."""
+    groups = {k: v for k, v in groups.items() if v is not None}
+    if ARVIZ_1:
+        return xr.DataTree.from_dict(dict(groups))
+    return az.InferenceData(**groups, warn_on_custom_groups=False)
+
+
+def group(data: Any, name: str) -> xr.Dataset:
+    """Group ``name`` of ArviZ data as an xarray Dataset, on either ArviZ line."""
+    node = data[name]
+    return node.to_dataset() if hasattr(node, "to_dataset") else node
+
+
+def _site_dims(name: str, shape: tuple[int, ...]) -> list[str]:
+    return [f"{name}_dim_{i}" for i in range(len(shape))]
+
+
+class Result:
+    """What ``fed_fit`` returns.
+
+    Attributes
+    ----------
+    params:
+        Point estimates of the global sites (constrained), e.g. FedSOUL's averaged iterate.
+    params_last:
+        The last iterate of the global sites.
+    history:
+        Per-round numpy arrays: ``bits_up``, ``bits_down`` (exact totals of the round), ``active``,
+        ``objective``, ``theta/<site>`` (the trajectory), and algorithm diagnostics.
+    local_samples:
+        Per-client local posterior samples, ``{site: array (num_clients, num_samples, ...)}``.
+    """
+
+    def __init__(self, *, model: FedModel, data: FederatedData, run: Any, algorithm: str, seed: int,
+                 parts: dict[str, Any], history: dict[str, np.ndarray]):
+        self._fm, self._data, self._run = model, data, run
+        self.algorithm, self.seed = algorithm, seed
+        self._theta_u = parts["theta"]
+        self.params = {k: np.asarray(v) for k, v in model.constrain(parts["theta"]).items()}
+        self.params_last = {k: np.asarray(v) for k, v in model.constrain(parts["theta_last"]).items()}
+        locals_u = parts.get("local_samples") or {}
+        self.local_samples = {k: np.asarray(v) for k, v in jax.vmap(jax.vmap(model.constrain))(locals_u).items()} if locals_u else {}
+        self.client_info = {k: np.asarray(v) for k, v in parts.get("client_info", {}).items()}
+        self.history = history
+        self._idata = None
+
+    # ------------------------------------------------------------------ communication
+    @property
+    def bits_up(self) -> int:
+        """Total bits sent by clients to the server."""
+        return int(self.history["bits_up"].sum())
+
+    @property
+    def bits_down(self) -> int:
+        """Total bits sent by the server to clients."""
+        return int(self.history["bits_down"].sum())
+
+    def __repr__(self) -> str:
+        est = ", ".join(f"{k}={np.array2string(v, precision=3, threshold=6)}" for k, v in self.params.items())
+        return (f"Result({self.algorithm}, {len(self.history.get('bits_up', []))} rounds, "
+                f"{self._data.num_clients} clients, up {self.bits_up:,} bits, down {self.bits_down:,} bits; {est})")
+
+    # ------------------------------------------------------------------ ArviZ
+    @property
+    def idata(self) -> Any:
+        """ArviZ data: ``posterior`` (local sites with a ``client`` dim; chain, draw), ``fed_params``
+        (global estimates), ``fed_history`` (per-round trajectory and ledger, dim ``round``) and
+        ``fed_clients`` (per-client size and Langevin step)."""
+        if self._idata is None:
+            self._idata = to_arviz(self._groups())
+        return self._idata
+
+    def _groups(self) -> dict[str, xr.Dataset | None]:
+        C = self._data.num_clients
+        coords = {"client": np.arange(C)}
+        post = {}
+        for name, arr in self.local_samples.items():
+            a = np.moveaxis(arr, 0, 1)[None]  # (chain=1, draw, client, ...)
+            post[name] = (["chain", "draw", "client", *_site_dims(name, arr.shape[2:])], a)
+        posterior = xr.Dataset(post, coords={**coords, "chain": [0], "draw": np.arange(next(iter(self.local_samples.values())).shape[1])}) if post else None
+        params = xr.Dataset({k: (_site_dims(k, v.shape), v) for k, v in self.params.items()})
+        hist = {}
+        for k, v in self.history.items():
+            name = k.replace("/", "_")
+            hist[name] = (["round", *_site_dims(name, v.shape[1:])], v)
+        history = xr.Dataset(hist, coords={"round": np.arange(len(self.history["bits_up"]))},
+                             attrs={"bits_up_total": self.bits_up, "bits_down_total": self.bits_down})
+        clients = xr.Dataset({"num_observations": (["client"], np.asarray(self._data.sizes)),
+                              **{k: (["client"], v) for k, v in self.client_info.items()}}, coords=coords)
+        attrs = {"inference_library": "fedbayes", "algorithm": self.algorithm, "seed": self.seed}
+        if posterior is not None:
+            posterior.attrs.update(attrs)
+        return {"posterior": posterior, "fed_params": params, "fed_history": history, "fed_clients": clients}
+
+    # ------------------------------------------------------------------ prediction
+    def _client_arrays(self, new_data: Mapping[str, Any]) -> dict[str, jax.Array]:
+        if not isinstance(new_data, Mapping):
+            raise DataError("new_data must be a dict of arrays for one client, e.g. {'x': x_new}")
+        unknown = set(new_data) - set(self._data.keys) - set(self._fm.model_kwargs)
+        if unknown:
+            raise DataError(f"new_data has keys {sorted(unknown)} that the fitted data did not have ({list(self._data.keys)})")
+        out = {}
+        for k, v in new_data.items():
+            a = np.asarray(v)
+            if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+                raise DataError(f"new_data['{k}'] contains NaN or inf")
+            out[k] = jnp.asarray(a)
+        return out
+
+    def predict(self, new_data: Mapping[str, Any], client: int | None = None, *, num_samples: int | None = None,
+                seed: int = 0) -> dict[str, np.ndarray]:
+        """Posterior predictive draws of the observed sites at ``new_data``.
+
+        For a known ``client`` i, draws use theta* and client i's local posterior samples
+        (p(y | x, D_i) = mean_s p(y | x, theta*, z_s)). With ``client=None`` the client is new: z is drawn
+        from the population prior p(z | theta*) and then y | z (FedPop section 2's two-step recipe).
+        Returns ``{site: array (num_samples, ...)}``.
+        """
+        from numpyro.infer import Predictive
+
+        x = self._client_arrays(new_data)
+        if client is None:
+            S = num_samples or 1000
+            samples = {}
+        else:
+            if not -self._data.num_clients <= client < self._data.num_clients:
+                raise DataError(f"client={client} is out of range for {self._data.num_clients} clients")
+            samples = {k: v[client] for k, v in self.local_samples.items()}
+            S = next(iter(samples.values())).shape[0]
+            if num_samples is not None:
+                idx = np.random.default_rng(seed).choice(S, num_samples, replace=num_samples > S)
+                samples, S = {k: v[idx] for k, v in samples.items()}, num_samples
+        samples.update({k: np.broadcast_to(v, (S,) + v.shape) for k, v in self.params.items()})
+        pred = Predictive(self._fm.model, posterior_samples=samples, return_sites=list(self._fm.observed))
+        out = pred(jax.random.PRNGKey(seed), **x, **self._fm.model_kwargs)
+        return {k: np.asarray(v) for k, v in out.items()}
+
+    def sample_client(self, new_client_data: Mapping[str, Any], *, num_samples: int = 200, warmup: int = 200,
+                      seed: int = 0) -> dict[str, np.ndarray]:
+        """Run the local Langevin chain for a client unseen in training, at theta*.
+
+        Returns its local posterior samples ``{site: array (num_samples, ...)}``; nothing is sent anywhere.
+        """
+        one = FederatedData({k: [np.asarray(v)] for k, v in new_client_data.items()})
+        missing = set(self._data.keys) - set(one.keys)
+        if missing:
+            raise DataError(f"new_client_data lacks keys {sorted(missing)} the model was fitted with")
+        client = ClientData({k: v[0] for k, v in one.padded.items()}, one.mask[0], jnp.asarray(one.sizes[0]), jnp.asarray(-1))
+        z = self._run.sample_new_client(jax.random.PRNGKey(seed), self._theta_u, client, num_samples, warmup)
+        return {k: np.asarray(v) for k, v in jax.vmap(self._fm.constrain)(z).items()}
