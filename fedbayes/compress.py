@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import abc
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from fedbayes.errors import ConfigError
@@ -38,7 +38,7 @@ _INT32_MAX = 2**31 - 1
 
 
 def _integer(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError(f"{name} must be an integer, got {value!r}")
     return int(value)
 
@@ -46,14 +46,14 @@ def _integer(value: object, name: str) -> int:
 def _float_bits(value: object) -> int:
     bits = _integer(value, "float_bits")
     if bits not in (16, 32, 64):
-        raise ConfigError(f"float_bits (bits per transmitted float) must be 16, 32 or 64, got {bits}")
+        raise ConfigError(f"float_bits (bits per sent float) must be 16, 32 or 64, got {bits}")
     return bits
 
 
 def _dimension(d: object) -> int:
     d = _integer(d, "the vector length d")
     if d < 1:
-        raise ConfigError(f"cannot compress a vector of length {d}; it needs at least one coordinate")
+        raise ConfigError(f"cannot compress a vector of length {d}; it needs a coordinate")
     return d
 
 
@@ -66,7 +66,10 @@ class Compressor(abc.ABC):
     """A random map C: R^d -> R^d with the exact bit length of its message.
 
     `unbiased` is True exactly when `omega(d)` is a float (not None) for every valid d, and
-    `contractive` exactly when `alpha(d)` is.
+    `contractive` exactly when `alpha(d)` is. Unbiased compressors report alpha = None even where
+    omega < 1; C / (1 + omega) is contractive with alpha = 1 / (1 + omega). Subclasses implement
+    `name`, `bits`, `omega`, `alpha` and `_compress`; a variable-length encoding overrides
+    `__call__`.
     """
 
     unbiased: ClassVar[bool]
@@ -106,7 +109,9 @@ class Compressor(abc.ABC):
             )
         bits = self.bits(x.shape[0])
         if bits > _INT32_MAX:
-            raise ConfigError(f"a {self.name} message of {bits} bits overflows int32; compress smaller blocks")
+            raise ConfigError(
+                f"a {self.name} message of {bits} bits overflows int32; compress smaller blocks"
+            )
         return self._compress(key, x), jnp.asarray(bits, dtype=jnp.int32)
 
     def __repr__(self) -> str:
@@ -158,7 +163,8 @@ class _RandK(Compressor):
     @property
     def name(self) -> str:
         size = f"k={self.k}" if self.k is not None else f"fraction={self.fraction}"
-        return f"rand_k({size})" if self.float_bits == 32 else f"rand_k({size}, float_bits={self.float_bits})"
+        extra = "" if self.float_bits == 32 else f", float_bits={self.float_bits}"
+        return f"rand_k({size}{extra})"
 
     def kept(self, d: int) -> int:
         """k, or max(1, round(fraction * d)) (Python's round: halves go to even)."""
@@ -166,7 +172,9 @@ class _RandK(Compressor):
         if self.k is None:
             return max(1, round(self.fraction * d))
         if self.k > d:
-            raise ConfigError(f"{self.name} keeps more coordinates than the vector has (d={d}); use k <= {d}")
+            raise ConfigError(
+                f"{self.name} keeps more coordinates than the vector has (d={d}); use k <= {d}"
+            )
         return self.k
 
     def bits(self, d: int) -> int:
@@ -182,8 +190,8 @@ class _RandK(Compressor):
     def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
         d = x.shape[0]
         k = self.kept(d)
-        kept = jax.random.choice(key, d, shape=(k,), replace=False)
-        return jnp.zeros_like(x).at[kept].set(x[kept] * (d / k))
+        chosen = jax.random.choice(key, d, shape=(k,), replace=False)
+        return jnp.zeros_like(x).at[chosen].set(x[chosen] * (d / k))
 
 
 @dataclass(frozen=True, repr=False)
@@ -234,20 +242,22 @@ def identity(float_bits: int = 32) -> Compressor:
     return _Identity(_float_bits(float_bits))
 
 
-def rand_k(k: int | None = None, *, fraction: float | None = None, float_bits: int = 32) -> Compressor:
+def rand_k(
+    k: int | None = None, *, fraction: float | None = None, float_bits: int = 32
+) -> Compressor:
     """Unbiased random-k sparsification keeping k (or max(1, round(fraction * d))) coordinates."""
     if (k is None) == (fraction is None):
-        raise ConfigError("rand_k needs exactly one of k (coordinates kept) or fraction (share of d kept)")
+        raise ConfigError("rand_k needs exactly one of k (coordinates kept) or fraction (share)")
     if k is not None:
         k = _integer(k, "k")
         if k < 1:
             raise ConfigError(f"rand_k keeps k >= 1 coordinates, got k={k}")
     else:
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.integer, np.floating)):
+        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
             raise ConfigError(f"fraction must be a number in (0, 1], got {fraction!r}")
         fraction = float(fraction)
         if not 0.0 < fraction <= 1.0:
-            raise ConfigError(f"fraction is the share of coordinates kept and must lie in (0, 1], got {fraction}")
+            raise ConfigError(f"fraction (share of d kept) must be in (0, 1], got {fraction}")
     return _RandK(k, fraction, _float_bits(float_bits))
 
 
@@ -261,7 +271,7 @@ def qsgd(levels: int, *, float_bits: int = 32) -> Compressor:
 
 def _check_compressor(c: object, algorithm: str) -> None:
     if not isinstance(c, Compressor):
-        raise ConfigError(f"{algorithm} needs a fedbayes.compress.Compressor, got {type(c).__name__}")
+        raise ConfigError(f"{algorithm} needs a fedbayes Compressor, got {type(c).__name__}")
 
 
 def require_unbiased(c: Compressor, algorithm: str) -> Compressor:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from numpyro import handlers
 from numpyro.distributions import biject_to
-from numpyro.distributions.transforms import Transform
+from numpyro.distributions.transforms import IdentityTransform, Transform
 from numpyro.infer.initialization import init_to_median
 from numpyro.primitives import Messenger
 
@@ -207,7 +207,8 @@ class FedModel:
                     "numpyro.plate over observations; put per-observation latents inside the data plate"
                 )
             discrete = bool(site["type"] == "sample" and getattr(site["fn"].support, "is_discrete", False))
-            self.sites[name] = Site(name, role, shape, _support_transform(site), discrete)
+            transform = IdentityTransform() if discrete else _support_transform(site)
+            self.sites[name] = Site(name, role, shape, transform, discrete)
         if not observed:
             raise ModelError("the model has no observed site: condition at least one sample site on the data (obs=...)")
         self.observed = tuple(observed)
@@ -253,9 +254,8 @@ class FedModel:
 
     def init_globals(self, key: jax.Array, values: Mapping[str, Any] | None = None) -> Params:
         """Initial unconstrained globals: user ``values`` where given, param inits, prior medians."""
-        seed = int(jax.random.randint(key, (), 0, 2**31 - 1))
         tr = _trace(self.model, {**self._example, **self.model_kwargs},
-                    substitute_fn=init_to_median(num_samples=15), seed=seed)
+                    substitute_fn=init_to_median(num_samples=15), seed=key)
         values = dict(values or {})
         unknown = set(values) - set(self.global_names)
         if unknown:

@@ -219,24 +219,28 @@ class FedSOULRun:
 
     # ------------------------------------------------------------------ protocol
     def init(self, key: jax.Array, problem: Problem) -> tuple[ServerState, ClientState, Message]:
+        k_theta, k_rest = jax.random.split(key)
+        theta0 = self._fm.init_globals(k_theta, self.cfg.init)
+        theta, states = jax.jit(self._init_arrays)(k_rest, theta0, stack_clients(problem.data))
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, theta)
+        server = ServerState(theta, self._opt.init(theta), zeros, jnp.zeros(()))
+        return server, states, self._broadcast(theta)
+
+    def _init_arrays(self, key: jax.Array, theta0: Params, clients: ClientData) -> tuple[Params, ClientState]:
+        """theta_0, each client's z_0 ~ p(z | theta_0) and its Langevin step (50 power iterations)."""
         fm = self._fm
-        num_clients = problem.data.num_clients
-        k_theta, k_z, k_v = jax.random.split(key, 3)
-        theta = self._project(fm, fm.init_globals(k_theta, self.cfg.init))
-        clients = stack_clients(problem.data)
+        num_clients = clients.index.shape[0]
+        k_z, k_v = jax.random.split(key)
+        theta = self._project(fm, theta0)
         z0 = jax.vmap(fm.sample_local_prior, in_axes=(0, None, 0, 0))(
             jax.random.split(k_z, num_clients), theta, clients.data, clients.mask
         )
-        dim_z = ravel_pytree(fm.zeros_local())[0].size
-        v0 = jax.random.normal(k_v, (num_clients, dim_z))
+        v0 = jax.random.normal(k_v, (num_clients, ravel_pytree(fm.zeros_local())[0].size))
         if self._auto_step:
-            steps = jnp.zeros((num_clients,))
-            v0, steps = jax.vmap(lambda z, v, s, c: self._step_for(fm, theta, z, v, s, c, 50))(z0, v0, steps, clients)
+            v0, steps = jax.vmap(lambda z, v, c: self._step_for(fm, theta, z, v, 0.0, c, 50))(z0, v0, clients)
         else:
             steps = jnp.broadcast_to(jnp.asarray(self.cfg.step_size, dtype=jnp.result_type(float)), (num_clients,))
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, theta)
-        server = ServerState(theta, self._opt.init(theta), zeros, jnp.zeros(()))
-        return server, ClientState(z0, v0, steps), self._broadcast(theta)
+        return theta, ClientState(z0, v0, steps)
 
     def _broadcast(self, theta: Params) -> Message:
         return Message(theta, jnp.asarray(FLOAT_BITS * ravel_pytree(theta)[0].size, jnp.int32))
