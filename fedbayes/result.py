@@ -54,7 +54,7 @@ class Result:
         Per-round numpy arrays: ``bits_up``, ``bits_down`` (exact totals of the round), ``active``,
         ``objective``, ``theta/<site>`` (the trajectory), and algorithm diagnostics.
     local_samples:
-        Per-client local posterior samples, ``{site: array (num_clients, num_samples, ...)}``.
+        Per-client local posterior samples, chains pooled: ``{site: array (num_clients, draws, ...)}``.
     """
 
     def __init__(self, *, model: FedModel, data: FederatedData, run: Any, algorithm: str, seed: int,
@@ -65,7 +65,9 @@ class Result:
         self.params = {k: np.asarray(v) for k, v in model.constrain(parts["theta"]).items()}
         self.params_last = {k: np.asarray(v) for k, v in model.constrain(parts["theta_last"]).items()}
         locals_u = parts.get("local_samples") or {}
-        self.local_samples = {k: np.asarray(v) for k, v in jax.vmap(jax.vmap(model.constrain))(locals_u).items()} if locals_u else {}
+        constrained = jax.vmap(jax.vmap(jax.vmap(model.constrain)))(locals_u) if locals_u else {}
+        self._local_chains = {k: np.asarray(v) for k, v in constrained.items()}  # (client, chain, draw, ...)
+        self.local_samples = {k: v.reshape((v.shape[0], -1) + v.shape[3:]) for k, v in self._local_chains.items()}
         self.client_info = {k: np.asarray(v) for k, v in parts.get("client_info", {}).items()}
         self.history = history
         self._idata = None
@@ -100,10 +102,11 @@ class Result:
         C = self._data.num_clients
         coords = {"client": np.arange(C)}
         post = {}
-        for name, arr in self.local_samples.items():
-            a = np.moveaxis(arr, 0, 1)[None]  # (chain=1, draw, client, ...)
-            post[name] = (["chain", "draw", "client", *_site_dims(name, arr.shape[2:])], a)
-        posterior = xr.Dataset(post, coords={**coords, "chain": [0], "draw": np.arange(next(iter(self.local_samples.values())).shape[1])}) if post else None
+        for name, arr in self._local_chains.items():
+            a = np.moveaxis(arr, 0, 2)  # (chain, draw, client, ...)
+            post[name] = (["chain", "draw", "client", *_site_dims(name, arr.shape[3:])], a)
+            coords.update(chain=np.arange(a.shape[0]), draw=np.arange(a.shape[1]))
+        posterior = xr.Dataset(post, coords=coords) if post else None
         params = xr.Dataset({k: (_site_dims(k, v.shape), v) for k, v in self.params.items()})
         hist = {}
         for k, v in self.history.items():
@@ -112,7 +115,8 @@ class Result:
         history = xr.Dataset(hist, coords={"round": np.arange(len(self.history["bits_up"]))},
                              attrs={"bits_up_total": self.bits_up, "bits_down_total": self.bits_down})
         clients = xr.Dataset({"num_observations": (["client"], np.asarray(self._data.sizes)),
-                              **{k: (["client"], v) for k, v in self.client_info.items()}}, coords=coords)
+                              **{k: (["client"], v) for k, v in self.client_info.items()}},
+                             coords={"client": coords["client"]})
         attrs = {"inference_library": "fedbayes", "algorithm": self.algorithm, "seed": self.seed}
         if posterior is not None:
             posterior.attrs.update(attrs)

@@ -58,10 +58,10 @@ def test_splitting_pooled_data_gives_the_same_target(splits):
     data = fb.FederatedData.from_pooled({"x": x, "y": y}, ids)
     fm = fb.FedModel(logistic, data)
     theta = {"w": jnp.array([0.3, -0.2, 0.1]), "b0": jnp.array(0.4)}
-    fed = fm.federated_log_density(fm.unconstrain(theta), {}, data)
+    fed = jax.jit(lambda t: fm.federated_log_density(t, {}, data))(fm.unconstrain(theta))
     pooled, _ = log_density(logistic, (jnp.asarray(x), jnp.asarray(y)), {}, theta)
     assert float(fed) == pytest.approx(float(pooled), rel=1e-12)
-    g_fed = jax.grad(lambda t: fm.federated_log_density(t, {}, data))(fm.unconstrain(theta))
+    g_fed = jax.jit(jax.grad(lambda t: fm.federated_log_density(t, {}, data)))(fm.unconstrain(theta))
     g_pool = jax.grad(lambda t: log_density(logistic, (jnp.asarray(x), jnp.asarray(y)), {}, t)[0])(theta)
     for k in theta:
         np.testing.assert_allclose(g_fed[k], g_pool[k], rtol=1e-10, atol=1e-12)
@@ -133,11 +133,20 @@ def lme():
     return data, fm, params
 
 
-def _per_sample_grads(fm, theta_u, zs, data, i):
-    d = {k: v[i] for k, v in data.padded.items()}
-    g = jax.vmap(jax.grad(fm.client_log_joint), in_axes=(None, 0, None, None))(theta_u, zs, d, data.mask[i])
-    return jax.flatten_util.ravel_pytree(g)[0] if False else jnp.concatenate(
-        [g[k].reshape(g[k].shape[0], -1) for k in sorted(g)], axis=1)
+def _flat(tree):
+    return jnp.concatenate([tree[k].reshape(tree[k].shape[:2] + (-1,)) for k in sorted(tree)], axis=-1)
+
+
+def _per_sample_grads(fm, theta_u, zs, data):
+    """grad_theta log p(D_i, z | theta) for samples zs (clients, n, ...) of every client, flattened."""
+    per_client = jax.vmap(jax.grad(fm.client_log_joint), in_axes=(None, 0, None, None))
+    g = jax.jit(jax.vmap(per_client, in_axes=(None, 0, 0, 0)))(theta_u, zs, data.padded, data.mask)
+    return _flat(g)
+
+
+def _exact_marginal_grad(fm, theta_u, data):
+    g = jax.jit(jax.grad(lambda t: marginal_loglik(fm.constrain(t), data)))(theta_u)
+    return g
 
 
 def test_fisher_identity_gradient_matches_the_closed_form_marginal(lme):
@@ -145,40 +154,40 @@ def test_fisher_identity_gradient_matches_the_closed_form_marginal(lme):
     # posterior draws of z: the Monte Carlo estimate is unbiased and its standard error is computed.
     data, fm, params = lme
     theta_u = fm.unconstrain(params)
-    exact = jax.grad(lambda t: marginal_loglik(fm.constrain(t), data))(theta_u)
-    exact_flat = jnp.concatenate([exact[k].reshape(-1) for k in sorted(exact)])
+    exact = _exact_marginal_grad(fm, theta_u, data)
+    exact_flat = np.concatenate([np.asarray(exact[k]).reshape(-1) for k in sorted(exact)])
     rng = np.random.default_rng(0)
     n = 4000
-    total, var = 0.0, 0.0
-    for i in range(data.num_clients):
-        m, S = local_posterior(params, data.client(i))
-        zs = {"b": jnp.asarray(rng.multivariate_normal(m, S, size=n))}
-        g = _per_sample_grads(fm, theta_u, zs, data, i)
-        total = total + g.mean(0)
-        var = var + g.var(0) / n
-        est = fm.fisher_gradient(theta_u, zs, {k: v[i] for k, v in data.padded.items()}, data.mask[i])
-        np.testing.assert_allclose(jnp.concatenate([est[k].reshape(-1) for k in sorted(est)]), g.mean(0), rtol=1e-12, atol=1e-12)
-    se = np.sqrt(var)
+    zs = np.stack([rng.multivariate_normal(*local_posterior(params, data.client(i)), size=n)
+                   for i in range(data.num_clients)])
+    g = np.asarray(_per_sample_grads(fm, theta_u, {"b": jnp.asarray(zs)}, data))  # (clients, n, dim)
+    total, se = g.mean(1).sum(0), np.sqrt((g.var(1) / n).sum(0))
+    est = fm.fisher_gradient(theta_u, {"b": jnp.asarray(zs[0])}, {k: v[0] for k, v in data.padded.items()}, data.mask[0])
+    np.testing.assert_allclose(np.concatenate([np.asarray(est[k]).reshape(-1) for k in sorted(est)]), g[0].mean(0),
+                               rtol=1e-10, atol=1e-12)
     # entries of the lower-Cholesky's strict upper triangle are structurally zero in both
-    live = np.abs(np.asarray(exact_flat)) > 1e-12
-    np.testing.assert_array_less(np.abs(np.asarray(total - exact_flat))[live], 5 * se[live])
-    assert np.all(se[live] < 0.1 * np.abs(np.asarray(exact_flat))[live] + 0.05)  # the check is informative
+    live = np.abs(exact_flat) > 1e-12
+    np.testing.assert_array_less(np.abs(total - exact_flat)[live], 5 * se[live])
+    assert np.all(se[live] < 0.1 * np.abs(exact_flat)[live] + 0.05)  # the check is informative
 
 
 def test_fisher_identity_with_ula_samples_has_exact_fixed_effect_gradient(lme):
     # ULA's stationary law on a Gaussian target has the exact mean; grad_beta is linear in z, so the
-    # Fisher estimate from (independent) ULA chains is unbiased for the fixed effects.
+    # Fisher estimate from independent ULA chains is unbiased for the fixed effects.
     data, fm, params = lme
     theta_u = fm.unconstrain(params)
-    exact = jax.grad(lambda t: marginal_loglik(fm.constrain(t), data))(theta_u)["beta"]
-    total, var = 0.0, 0.0
-    for i in range(data.num_clients):
-        d = {k: v[i] for k, v in data.padded.items()}
-        score = lambda z: fm.local_score(theta_u, z, d, data.mask[i])  # noqa: E731
-        _, S = local_posterior(params, data.client(i))
-        gamma = 0.2 / np.linalg.eigvalsh(np.linalg.inv(S)).max()
-        keys = jax.random.split(jax.random.PRNGKey(i), 3000)
-        final = jax.vmap(lambda k: fb.kernels.ula_chain(k, {"b": jnp.zeros(2)}, score, gamma, 300)[0])(keys)
-        g = jax.vmap(jax.grad(fm.client_log_joint), in_axes=(None, 0, None, None))(theta_u, final, d, data.mask[i])["beta"]
-        total, var = total + g.mean(0), var + g.var(0) / g.shape[0]
-    np.testing.assert_array_less(np.abs(np.asarray(total - exact)), 5 * np.sqrt(var))
+    exact = np.asarray(_exact_marginal_grad(fm, theta_u, data)["beta"])
+    lam = np.array([np.linalg.eigvalsh(np.linalg.inv(local_posterior(params, data.client(i))[1])).max()
+                    for i in range(data.num_clients)])
+    gammas = jnp.asarray(0.2 / lam)
+
+    def chains(key, d, m, gamma):
+        score = lambda z: fm.local_score(theta_u, z, d, m)  # noqa: E731
+        return jax.vmap(lambda k: fb.kernels.ula_chain(k, {"b": jnp.zeros(2)}, score, gamma, 300)[0])(
+            jax.random.split(key, 3000))
+
+    keys = jax.random.split(jax.random.PRNGKey(0), data.num_clients)
+    final = jax.jit(jax.vmap(chains))(keys, data.padded, data.mask, gammas)
+    g = np.asarray(_per_sample_grads(fm, theta_u, final, data))[..., :2]  # beta is first in sorted order
+    total, se = g.mean(1).sum(0), np.sqrt((g.var(1) / g.shape[1]).sum(0))
+    np.testing.assert_array_less(np.abs(total - exact), 5 * se)

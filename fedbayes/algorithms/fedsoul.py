@@ -105,9 +105,11 @@ class FedSOUL:
         Fraction of the rounds after which iterates enter the reported average.
     init:
         Initial constrained values of global sites (others: param inits / prior medians).
-    num_samples, warmup:
-        After the last round each client runs ``warmup`` + ``num_samples`` ULA steps at the
-        averaged theta; the samples are its local posterior in ``res.idata``.
+    num_samples, warmup, thinning, num_chains:
+        After the last round each client runs ``num_chains`` ULA chains of ``warmup`` +
+        ``num_samples * thinning`` steps at the averaged theta, keeping every ``thinning``-th state:
+        its local posterior in ``res.idata`` (chain, draw). The first chain continues the client's
+        training chain; the others start from prior draws, so R-hat compares independent starts.
     """
 
     local_steps: int = 10
@@ -125,6 +127,8 @@ class FedSOUL:
     init: Mapping[str, Any] | None = None
     num_samples: int = 200
     warmup: int = 200
+    thinning: int = 5
+    num_chains: int = 2
     name: str = "FedSOUL"
 
     def __post_init__(self):
@@ -135,6 +139,8 @@ class FedSOUL:
         _positive_int(self.power_iters, "FedSOUL power_iters")
         _positive_int(self.num_samples, "FedSOUL num_samples")
         _positive_int(self.warmup, "FedSOUL warmup", 0)
+        _positive_int(self.thinning, "FedSOUL thinning")
+        _positive_int(self.num_chains, "FedSOUL num_chains")
         if not (isinstance(self.step_scale, (int, float)) and 0 < self.step_scale < 2):
             raise ConfigError(f"FedSOUL step_scale must lie in (0, 2) (ULA is unstable beyond 2), got {self.step_scale!r}")
         if self.step_size is not None:
@@ -298,15 +304,21 @@ class FedSOULRun:
         )
 
     def sample_locals(self, key, theta: Params, states: ClientState, clients: ClientData, num_samples=None, warmup=None):
-        """Local posterior samples for every client at ``theta``: (z stacked (C, S, ...), step sizes)."""
-        fm: FedModel = self._fm
-        num_samples = self.cfg.num_samples if num_samples is None else num_samples
-        warmup = self.cfg.warmup if warmup is None else warmup
+        """Local posterior samples of every client at ``theta``: ``({site: (C, chains, S, ...)}, steps (C,))``."""
+        fm, cfg = self._fm, self.cfg
+        num_samples = cfg.num_samples if num_samples is None else num_samples
+        warmup = cfg.warmup if warmup is None else warmup
+        n_steps = warmup + num_samples * cfg.thinning
 
         def one(k, z, v, s, client):
+            k_starts, k_chains = jax.random.split(k)
             v, s = self._step_for(fm, theta, z, v, s, client, 20)
-            _, _, _, zs = self._run_chain(fm, k, theta, z, s, client, warmup + num_samples, warmup, True)
-            return jax.tree_util.tree_map(lambda a: a[warmup:], zs), s
+            fresh = jax.vmap(fm.sample_local_prior, in_axes=(0, None, None, None))(
+                jax.random.split(k_starts, cfg.num_chains - 1), theta, client.data, client.mask)
+            starts = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), z, fresh)
+            chain = lambda kc, z0: self._run_chain(fm, kc, theta, z0, s, client, n_steps, warmup, True)[3]  # noqa: E731
+            zs = jax.vmap(chain)(jax.random.split(k_chains, cfg.num_chains), starts)
+            return jax.tree_util.tree_map(lambda a: a[:, warmup + cfg.thinning - 1::cfg.thinning], zs), s
 
         keys = jax.random.split(key, clients.index.shape[0])
         return jax.jit(jax.vmap(one))(keys, states.z, states.v, states.step, clients)
@@ -334,4 +346,4 @@ class FedSOULRun:
         batch = lambda t: jax.tree_util.tree_map(lambda a: a[None], t)  # noqa: E731
         zs, _ = self.sample_locals(k_run, theta, ClientState(batch(z0), v0[None], step[None]), batch(client),
                                    num_samples, warmup)
-        return jax.tree_util.tree_map(lambda a: a[0], zs)
+        return jax.tree_util.tree_map(lambda a: a[0].reshape((-1,) + a.shape[3:]), zs)

@@ -1,0 +1,54 @@
+"""fed_fit input validation: every error is raised before compute with an actionable message."""
+
+import numpy as np
+import pytest
+
+import fedbayes as fb
+from fedbayes.errors import ConfigError, DataError
+
+
+@pytest.fixture(scope="module")
+def data():
+    return fb.models.make_fedpop_synthetic(6, seed=0)[0]
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    ({"algorithm": "nope"}, ConfigError, "unknown algorithm 'nope'"),
+    ({"algorithm": object()}, ConfigError, "algorithm must be"),
+    ({"num_rounds": 0}, ConfigError, "num_rounds"),
+    ({"num_rounds": 2.5}, ConfigError, "num_rounds"),
+    ({"seed": -1}, ConfigError, "seed"),
+    ({"clients_per_round": 0}, ConfigError, "clients_per_round"),
+    ({"clients_per_round": 7}, ConfigError, r"\[1, 6\]"),
+    ({"clients_per_round": 1.5}, ConfigError, "fraction"),
+    ({"chunk_size": 0}, ConfigError, "chunk_size"),
+])
+def test_bad_fit_options(data, kwargs, err, match):
+    with pytest.raises(err, match=match):
+        fb.fed_fit(fb.models.fedpop_synthetic, data, **kwargs)
+
+
+def test_bad_data_and_prediction_inputs(data):
+    with pytest.raises(DataError, match="FederatedData"):
+        fb.fed_fit(fb.models.fedpop_synthetic, [np.zeros(3)])
+    with pytest.raises(DataError, match="NaN"):
+        fb.fed_fit(fb.models.fedpop_synthetic, {"x": [np.full((3, 20), np.nan)], "y": [np.zeros(3)]})
+    res = fb.fed_fit(fb.models.fedpop_synthetic, data, "fedsoul", num_rounds=2, seed=0)
+    with pytest.raises(DataError, match="out of range"):
+        res.predict({"x": np.zeros((2, 20))}, client=6)
+    with pytest.raises(DataError, match="keys"):
+        res.predict({"w": np.zeros((2, 20))})
+    with pytest.raises(DataError, match="NaN or inf"):
+        res.predict({"x": np.full((2, 20), np.inf)})
+    with pytest.raises(DataError, match="lacks keys"):
+        res.sample_client({"x": np.zeros((3, 20))})
+    assert res.predict({"x": np.zeros((2, 20))}, client=1, num_samples=7)["y"].shape == (7, 2)
+
+
+def test_same_seed_same_result(data):
+    a = fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(num_samples=5, warmup=5), num_rounds=20, seed=4)
+    b = fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(num_samples=5, warmup=5), num_rounds=20, seed=4)
+    c = fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(num_samples=5, warmup=5), num_rounds=20, seed=5)
+    np.testing.assert_array_equal(a.params["phi"], b.params["phi"])
+    np.testing.assert_array_equal(a.local_samples["z"], b.local_samples["z"])
+    assert not np.array_equal(a.params["phi"], c.params["phi"])

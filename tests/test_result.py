@@ -1,0 +1,74 @@
+"""Result and ArviZ data on the installed ArviZ line (0.x InferenceData or 1.x DataTree)."""
+
+import warnings
+
+import jax
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+
+import fedbayes as fb
+from fedbayes.result import ARVIZ_1, group
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import arviz as az
+
+
+@pytest.fixture(scope="module")
+def res():
+    train, _, _ = fb.models.make_fedpop_synthetic(12, seed=5)
+    return fb.fed_fit(fb.models.fedpop_synthetic, train, fb.FedSOUL(local_steps=3, num_samples=60, warmup=20),
+                      num_rounds=40, clients_per_round=6, seed=3)
+
+
+def test_idata_has_local_sites_with_a_client_dim(res):
+    post = group(res.idata, "posterior")
+    assert post["z"].dims == ("chain", "draw", "client", "z_dim_0")
+    assert post["z"].shape == (2, 60, 12, 2)  # default 2 chains per client
+    pooled = post["z"].values.transpose(2, 0, 1, 3).reshape(12, 120, 2)
+    np.testing.assert_array_equal(pooled, res.local_samples["z"])
+    assert post.attrs["inference_library"] == "fedbayes"
+
+
+def test_idata_holds_estimates_history_and_ledger(res):
+    params = group(res.idata, "fed_params")
+    np.testing.assert_array_equal(params["phi"].values, res.params["phi"])
+    hist = group(res.idata, "fed_history")
+    assert hist["theta_phi"].dims[0] == "round" and hist.sizes["round"] == 40
+    np.testing.assert_array_equal(hist["bits_up"].values, res.history["bits_up"])
+    assert hist.attrs["bits_up_total"] == res.bits_up == int(res.history["bits_up"].sum())
+    clients = group(res.idata, "fed_clients")
+    np.testing.assert_array_equal(clients["num_observations"].values, [5] * 11 + [10])  # 90% small clients
+    assert np.all(clients["step_size"].values > 0)
+
+
+def test_arviz_summary_and_diagnostics_work(res):
+    summary = az.summary(res.idata, var_names=["z"])
+    assert len(summary) == 12 * 2
+    mean_col = [c for c in summary.columns if c == "mean"][0]
+    np.testing.assert_allclose(summary[mean_col].to_numpy(dtype=float),
+                               res.local_samples["z"].mean(1).reshape(-1), atol=0.01)  # summary rounds
+    ess = az.ess(res.idata, var_names=["z"])
+    ess = ess.to_dataset() if hasattr(ess, "to_dataset") and not hasattr(ess, "data_vars") else ess
+    assert np.all(np.asarray(ess["z"]) > 1)
+    rhat = az.rhat(res.idata, var_names=["z"])
+    assert np.all(np.isfinite(np.asarray(rhat["z"])))  # two chains per client: R-hat is defined
+
+
+def test_numpyro_ula_run_converts_with_from_numpyro():
+    def model():
+        numpyro.sample("x", dist.Normal(0.0, 1.0))
+
+    mcmc = numpyro.infer.MCMC(fb.ULA(model, step_size=0.1), num_warmup=50, num_samples=200, num_chains=2,
+                              chain_method="sequential", progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(0))
+    idata = az.from_numpyro(mcmc)
+    post = group(idata, "posterior")
+    assert post["x"].shape == (2, 200)
+    np.testing.assert_array_equal(post["x"].values.reshape(-1), np.asarray(mcmc.get_samples()["x"]))
+
+
+def test_adapter_reports_its_line():
+    assert ARVIZ_1 == (int(az.__version__.split(".")[0]) >= 1)
