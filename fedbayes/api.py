@@ -10,7 +10,7 @@ import numpy as np
 from .algorithms import ALGORITHMS
 from .data import FederatedData
 from .engine import Problem, resolve_cohort_size, run_rounds
-from .errors import ConfigError, DataError
+from .errors import ConfigError, DataError, FedbayesError
 from .model import FedModel
 from .result import Result
 
@@ -24,6 +24,20 @@ def _resolve_algorithm(algorithm: Any) -> Any:
     if not hasattr(algorithm, "build"):
         raise ConfigError(f"algorithm must be a name or an algorithm instance such as fb.FedSOUL(), got {algorithm!r}")
     return algorithm
+
+
+def _check_finite(history: dict[str, np.ndarray], name: str) -> None:
+    """Refuse a diverged fit with the round where the global parameters stopped being finite."""
+    bad = np.zeros(len(history.get("bits_up", [])), bool)
+    for key, values in history.items():
+        if key.startswith("theta/"):
+            bad |= ~np.all(np.isfinite(values.reshape(len(values), -1)), axis=1)
+    if bad.any():
+        raise FedbayesError(
+            f"{name} diverged: the global parameters became non-finite at round {int(np.argmax(bad))}. "
+            "The likely cause is a step size: lower the Langevin step_size (or leave it None for the "
+            "per-client automatic step) or the server_lr."
+        )
 
 
 def fed_fit(
@@ -78,5 +92,6 @@ def fed_fit(
     carry = run.init(k_init, problem)
     carry, history = run_rounds(run, problem, carry, base_key=k_rounds, cohort_size=cohort,
                                 chunk_size=chunk_size, progress=progress)
+    _check_finite(history, run.name)
     parts = run.finalize(k_final, carry, problem)
     return Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts, history=history)

@@ -45,6 +45,13 @@ def test_bad_data_and_prediction_inputs(data):
     assert res.predict({"x": np.zeros((2, 20))}, client=1, num_samples=7)["y"].shape == (7, 2)
 
 
+def test_divergence_is_reported_with_the_round_and_the_cause(data):
+    # gamma = 1 is far beyond 2 / L_i for these clients: the chains and then theta blow up.
+    with pytest.raises(fb.FedbayesError, match=r"diverged.*round \d+.*step_size"):
+        fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(step_size=1.0, num_samples=2, warmup=0),
+                   num_rounds=30, seed=0)
+
+
 def test_same_seed_same_result(data):
     a = fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(num_samples=5, warmup=5), num_rounds=20, seed=4)
     b = fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(num_samples=5, warmup=5), num_rounds=20, seed=4)

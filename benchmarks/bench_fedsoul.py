@@ -1,0 +1,119 @@
+"""FedSOUL speed and memory: fed_fit against a hand-written JAX round of the same math.
+
+Model: FedPop's synthetic regression (phi in R^{20x2}, z_i in R^2; 90% of clients with 5 points,
+10% with 10), 10 ULA steps per round, fixed Langevin step, plain SGD server step, float32.
+Per-round time is (T(R2) - T(R1)) / (R2 - R1) of whole runs, so compilation and set-up cancel.
+Peak memory is the peak resident set size of a fresh process running one configuration.
+
+    python benchmarks/bench_fedsoul.py            # prints the markdown table
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+R1, R2 = 50, 250
+STEP, LR, NOISE = 1e-4, 1e-5, 0.1
+
+
+def handwritten(data, cohort, rounds, seed=0):
+    """FedSOUL rounds written directly in JAX for this model (the reference implementation)."""
+    x, y, mask = data.padded["x"], data.padded["y"], data.mask.astype(jnp.float32)
+    C, k = x.shape[0], x.shape[2]
+    key = jax.random.PRNGKey(seed)
+
+    def log_joint(theta, z, xi, yi, mi):
+        phi, mu, log_s = theta
+        r = (yi - xi @ phi @ z) * mi
+        return -0.5 * jnp.sum(r**2) / NOISE**2 - 0.5 * jnp.sum((z - mu) ** 2) / jnp.exp(2 * log_s) - 2 * log_s
+
+    grads = jax.grad(log_joint, argnums=(0, 1))
+
+    def client(theta, z, kc, xi, yi, mi):
+        def body(carry, kk):
+            z, acc = carry
+            gt, gz = grads(theta, z, xi, yi, mi)
+            z = z + STEP * gz + jnp.sqrt(2 * STEP) * jax.random.normal(kk, z.shape)
+            gt, _ = grads(theta, z, xi, yi, mi)
+            return (z, jax.tree_util.tree_map(jnp.add, acc, gt)), None
+
+        zero = jax.tree_util.tree_map(jnp.zeros_like, theta)
+        (z, acc), _ = jax.lax.scan(body, (z, zero), jax.random.split(kc, 10))
+        return z, jax.tree_util.tree_map(lambda a: a / 10, acc)
+
+    def round_fn(carry, r):
+        theta, zs = carry
+        kr = jax.random.fold_in(key, r)
+        idx = jax.random.choice(kr, C, (cohort,), replace=False) if cohort < C else jnp.arange(C)
+        keys = jax.random.split(jax.random.fold_in(kr, 1), cohort)
+        z_new, g = jax.vmap(client, in_axes=(None, 0, 0, 0, 0, 0))(theta, zs[idx], keys, x[idx], y[idx], mask[idx])
+        zs = zs.at[idx].set(z_new)
+        theta = jax.tree_util.tree_map(lambda t, gi: t + LR * (C / cohort) * gi.sum(0), theta, g)
+        return (theta, zs), None
+
+    theta0 = (0.3 * jax.random.normal(key, (k, 2)), jnp.zeros(2), jnp.zeros(()))
+    run = jax.jit(lambda c: jax.lax.scan(round_fn, c, jnp.arange(rounds))[0])
+    return jax.block_until_ready(run((theta0, jnp.zeros((C, 2)))))
+
+
+def one(impl: str, clients: int, fraction: float, rounds: int) -> float:
+    import fedbayes as fb
+
+    data, _, _ = fb.models.make_fedpop_synthetic(clients, test_size=1, seed=0)
+    cohort = max(1, int(round(fraction * clients)))
+    t0 = time.perf_counter()
+    if impl == "fed_fit":
+        algo = fb.FedSOUL(local_steps=10, step_size=STEP, server_optimizer="sgd", server_lr=LR,
+                          num_samples=1, warmup=0, thinning=1, num_chains=1)
+        res = fb.fed_fit(fb.models.fedpop_synthetic, data, algo, num_rounds=rounds, clients_per_round=cohort,
+                         seed=0, chunk_size=rounds, progress=False)
+        jax.block_until_ready(res.params)
+    else:
+        handwritten(data, cohort, rounds)
+    return time.perf_counter() - t0
+
+
+def child(argv):
+    impl, clients, fraction, rounds = argv[0], int(argv[1]), float(argv[2]), int(argv[3])
+    seconds = one(impl, clients, fraction, rounds)
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"seconds": seconds, "peak_mb": peak_mb}))
+
+
+def run_child(*args) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    print(f"# {time.strftime('%Y-%m-%d')}, {platform.machine()}, {jax.devices()[0].device_kind}, "
+          f"jax {jax.__version__}, {__import__('os').cpu_count()} cores")
+    print("| clients | participation | fed_fit rounds/s | hand-written rounds/s | time ratio | "
+          "fed_fit peak MB | hand-written peak MB |")
+    print("|---|---|---|---|---|---|---|")
+    for clients in (100, 1000, 10000):
+        for fraction in (1.0, 0.1):
+            rates, peaks = {}, {}
+            for impl in ("fed_fit", "handwritten"):
+                a, b = run_child(impl, clients, fraction, R1), run_child(impl, clients, fraction, R2)
+                rates[impl] = (R2 - R1) / max(b["seconds"] - a["seconds"], 1e-9)
+                peaks[impl] = b["peak_mb"]
+            print(f"| {clients} | {fraction:.0%} | {rates['fed_fit']:.1f} | {rates['handwritten']:.1f} | "
+                  f"{rates['handwritten'] / rates['fed_fit']:.2f} | {peaks['fed_fit']:.0f} | {peaks['handwritten']:.0f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2:])
+    else:
+        main()
