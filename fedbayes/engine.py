@@ -18,7 +18,6 @@ Randomness is a pure function of ``(seed, round, client id)``, so a fit is repro
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from typing import Any, NamedTuple, Protocol
@@ -173,6 +172,26 @@ def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, coho
     return round_fn
 
 
+def chunk_plan(start: int, end: int, size: int) -> list[tuple[int, int]]:
+    """``(first round, length)`` of the scan chunks covering rounds ``start .. end - 1``.
+
+    A length dividing the rounds exactly is preferred (between ``size // 2`` and ``size``), so one
+    compilation serves every chunk; otherwise a shorter last chunk is compiled once more.
+    """
+    remaining = end - start
+    if remaining <= 0:
+        return []
+    size = max(1, min(size, remaining))
+    for length in range(size, max(1, size // 2) - 1, -1):
+        if remaining % length == 0:
+            return [(start + i * length, length) for i in range(remaining // length)]
+    full = remaining // size
+    plan = [(start + i * size, size) for i in range(full)]
+    if remaining % size:
+        plan.append((start + full * size, remaining % size))
+    return plan
+
+
 def run_rounds(
     algorithm: Algorithm,
     problem: Problem,
@@ -187,38 +206,23 @@ def run_rounds(
     """Run rounds ``start .. problem.num_rounds - 1`` and return the final carry and the history.
 
     The history maps each recorded quantity to a numpy array with one row per round; ``bits_up`` and
-    ``bits_down`` are exact int64 totals per round (summed on the host so they cannot overflow).
+    ``bits_down`` are exact int64 totals per round (summed on the host so they cannot overflow), and
+    ``seconds`` is the wall time of the round's chunk divided by its rounds.
     """
     num_rounds = problem.num_rounds
     clients = stack_clients(problem.data)
     round_fn = make_round(algorithm, clients, problem.data.num_clients, cohort_size, base_key)
-    remaining = num_rounds - start
-    n_chunks = max(1, math.ceil(remaining / max(1, chunk_size)))
-    chunk = max(1, math.ceil(remaining / n_chunks))
-    rec_shape = jax.eval_shape(round_fn, carry, jnp.asarray(start))[1]
-
-    def skip(c, _k):
-        return c, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), rec_shape)
-
-    @jax.jit
-    def run_chunk(c, ks, valid):
-        def body(c, xs):
-            k, ok = xs
-            return jax.lax.cond(ok, round_fn, skip, c, k)
-
-        return jax.lax.scan(body, c, (ks, valid))
-
+    run_chunk = jax.jit(lambda c, ks: jax.lax.scan(round_fn, c, ks))
     bar = Progress(num_rounds, getattr(algorithm, "name", type(algorithm).__name__), progress)
     records: list[dict[str, np.ndarray]] = []
-    for first in range(start, num_rounds, chunk):
-        ks = jnp.arange(first, first + chunk)
-        valid = ks < num_rounds
-        carry, rec = run_chunk(carry, ks, valid)
-        n = int(np.sum(np.asarray(valid)))
-        rec = {name: np.asarray(v)[:n] for name, v in rec.items()}
+    for first, length in chunk_plan(start, num_rounds, chunk_size):
+        t0 = time.perf_counter()
+        carry, rec = run_chunk(carry, jnp.arange(first, first + length))
+        rec = {name: np.asarray(v) for name, v in rec.items()}
+        rec["seconds"] = np.full(length, (time.perf_counter() - t0) / length)  # the first chunk includes compilation
         for name in ("bits_up", "bits_down"):
             rec[name] = rec[name].astype(np.int64).sum(axis=1)
         records.append(rec)
-        bar.update(first + n)
+        bar.update(first + length)
     history = {name: np.concatenate([r[name] for r in records]) for name in records[0]} if records else {}
     return carry, history
