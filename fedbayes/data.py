@@ -95,6 +95,14 @@ def _check_index(value: object, name: str, size: int) -> int:
     return i % size
 
 
+def _common_count(counts: dict[str, int], message: str) -> int:
+    """The one value of ``counts``, or a DataError listing them (``message`` has ``{listing}``)."""
+    if len(set(counts.values())) > 1:
+        listing = ", ".join(f"{key!r} has {n}" for key, n in counts.items())
+        raise DataError(message.format(listing=listing))
+    return next(iter(counts.values()))
+
+
 class FederatedData:
     """Per-client data dictionaries, stored both ragged and padded with a mask.
 
@@ -142,14 +150,11 @@ class FederatedData:
                     f"{type(value).__name__}. Wrap a single client's array as [array], or use "
                     "FederatedData.from_pooled for pooled arrays with client ids."
                 )
-        counts = {key: len(value) for key, value in clients.items()}
-        if len(set(counts.values())) > 1:
-            listing = ", ".join(f"{key!r} has {n}" for key, n in counts.items())
-            raise DataError(
-                f"keys have different numbers of clients ({listing}); every key needs exactly "
-                "one array per client."
-            )
-        num_clients = next(iter(counts.values()))
+        num_clients = _common_count(
+            {key: len(value) for key, value in clients.items()},
+            "keys have different numbers of clients ({listing}); every key needs exactly one "
+            "array per client.",
+        )
         if num_clients == 0:
             raise DataError("federated data has zero clients; pass at least one array per key.")
 
@@ -230,14 +235,11 @@ class FederatedData:
         """
         _check_keys(data)
         arrays = {key: _to_numpy(value, f"pooled key {key!r}") for key, value in data.items()}
-        lengths = {key: len(a) for key, a in arrays.items()}
-        if len(set(lengths.values())) > 1:
-            listing = ", ".join(f"{key!r} has {n}" for key, n in lengths.items())
-            raise DataError(
-                f"pooled arrays have different leading lengths ({listing}); each needs one row "
-                "per observation."
-            )
-        n = next(iter(lengths.values()))
+        n = _common_count(
+            {key: len(a) for key, a in arrays.items()},
+            "pooled arrays have different leading lengths ({listing}); each needs one row per "
+            "observation.",
+        )
         ids = np.asarray(client_ids)
         if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) != n:
             raise DataError(
