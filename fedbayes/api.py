@@ -30,7 +30,7 @@ def _check_finite(history: dict[str, np.ndarray], name: str) -> None:
     """Refuse a diverged fit with the round where the global parameters stopped being finite."""
     bad = np.zeros(len(history.get("bits_up", [])), bool)
     for key, values in history.items():
-        if key.startswith("theta/"):
+        if key.startswith(("theta/", "_sample")):
             bad |= ~np.all(np.isfinite(values.reshape(len(values), -1)), axis=1)
     if bad.any():
         raise FedbayesError(
@@ -63,7 +63,8 @@ def fed_fit(
     data:
         ``fb.FederatedData`` (or a dict of per-client lists, converted).
     algorithm:
-        An instance such as ``fb.FedSOUL(local_steps=10)`` or a name (``"fedsoul"``).
+        An instance such as ``fb.FedSOUL(local_steps=10)`` or ``fb.DELF(uplink=fb.compress.top_k(5))``,
+        or a name (``"fedsoul"``, ``"lmc"``, ``"d-elf"``, ``"p-elf"``, ``"b-elf"``) for the defaults.
     num_rounds:
         Communication rounds.
     clients_per_round:
@@ -93,5 +94,6 @@ def fed_fit(
     carry, history = run_rounds(run, problem, carry, base_key=k_rounds, cohort_size=cohort,
                                 chunk_size=chunk_size, progress=progress)
     _check_finite(history, run.name)
-    parts = run.finalize(k_final, carry, problem)
+    parts = run.finalize(k_final, carry, problem, history=history)
+    history = {k: v for k, v in history.items() if not k.startswith("_")}  # private records (raw draws)
     return Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts, history=history)

@@ -6,6 +6,10 @@ exact length, in bits, of the message it sends. Algorithms rely on one of two pr
 * unbiased with variance constant omega >= 0:  E[C(x)] = x  and  E||C(x) - x||^2 <= omega ||x||^2;
 * contractive with constant alpha in (0, 1]:   E||C(x) - x||^2 <= (1 - alpha) ||x||^2.
 
+Unbiased: identity, rand_k, qsgd, natural. Contractive (biased, for error feedback such as EF21):
+top_k, rand_k_unscaled, natural(contractive=True), qsgd(s, contractive=True), and
+scale_to_contractive(c) = C / (1 + omega) for any unbiased c.
+
 Compressors are frozen dataclasses, hence hashable and usable as static arguments of `jax.jit`.
 Calling one is pure JAX (the vector length d is static) and works under `jit` and `vmap`.
 """
@@ -28,13 +32,20 @@ __all__ = [
     "Compressor",
     "compress_tree",
     "identity",
+    "natural",
     "qsgd",
     "rand_k",
+    "rand_k_unscaled",
     "require_contractive",
     "require_unbiased",
+    "scale_to_contractive",
+    "top_k",
 ]
 
 _INT32_MAX = 2**31 - 1
+
+_IEEE_EXPONENTS = {16: (5, -14, 15), 32: (8, -126, 127), 64: (11, -1022, 1023)}
+"""float_bits -> (exponent field bits, e_min, e_max): the normal powers of two 2^e_min..2^e_max."""
 
 
 def _integer(value: object, name: str) -> int:
@@ -48,6 +59,29 @@ def _float_bits(value: object) -> int:
     if bits not in (16, 32, 64):
         raise ConfigError(f"float_bits (bits per sent float) must be 16, 32 or 64, got {bits}")
     return bits
+
+
+def _flag(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _sparsity(func: str, k: object, fraction: object) -> tuple[int | None, float | None]:
+    """Check a sparsifier's (k, fraction): exactly one given, k >= 1 or 0 < fraction <= 1."""
+    if (k is None) == (fraction is None):
+        raise ConfigError(f"{func} needs exactly one of k (coordinates kept) or fraction (share)")
+    if k is not None:
+        k = _integer(k, "k")
+        if k < 1:
+            raise ConfigError(f"{func} keeps k >= 1 coordinates, got k={k}")
+        return k, None
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
+        raise ConfigError(f"fraction must be a number in (0, 1], got {fraction!r}")
+    fraction = float(fraction)
+    if not 0.0 < fraction <= 1.0:
+        raise ConfigError(f"fraction (share of d kept) must be in (0, 1], got {fraction}")
+    return None, fraction
 
 
 def _dimension(d: object) -> int:
@@ -67,7 +101,8 @@ class Compressor(abc.ABC):
 
     `unbiased` is True exactly when `omega(d)` is a float (not None) for every valid d, and
     `contractive` exactly when `alpha(d)` is. Unbiased compressors report alpha = None even where
-    omega < 1; C / (1 + omega) is contractive with alpha = 1 / (1 + omega). Subclasses implement
+    omega < 1; C / (1 + omega) is contractive with alpha = 1 / (1 + omega), see
+    `scale_to_contractive` (identity is both). Subclasses implement
     `name`, `bits`, `omega`, `alpha` and `_compress`; a variable-length encoding overrides
     `__call__`.
     """
@@ -146,25 +181,22 @@ class _Identity(Compressor):
 
 
 @dataclass(frozen=True, repr=False)
-class _RandK(Compressor):
-    """Scaled random sparsification: C(x) = (d/k) sum_{j in S} x_j e_j, S uniform of size k.
+class _Sparsifier(Compressor):
+    """Keeps k = kept(d) coordinates, sent as k values and k indices.
 
-    P(j in S) = k/d gives E[C(x)] = x and E||C(x) - x||^2 = (d/k - 1) ||x||^2 exactly, so
-    omega = d/k - 1. The message is k values and k indices of max(1, ceil(log2 d)) bits each:
-    bits = k (float_bits + max(1, ceil(log2 d))). Not contractive: alpha is None.
+    Each index takes max(1, ceil(log2 d)) bits: bits = k (float_bits + max(1, ceil(log2 d))).
     """
 
     k: int | None
     fraction: float | None
     float_bits: int
-    unbiased: ClassVar[bool] = True
-    contractive: ClassVar[bool] = False
+    func: ClassVar[str]
 
     @property
     def name(self) -> str:
         size = f"k={self.k}" if self.k is not None else f"fraction={self.fraction}"
         extra = "" if self.float_bits == 32 else f", float_bits={self.float_bits}"
-        return f"rand_k({size}{extra})"
+        return f"{self.func}({size}{extra})"
 
     def kept(self, d: int) -> int:
         """k, or max(1, round(fraction * d)) (Python's round: halves go to even)."""
@@ -180,6 +212,25 @@ class _RandK(Compressor):
     def bits(self, d: int) -> int:
         return self.kept(d) * (self.float_bits + _index_bits(d))
 
+
+def _uniform_subset(key: jax.Array, d: int, k: int) -> jax.Array:
+    """k distinct indices of [0, d), uniform over the k-subsets."""
+    return jax.random.choice(key, d, shape=(k,), replace=False)
+
+
+@dataclass(frozen=True, repr=False)
+class _RandK(_Sparsifier):
+    """Scaled random sparsification: C(x) = (d/k) sum_{j in S} x_j e_j, S uniform of size k.
+
+    P(j in S) = k/d gives E[C(x)] = x and E||C(x) - x||^2 = (d/k - 1) ||x||^2 exactly, so
+    omega = d/k - 1. The message is k values and k indices of max(1, ceil(log2 d)) bits each:
+    bits = k (float_bits + max(1, ceil(log2 d))). Not contractive: alpha is None.
+    """
+
+    unbiased: ClassVar[bool] = True
+    contractive: ClassVar[bool] = False
+    func: ClassVar[str] = "rand_k"
+
     def omega(self, d: int) -> float:
         return d / self.kept(d) - 1.0
 
@@ -190,8 +241,61 @@ class _RandK(Compressor):
     def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
         d = x.shape[0]
         k = self.kept(d)
-        chosen = jax.random.choice(key, d, shape=(k,), replace=False)
+        chosen = _uniform_subset(key, d, k)
         return jnp.zeros_like(x).at[chosen].set(x[chosen] * (d / k))
+
+
+@dataclass(frozen=True, repr=False)
+class _RandKUnscaled(_Sparsifier):
+    """Unscaled random sparsification: C(x) = sum_{j in S} x_j e_j, S uniform of size k.
+
+    Coordinate j is dropped with probability 1 - k/d, so E||C(x) - x||^2 = (1 - k/d) ||x||^2
+    exactly: contractive with alpha = k/d. Biased (E[C(x)] = (k/d) x): omega is None. Same message
+    as rand_k: bits = k (float_bits + max(1, ceil(log2 d))). With the same key it keeps the same
+    coordinates as rand_k, so rand_k(k)(key, x) = (d/k) rand_k_unscaled(k)(key, x).
+    """
+
+    unbiased: ClassVar[bool] = False
+    contractive: ClassVar[bool] = True
+    func: ClassVar[str] = "rand_k_unscaled"
+
+    def omega(self, d: int) -> None:
+        self.kept(d)
+        return None
+
+    def alpha(self, d: int) -> float:
+        return self.kept(d) / d
+
+    def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
+        chosen = _uniform_subset(key, x.shape[0], self.kept(x.shape[0]))
+        return jnp.zeros_like(x).at[chosen].set(x[chosen])
+
+
+@dataclass(frozen=True, repr=False)
+class _TopK(_Sparsifier):
+    """Greedy sparsification: keep the k coordinates of largest |x_j|, unscaled.
+
+    C(x) = sum_{j in T} x_j e_j with T the indices of the k largest |x_j| (ties broken by
+    `jax.lax.top_k`: the lower index first). Deterministic (the key is unused), and
+    ||C(x) - x||^2 is the sum of the d - k smallest x_j^2; their mean is at most the mean of all d
+    squares, so ||C(x) - x||^2 <= (1 - k/d) ||x||^2 on every call: alpha = k/d. Biased: omega is
+    None. bits = k (float_bits + max(1, ceil(log2 d))).
+    """
+
+    unbiased: ClassVar[bool] = False
+    contractive: ClassVar[bool] = True
+    func: ClassVar[str] = "top_k"
+
+    def omega(self, d: int) -> None:
+        self.kept(d)
+        return None
+
+    def alpha(self, d: int) -> float:
+        return self.kept(d) / d
+
+    def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
+        _, largest = jax.lax.top_k(jnp.abs(x), self.kept(x.shape[0]))
+        return jnp.zeros_like(x).at[largest].set(x[largest])
 
 
 @dataclass(frozen=True, repr=False)
@@ -212,8 +316,11 @@ class _QSGD(Compressor):
 
     @property
     def name(self) -> str:
-        extra = "" if self.float_bits == 32 else f", float_bits={self.float_bits}"
-        return f"qsgd(levels={self.levels}{extra})"
+        return self._signature()
+
+    def _signature(self, *extra: str) -> str:
+        bits = () if self.float_bits == 32 else (f"float_bits={self.float_bits}",)
+        return f"qsgd({', '.join((f'levels={self.levels}', *bits, *extra))})"
 
     def bits(self, d: int) -> int:
         return self.float_bits + _dimension(d) * (1 + self.levels.bit_length())
@@ -237,6 +344,114 @@ class _QSGD(Compressor):
         return norm * jnp.sign(x) * level / s
 
 
+@dataclass(frozen=True, repr=False)
+class _Natural(Compressor):
+    """Natural compression (Horvath et al., 2019): random rounding to a signed power of two.
+
+    For x_j != 0 let e = floor(log2 |x_j|) and a = 2^e, so |x_j| in [a, 2a). Then
+    C(x)_j = sign(x_j) 2a with probability p = (|x_j| - a) / a and sign(x_j) a otherwise, so
+    E[C(x)_j] = x_j; C(x)_j = 0 where x_j = 0. With t = |x_j| / a in [1, 2),
+    E(C(x)_j - x_j)^2 = (2a - |x_j|)(|x_j| - a) = x_j^2 (2 - t)(t - 1) / t^2 <= x_j^2 / 8
+    (maximum at t = 4/3), hence omega = 1/8, attained when every |x_j| is 4/3 times a power of two.
+
+    Message: per coordinate a sign bit and the E-bit biased exponent field of the IEEE format of
+    float_bits bits (E = 5, 8, 11 for 16, 32, 64): C(x)_j is that IEEE number with a zero
+    mantissa, code 0 meaning zero (and the all-ones code infinity). bits = d (1 + E): 6d, 9d, 12d.
+
+    Range: the grid is 0 and the powers 2^e_lo..2^e_hi that are normal numbers of both the wire
+    format and x's dtype (float32: 2^-126..2^127). A |x_j| < 2^e_lo is rounded the same way between
+    0 and 2^e_lo (still unbiased; its variance |x_j| (2^e_lo - |x_j|) <= 4^e_lo / 4 is the only
+    excess over omega ||x||^2, e.g. 2^-254 per coordinate for float32). A finite |x_j| >= 2^e_hi
+    saturates to 2^e_hi (biased, but finite: no overflow to inf or NaN); +-inf is sent as +-inf
+    and NaN stays NaN. Not contractive: alpha is None; natural(contractive=True) is C / (1 + 1/8).
+    """
+
+    float_bits: int
+    unbiased: ClassVar[bool] = True
+    contractive: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return self._signature()
+
+    def _signature(self, *extra: str) -> str:
+        bits = () if self.float_bits == 32 else (f"float_bits={self.float_bits}",)
+        return f"natural({', '.join((*bits, *extra))})"
+
+    def bits(self, d: int) -> int:
+        return _dimension(d) * (1 + _IEEE_EXPONENTS[self.float_bits][0])
+
+    def omega(self, d: int) -> float:
+        _dimension(d)
+        return 0.125
+
+    def alpha(self, d: int) -> None:
+        _dimension(d)
+        return None
+
+    def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
+        _, e_min, e_max = _IEEE_EXPONENTS[self.float_bits]
+        info = jnp.finfo(x.dtype)
+        tiny = 2.0 ** max(e_min, int(info.minexp))
+        huge = 2.0 ** min(e_max, int(info.maxexp) - 1)
+        size = jnp.minimum(jnp.abs(x), huge)
+        small = size < tiny  # x = 0 and subnormals: bracket [0, tiny]
+        # 2^floor(log2 size) for normal size: clear the mantissa bits of its IEEE encoding.
+        width = 8 * x.dtype.itemsize
+        uint = jnp.dtype(f"uint{width}")
+        keep = jnp.asarray((2**width - 1) ^ (2 ** int(info.nmant) - 1), uint)
+        power = jax.lax.bitcast_convert_type(
+            jax.lax.bitcast_convert_type(size, uint) & keep, x.dtype
+        )
+        low = jnp.where(small, 0.0, power)
+        high = jnp.where(small, tiny, jnp.minimum(2 * power, huge))  # 2 power may overflow: inf
+        gap = high - low
+        p = jnp.where(gap > 0, (size - low) / jnp.where(gap > 0, gap, 1.0), 0.0)
+        up = jax.random.uniform(key, x.shape, x.dtype) < p
+        return jnp.where(jnp.isinf(x), x, jnp.sign(x) * jnp.where(up, high, low))
+
+
+@dataclass(frozen=True, repr=False)
+class _Scaled(Compressor):
+    """C'(x) = C(x) / (1 + omega) for an unbiased C with variance constant omega = omega(d).
+
+    Write lambda C(x) - x = lambda (C(x) - x) - (1 - lambda) x; as E[C(x) - x] = 0 the cross term
+    vanishes, so E||lambda C(x) - x||^2 = lambda^2 E||C(x) - x||^2 + (1 - lambda)^2 ||x||^2
+    <= (lambda^2 omega + (1 - lambda)^2) ||x||^2. The bracket is smallest at
+    lambda = 1 / (1 + omega), where it equals omega / (1 + omega) = 1 - 1 / (1 + omega): C' is
+    contractive with alpha = 1 / (1 + omega). Biased for omega > 0: omega is None. The receiver
+    knows the constant, so the message is C's: same bits.
+    """
+
+    base: Compressor
+    unbiased: ClassVar[bool] = False
+    contractive: ClassVar[bool] = True
+
+    @property
+    def name(self) -> str:
+        if isinstance(self.base, (_Natural, _QSGD)):
+            return self.base._signature("contractive=True")
+        return f"scale_to_contractive({self.base.name})"
+
+    def bits(self, d: int) -> int:
+        return self.base.bits(d)
+
+    def omega(self, d: int) -> None:
+        self.base.omega(d)
+        return None
+
+    def alpha(self, d: int) -> float:
+        return 1.0 / (1.0 + self.base.omega(d))
+
+    def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
+        return self.base._compress(key, x) / (1.0 + self.base.omega(x.shape[0]))
+
+    def __call__(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """C's message and bits (its own encoding, fixed-length or not), decoded and rescaled."""
+        x_hat, bits = self.base(key, x)
+        return x_hat / (1.0 + self.base.omega(x_hat.shape[0])), bits
+
+
 def identity(float_bits: int = 32) -> Compressor:
     """No compression: C(x) = x, d floats of float_bits bits each; omega = 0, alpha = 1."""
     return _Identity(_float_bits(float_bits))
@@ -246,27 +461,50 @@ def rand_k(
     k: int | None = None, *, fraction: float | None = None, float_bits: int = 32
 ) -> Compressor:
     """Unbiased random-k sparsification keeping k (or max(1, round(fraction * d))) coordinates."""
-    if (k is None) == (fraction is None):
-        raise ConfigError("rand_k needs exactly one of k (coordinates kept) or fraction (share)")
-    if k is not None:
-        k = _integer(k, "k")
-        if k < 1:
-            raise ConfigError(f"rand_k keeps k >= 1 coordinates, got k={k}")
-    else:
-        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
-            raise ConfigError(f"fraction must be a number in (0, 1], got {fraction!r}")
-        fraction = float(fraction)
-        if not 0.0 < fraction <= 1.0:
-            raise ConfigError(f"fraction (share of d kept) must be in (0, 1], got {fraction}")
+    k, fraction = _sparsity("rand_k", k, fraction)
     return _RandK(k, fraction, _float_bits(float_bits))
 
 
-def qsgd(levels: int, *, float_bits: int = 32) -> Compressor:
-    """Unbiased QSGD quantisation of |x_j| / ||x||_2 to the grid {0, 1/s, ..., 1}, s = levels."""
+def rand_k_unscaled(
+    k: int | None = None, *, fraction: float | None = None, float_bits: int = 32
+) -> Compressor:
+    """Contractive random-k sparsification without the d/k scaling: alpha = k/d, biased.
+
+    Keeps k (or max(1, round(fraction * d))) uniformly chosen coordinates as they are.
+    """
+    k, fraction = _sparsity("rand_k_unscaled", k, fraction)
+    return _RandKUnscaled(k, fraction, _float_bits(float_bits))
+
+
+def top_k(
+    k: int | None = None, *, fraction: float | None = None, float_bits: int = 32
+) -> Compressor:
+    """Contractive top-k sparsification: keep the k largest |x_j|; alpha = k/d, deterministic."""
+    k, fraction = _sparsity("top_k", k, fraction)
+    return _TopK(k, fraction, _float_bits(float_bits))
+
+
+def qsgd(levels: int, *, float_bits: int = 32, contractive: bool = False) -> Compressor:
+    """QSGD quantisation of |x_j| / ||x||_2 to the grid {0, 1/s, ..., 1}, s = levels.
+
+    Unbiased with omega = min(d / s^2, sqrt(d) / s); with contractive=True it is scaled by
+    1 / (1 + omega), which is contractive with alpha = 1 / (1 + omega) and biased.
+    """
     levels = _integer(levels, "levels")
     if levels < 1:
         raise ConfigError(f"qsgd needs levels >= 1 quantisation levels, got {levels}")
-    return _QSGD(levels, _float_bits(float_bits))
+    c = _QSGD(levels, _float_bits(float_bits))
+    return _Scaled(c) if _flag(contractive, "contractive") else c
+
+
+def natural(float_bits: int = 32, *, contractive: bool = False) -> Compressor:
+    """Natural compression: unbiased rounding to a signed power of two, omega = 1/8.
+
+    One sign bit and one IEEE exponent field per coordinate (bits = 6d, 9d, 12d for float_bits
+    16, 32, 64). With contractive=True it returns (8/9) C_nat(x): alpha = 1 / (1 + 1/8) = 8/9.
+    """
+    c = _Natural(_float_bits(float_bits))
+    return _Scaled(c) if _flag(contractive, "contractive") else c
 
 
 def _check_compressor(c: object, algorithm: str) -> None:
@@ -280,7 +518,7 @@ def require_unbiased(c: Compressor, algorithm: str) -> Compressor:
     if not c.unbiased:
         raise ConfigError(
             f"{algorithm} needs an unbiased compressor (E[C(x)] = x), but {c.name} is biased; "
-            "use rand_k(...) or qsgd(...)"
+            "use rand_k(...), qsgd(...) or natural()"
         )
     return c
 
@@ -291,9 +529,29 @@ def require_contractive(c: Compressor, algorithm: str) -> Compressor:
     if not c.contractive:
         raise ConfigError(
             f"{algorithm} needs a contractive compressor (E||C(x) - x||^2 <= (1 - alpha) ||x||^2), "
-            f"but {c.name} is not; use top_k or unscaled rand_k"
+            f"but {c.name} is not; use top_k(...), rand_k_unscaled(...), "
+            "natural(contractive=True), qsgd(s, contractive=True) or "
+            f"scale_to_contractive({c.name})"
         )
     return c
+
+
+def scale_to_contractive(c: Compressor) -> Compressor:
+    """A contractive version of c: c itself if contractive, else C / (1 + omega) if unbiased.
+
+    For an unbiased C with variance constant omega(d), C(x) / (1 + omega(d)) has
+    alpha = 1 / (1 + omega(d)) and the same bits (e.g. rand_k(k) becomes alpha = k/d). A biased,
+    non-contractive compressor raises ConfigError.
+    """
+    _check_compressor(c, "scale_to_contractive")
+    if c.contractive:
+        return c
+    if not c.unbiased:
+        raise ConfigError(
+            f"scale_to_contractive needs an unbiased or contractive compressor, but {c.name} is "
+            "neither"
+        )
+    return _Scaled(c)
 
 
 def compress_tree(c: Compressor, key: jax.Array, tree: Any) -> tuple[Any, jax.Array]:

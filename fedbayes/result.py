@@ -55,15 +55,21 @@ class Result:
         ``objective``, ``theta/<site>`` (the trajectory), and algorithm diagnostics.
     local_samples:
         Per-client local posterior samples, chains pooled: ``{site: array (num_clients, draws, ...)}``.
+    global_samples:
+        Posterior draws of the global sites for sampling algorithms: ``{site: array (chains, draws, ...)}``.
+    init_bits:
+        ``(up, down)`` bits of the one-off initial messages (e.g. the ELF samplers' full first gradients).
     """
 
     def __init__(self, *, model: FedModel, data: FederatedData, run: Any, algorithm: str, seed: int,
                  parts: dict[str, Any], history: dict[str, np.ndarray]):
         self._fm, self._data, self._run = model, data, run
         self.algorithm, self.seed = algorithm, seed
-        self._theta_u = parts["theta"]
-        self.params = {k: np.asarray(v) for k, v in model.constrain(parts["theta"]).items()}
-        self.params_last = {k: np.asarray(v) for k, v in model.constrain(parts["theta_last"]).items()}
+        self._theta_u = parts.get("theta")
+        self.params = {k: np.asarray(v) for k, v in parts["params"].items()}
+        self.params_last = {k: np.asarray(v) for k, v in parts["params_last"].items()}
+        self.global_samples = {k: np.asarray(v) for k, v in parts.get("global_samples", {}).items()}
+        self.init_bits = tuple(int(b) for b in parts.get("init_bits", (0, 0)))
         locals_u = parts.get("local_samples") or {}
         constrained = jax.vmap(jax.vmap(jax.vmap(model.constrain)))(locals_u) if locals_u else {}
         self._local_chains = {k: np.asarray(v) for k, v in constrained.items()}  # (client, chain, draw, ...)
@@ -75,13 +81,13 @@ class Result:
     # ------------------------------------------------------------------ communication
     @property
     def bits_up(self) -> int:
-        """Total bits sent by clients to the server."""
-        return int(self.history["bits_up"].sum())
+        """Total bits sent by clients to the server, initial messages included."""
+        return int(self.history["bits_up"].sum()) + self.init_bits[0]
 
     @property
     def bits_down(self) -> int:
-        """Total bits sent by the server to clients."""
-        return int(self.history["bits_down"].sum())
+        """Total bits sent by the server to clients, initial messages included."""
+        return int(self.history["bits_down"].sum()) + self.init_bits[1]
 
     def __repr__(self) -> str:
         est = ", ".join(f"{k}={np.array2string(v, precision=3, threshold=6)}" for k, v in self.params.items())
@@ -106,7 +112,18 @@ class Result:
             a = np.moveaxis(arr, 0, 2)  # (chain, draw, client, ...)
             post[name] = (["chain", "draw", "client", *_site_dims(name, arr.shape[3:])], a)
             coords.update(chain=np.arange(a.shape[0]), draw=np.arange(a.shape[1]))
+        for name, arr in self.global_samples.items():
+            post[name] = (["chain", "draw", *_site_dims(name, arr.shape[2:])], arr)
+            coords.update(chain=np.arange(arr.shape[0]), draw=np.arange(arr.shape[1]))
         posterior = xr.Dataset(post, coords=coords) if post else None
+        sample_stats = None
+        if self.global_samples:
+            chains, draws = next(iter(self.global_samples.values())).shape[:2]
+            stats = {}
+            for key in ("bits_up", "bits_down"):
+                per_round = self.history[key][self._draw_rounds(draws)] / chains
+                stats[key] = (["chain", "draw"], np.broadcast_to(per_round, (chains, draws)))
+            sample_stats = xr.Dataset(stats, coords={"chain": np.arange(chains), "draw": np.arange(draws)})
         params = xr.Dataset({k: (_site_dims(k, v.shape), v) for k, v in self.params.items()})
         hist = {}
         for k, v in self.history.items():
@@ -120,7 +137,14 @@ class Result:
         attrs = {"inference_library": "fedbayes", "algorithm": self.algorithm, "seed": self.seed}
         if posterior is not None:
             posterior.attrs.update(attrs)
-        return {"posterior": posterior, "fed_params": params, "fed_history": history, "fed_clients": clients}
+        history.attrs.update(init_bits_up=self.init_bits[0], init_bits_down=self.init_bits[1])
+        return {"posterior": posterior, "sample_stats": sample_stats, "fed_params": params,
+                "fed_history": history, "fed_clients": clients}
+
+    def _draw_rounds(self, draws: int) -> np.ndarray:
+        """The round index of each kept draw (after warm-up and thinning)."""
+        cfg = self._run.cfg
+        return cfg.warmup + cfg.thinning * np.arange(draws)
 
     # ------------------------------------------------------------------ prediction
     def _client_arrays(self, new_data: Mapping[str, Any]) -> dict[str, jax.Array]:
@@ -160,7 +184,12 @@ class Result:
             if num_samples is not None:
                 idx = np.random.default_rng(seed).choice(S, num_samples, replace=num_samples > S)
                 samples, S = {k: v[idx] for k, v in samples.items()}, num_samples
-        samples.update({k: np.broadcast_to(v, (S,) + v.shape) for k, v in self.params.items()})
+        if self.global_samples:  # sampled globals: average over their posterior draws
+            pooled = {k: v.reshape((-1,) + v.shape[2:]) for k, v in self.global_samples.items()}
+            idx = np.random.default_rng(seed).choice(len(next(iter(pooled.values()))), S)
+            samples.update({k: v[idx] for k, v in pooled.items()})
+        else:
+            samples.update({k: np.broadcast_to(v, (S,) + v.shape) for k, v in self.params.items()})
         pred = Predictive(self._fm.model, posterior_samples=samples, return_sites=list(self._fm.observed))
         out = pred(jax.random.PRNGKey(seed), **x, **self._fm.model_kwargs)
         return {k: np.asarray(v) for k, v in out.items()}

@@ -1,7 +1,8 @@
 """Federated algorithms, one module per family."""
 
+from .elf import BELF, DELF, LMC, PELF
 from .fedsoul import FedSOUL
 
-ALGORITHMS = {"fedsoul": FedSOUL}
+ALGORITHMS = {"fedsoul": FedSOUL, "lmc": LMC, "d-elf": DELF, "p-elf": PELF, "b-elf": BELF}
 
-__all__ = ["ALGORITHMS", "FedSOUL"]
+__all__ = ["ALGORITHMS", "BELF", "DELF", "FedSOUL", "LMC", "PELF"]

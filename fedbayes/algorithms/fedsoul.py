@@ -323,14 +323,15 @@ class FedSOULRun:
         keys = jax.random.split(key, clients.index.shape[0])
         return jax.jit(jax.vmap(one))(keys, states.z, states.v, states.step, clients)
 
-    def finalize(self, key, carry, problem: Problem) -> dict[str, Any]:
+    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
         """Averaged estimate, last iterate, and every client's local posterior samples at the estimate."""
         server, states, _ = carry
         theta = self.averaged_theta(server)
         zs, steps = self.sample_locals(key, theta, states, stack_clients(problem.data))
         return {
             "theta": theta,
-            "theta_last": server.theta,
+            "params": self._fm.constrain(theta),
+            "params_last": self._fm.constrain(server.theta),
             "local_samples": zs,
             "client_info": {"step_size": steps},
         }
