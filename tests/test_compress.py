@@ -25,6 +25,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import fedbayes.compress as fb_compress
 from fedbayes.compress import (
     Compressor,
     compress_tree,
@@ -605,3 +606,17 @@ def test_compress_tree() -> None:
     assert [leaf.shape for leaf in jax.tree.leaves(tree_hat)] == [(2, 3), (), (4,)]
     assert sum(int(np.count_nonzero(leaf)) for leaf in jax.tree.leaves(tree_hat)) <= 2
     assert int(bits) == 2 * (32 + 4)
+
+
+@pytest.mark.parametrize("comp", [
+    fb_compress.top_k(3), fb_compress.rand_k(3), fb_compress.rand_k_unscaled(3), fb_compress.qsgd(4),
+    fb_compress.qsgd(4, contractive=True), fb_compress.natural(), fb_compress.natural(contractive=True),
+], ids=str)
+def test_compressors_are_odd(comp):
+    # C(-x) has the law of -C(x); with a shared key the draws are exactly opposite. Error feedback's
+    # exact stationary mean on Gaussian targets rests on this.
+    x = jax.random.normal(jax.random.PRNGKey(0), (12,))
+    keys = jax.random.split(jax.random.PRNGKey(1), 50)
+    plus = jax.vmap(lambda k: comp(k, x)[0])(keys)
+    minus = jax.vmap(lambda k: comp(k, -x)[0])(keys)
+    np.testing.assert_array_equal(minus, -plus)

@@ -119,6 +119,55 @@ class _Langevin:
         return LangevinRun(self, fm, problem)
 
 
+def theory_step_size(variant: str, *, L: float, Lbar: float, mu: float, alpha_up: float = 1.0,
+                     alpha_down: float = 1.0) -> float:
+    """The largest step size the ELF paper's theorems allow (in this library's convention).
+
+    ``L`` is the smoothness constant of U = sum_i U_i, ``Lbar`` = (1/n) sum_i L_i^2 with L_i that of the
+    paper's F_i = n U_i, ``mu`` the log-Sobolev constant of the posterior, ``alpha_*`` the compressors'
+    contraction constants. Theorem 1 (D-/P-ELF; LMC is alpha = 1), with p = alpha / 2 and
+    beta = 2 (1 - alpha) Lbar / alpha (the digest's choice s = alpha / (2 (1 - alpha))):
+
+        gamma <= min{ sqrt(p / (1 + beta)) / 14, p / (6 mu), 1 / (2 sqrt(2) L) }
+
+    (p = 1, beta = 0 at alpha = 1). Theorem 2 (B-ELF):
+
+        gamma <= min{ alpha_D / (4 mu), alpha_P / (4 mu), alpha_D alpha_P / (495 sqrt((1 - alpha_D/2)(1 - alpha_P/2) Lbar)) }.
+
+    The bounds are about 10^3 times conservative in practice; the samplers' default step is
+    0.1 / lambda_max of the Hessian of U instead.
+    """
+    for name, a in (("alpha_up", alpha_up), ("alpha_down", alpha_down)):
+        if not 0.0 < a <= 1.0:
+            raise ConfigError(f"{name} must lie in (0, 1], got {a}")
+    if min(L, Lbar, mu) <= 0:
+        raise ConfigError("L, Lbar and mu must be positive")
+    key = variant.lower().replace("_", "-")
+    if key == "b-elf":
+        return min(alpha_up / (4 * mu), alpha_down / (4 * mu),
+                   alpha_up * alpha_down / (495 * np.sqrt((1 - alpha_up / 2) * (1 - alpha_down / 2) * Lbar)))
+    alpha = {"lmc": 1.0, "d-elf": alpha_up, "p-elf": alpha_down}.get(key)
+    if alpha is None:
+        raise ConfigError(f"variant must be 'lmc', 'd-elf', 'p-elf' or 'b-elf', got {variant!r}")
+    p, beta = (1.0, 0.0) if alpha == 1.0 else (alpha / 2, 2 * (1 - alpha) * Lbar / alpha)
+    return min(np.sqrt(p / (1 + beta)) / 14, p / (6 * mu), 1 / (2 * np.sqrt(2) * L))
+
+
+def curvature_step_size(model, data, at: Mapping[str, Any] | None = None, *, scale: float = 0.1,
+                        model_kwargs: Mapping[str, Any] | None = None) -> float:
+    """A safe Langevin step ``scale / lambda_max``, lambda_max the largest eigenvalue of the Hessian of
+    the posterior potential U at ``at`` (constrained values, e.g. a MAP estimate; default: the
+    samplers' initial point), by a power iteration on Hessian-vector products summed over clients."""
+    from ..data import FederatedData
+
+    fd = data if isinstance(data, FederatedData) else FederatedData(data)
+    problem = Problem(FedModel(model, fd, model_kwargs), fd, 1)
+    if not scale > 0:
+        raise ConfigError(f"scale must be positive, got {scale!r}")
+    run = LMC(init=at).build(problem)
+    return float(scale / jax.jit(run.max_curvature)(stack_clients(fd), run._x0))
+
+
 def _ef_compressor(c: Compressor, rescale: bool, who: str) -> Compressor:
     return scale_to_contractive(c) if rescale else require_contractive(c, who)
 
@@ -199,13 +248,16 @@ class LangevinRun:
     def _grad(self, x, client):
         return jax.vmap(jax.grad(self.client_potential), in_axes=(0, None))(x, client)  # over chains
 
+    def max_curvature(self, clients: ClientData, x: jax.Array) -> jax.Array:
+        """lambda_max of the Hessian of U = sum_i U_i at x, by power iteration on summed client HVPs."""
+        grad_u = lambda y: jnp.sum(jax.vmap(jax.grad(self.client_potential), in_axes=(None, 0))(y, clients), 0)  # noqa: E731
+        return power_iteration(lambda v: jax.jvp(grad_u, (x,), (v,))[1], jnp.ones_like(x), 100)[0]
+
     def step_size(self, clients: ClientData, x: jax.Array) -> jax.Array:
-        """The configured gamma, or 0.1 / lambda_max(Hessian of U at x) from federated HVPs."""
+        """The configured gamma, or 0.1 / lambda_max(Hessian of U at x)."""
         if self.cfg.step_size is not None:
             return jnp.asarray(self.cfg.step_size)
-        grad_u = lambda y: jnp.sum(jax.vmap(jax.grad(self.client_potential), in_axes=(None, 0))(y, clients), 0)  # noqa: E731
-        lam, _ = power_iteration(lambda v: jax.jvp(grad_u, (x,), (v,))[1], jnp.ones_like(x), 100)
-        return 0.1 / lam
+        return 0.1 / self.max_curvature(clients, x)
 
     # ------------------------------------------------------------------ protocol
     def init(self, key: jax.Array, problem: Problem):

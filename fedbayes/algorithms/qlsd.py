@@ -1,0 +1,105 @@
+"""QLSD: quantised Langevin stochastic dynamics (Vono, Plassier, Durmus, Dieuleveut, Moulines, 2022).
+
+The target is pi(x) proportional to exp(-U(x)), U = sum_i U_i, with the client potentials of
+:mod:`fedbayes.algorithms.elf`. Round k, with cohort A_k of the b clients drawn uniformly:
+
+* client i in A_k computes its exact gradient grad U_i(x_k) on all its data and sends
+  Q_i = Q(grad U_i(x_k) - h_i), Q an unbiased compressor (E[Q(v)] = v), then updates its private
+  memory h_i <- h_i + alpha Q_i with the same, once-quantised, message;
+* the server keeps H = sum_i h_i over all clients (it sees every message), forms
+
+      G = H + (b / |A_k|) sum_{i in A_k} Q_i,        H <- H + alpha sum_{i in A_k} Q_i,
+
+  and takes the Langevin step x_{k+1} = x_k - gamma G + sqrt(2 gamma) Z_k, Z_k ~ N(0, I), broadcast
+  in full. Since E[Q_i] = grad U_i(x_k) - h_i and a uniform cohort gives
+  E[(b / |A|) sum_{i in A} v_i] = sum_i v_i, E[G] = sum_i grad U_i(x_k): G is unbiased.
+
+The memories h_i start at zero. ``memory=True`` (the paper's QLSD* memory mechanism, DIANA-style)
+uses alpha = 1 / (omega + 1) with omega the compressor's variance constant for the d-vector; then
+h_i tracks grad U_i and the variance of G no longer grows with the clients' heterogeneity.
+``memory=False`` is plain QLSD: alpha = 0, so h_i = H = 0 throughout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ..compress import Compressor, identity, require_unbiased
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
+from ..errors import ConfigError
+from ..model import FedModel
+from .elf import LangevinRun, ServerState, _Langevin
+
+
+class QLSDServer(NamedTuple):
+    x: jax.Array  # (chains, d)
+    h: jax.Array  # (chains, d): H = sum_i h_i over all clients
+
+
+class QLSDClient(NamedTuple):
+    h: jax.Array  # (chains, d): the client's memory h_i
+
+
+@dataclass(frozen=True)
+class QLSD(_Langevin):
+    """QLSD with partial participation; ``memory=True`` adds the memory terms h_i (QLSD*).
+
+    ``compressor`` must be unbiased; each chain's d-vector is compressed with its own key.
+    """
+
+    compressor: Compressor = identity()
+    memory: bool = True
+    name = "QLSD"
+
+    def __post_init__(self):
+        if not isinstance(self.memory, bool):
+            raise ConfigError(f"{self.name} memory must be True or False, got {self.memory!r}")
+        super().__post_init__()
+
+    def _compressors(self) -> tuple[Compressor, Compressor]:
+        return require_unbiased(self.compressor, self.name), identity()
+
+    def build(self, problem: Problem) -> "QLSDRun":
+        super().build(problem)  # the model checks of the Langevin samplers
+        return QLSDRun(self, problem.model, problem)
+
+
+class QLSDRun(LangevinRun):
+    """QLSD bound to a model: the Langevin run with memory terms in place of gradient states."""
+
+    def __init__(self, cfg: QLSD, fm: FedModel, problem: Problem):
+        super().__init__(cfg, fm, problem)
+        self.alpha = 1.0 / (1.0 + self._up.omega(self.dim)) if cfg.memory else 0.0
+
+    def init(self, key: jax.Array, problem: Problem) -> tuple[QLSDServer, QLSDClient, Message]:
+        """x_0 (prior medians, jittered per chain as in LMC) broadcast to all; memories at zero."""
+        k_x = jax.random.split(key)[0]  # LangevinRun.init's jitter key: the same x_0 as LMC's
+        chains = self.cfg.num_chains
+        jitter = jax.random.uniform(k_x, (chains, self.dim), minval=-0.5, maxval=0.5) if chains > 1 else 0.0
+        x0 = self._x0[None] + jitter
+        self._gamma = jax.jit(self.step_size)(stack_clients(problem.data), self._x0)
+        self.init_bits = (0, FLOAT_BITS * x0.size * self._b)
+        zeros = jnp.zeros_like(x0)
+        clients = QLSDClient(jnp.zeros((self._b, *x0.shape), x0.dtype))
+        return QLSDServer(x0, zeros), clients, Message(x0, jnp.asarray(FLOAT_BITS * x0.size, jnp.int32))
+
+    def client_step(self, key: jax.Array, payload: jax.Array, state: QLSDClient, client: ClientData):
+        """Send Q_i = Q(grad U_i(x) - h_i) and keep h_i + alpha Q_i."""
+        q, bits = self._compress(self._up, key, self._grad(payload, client) - state.h)
+        return QLSDClient(state.h + self.alpha * q), Message(q, bits)
+
+    def gradient_estimate(self, h: jax.Array, payload: jax.Array, info: RoundInfo) -> tuple[jax.Array, jax.Array]:
+        """(G, H_new) = (H + (b/|A|) sum_{i in A} Q_i, H + alpha sum_{i in A} Q_i) over the active clients."""
+        active = info.active[:, None, None]
+        total = jnp.sum(jnp.where(active, payload, 0.0), 0)
+        weight = info.num_clients / jnp.maximum(jnp.sum(info.active), 1)
+        return h + weight * total, h + self.alpha * total
+
+    def server_step(self, key: jax.Array, state: QLSDServer, uploads: Message, info: RoundInfo):
+        g, h = self.gradient_estimate(state.h, uploads.payload, info)
+        moved, broadcast = self._move(key, ServerState(state.x, state.x, g))
+        return QLSDServer(moved.x, h), broadcast, {"_sample": state.x}

@@ -1,0 +1,123 @@
+"""QLSD: an unbiased gradient estimate, private memories, LMC as a special case, the stationary mean."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_elf import D, gauss_model, gaussian_clients, last_draws
+
+import fedbayes as fb
+from fedbayes.algorithms.elf import ServerState
+from fedbayes.algorithms.qlsd import QLSD, QLSDClient
+from fedbayes.engine import FLOAT_BITS, Message, Problem, RoundInfo, make_round, run_rounds, sample_cohort, stack_clients
+from fedbayes.errors import ConfigError
+
+
+def build(algo, data, num_rounds=10):
+    return algo.build(Problem(fb.FedModel(gauss_model, data), data, num_rounds))
+
+
+def test_gradient_estimate_is_unbiased_under_compression_and_partial_participation():
+    data, P, mu = gaussian_clients()
+    b, c, chains, n = data.num_clients, 2, 2, 20000
+    run = build(QLSD(step_size=0.01, num_chains=chains, compressor=fb.compress.rand_k(1)), data)
+    clients = stack_clients(data)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(chains, D)))
+    h = jnp.asarray(3.0 * rng.normal(size=(b, chains, D)))  # arbitrary nonzero memories
+    truth = (x - mu) @ P  # sum_i grad U_i(x) = P (x - mu*) for the Gaussian clients
+
+    def draw(key):
+        k_cohort, k_q = jax.random.split(key)
+        cohort = sample_cohort(k_cohort, b, c)
+        step = jax.vmap(run.client_step, in_axes=(0, None, 0, 0))
+        _, up = step(jax.random.split(k_q, c), x, QLSDClient(h[cohort]),
+                     jax.tree_util.tree_map(lambda a: a[cohort], clients))
+        g, _ = run.gradient_estimate(h.sum(0), up.payload, RoundInfo(jnp.asarray(0), cohort, jnp.ones(c, bool), b))
+        return g, up.payload.sum(0)
+
+    g, q = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.PRNGKey(0), n))
+    se = g.std(0) / np.sqrt(n)  # i.i.d. draws: the CLT error of the mean
+    np.testing.assert_array_less(np.abs(g.mean(0) - truth), 5 * se)
+    # the test has power: without the b/|A| weight the estimate is off by (1 - c/b) sum_i (grad U_i - h_i)
+    assert np.max(np.abs(h.sum(0) + q.mean(0) - truth) / se) > 20
+
+
+def test_memories_are_private_start_at_zero_and_sum_to_the_server_memory():
+    data, P, _ = gaussian_clients()
+    b, c = data.num_clients, 2
+    algo = QLSD(step_size=0.1 / np.linalg.eigvalsh(P).max(), num_chains=2, compressor=fb.compress.rand_k(2))
+    problem = Problem(fb.FedModel(gauss_model, data), data, 30)
+    run = algo.build(problem)
+    assert run.alpha == 1 / (1 + fb.compress.rand_k(2).omega(D)) == 0.5  # omega = d/k - 1
+    assert build(QLSD(memory=False), data).alpha == 0.0
+    carry = run.init(jax.random.PRNGKey(0), problem)
+    assert not np.any(carry[0].h) and not np.any(carry[1].h)
+    round_fn = jax.jit(make_round(run, stack_clients(data), b, c, jax.random.PRNGKey(1)))
+    for k in range(30):
+        before = carry[1].h
+        carry, _ = round_fn(carry, k)
+        server, states = carry[0], carry[1]
+        np.testing.assert_allclose(server.h, states.h.sum(0), rtol=1e-10, atol=1e-12)
+        # exactly the cohort's memories move (rand_k of a continuous vector is nonzero almost surely)
+        assert np.sum(np.any(states.h != before, axis=(1, 2))) == c
+    flat = np.asarray(states.h).reshape(b, -1)
+    assert np.all(np.any(flat != 0, axis=1))  # every client has taken part by now
+    assert len({row.tobytes() for row in flat}) == b  # no two clients share a memory
+
+
+def test_identity_compressor_and_full_participation_is_lmc():
+    data, P, _ = gaussian_clients()
+    b, chains, rounds, seed = data.num_clients, 3, 60, 7
+    kw = dict(step_size=0.2 / np.linalg.eigvalsh(P).max(), num_chains=chains)
+    res = fb.fed_fit(gauss_model, data, QLSD(**kw), num_rounds=rounds, seed=seed)
+    # fb.LMC spends its init key on a first step from x_0 with exact gradients, so fed_fit's LMC draws
+    # start one step later on other noise keys. Run LMC's rounds from x_0 on the fit's round keys instead:
+    # both then take every step through LangevinRun._move with the same server keys.
+    k_init, k_rounds, _ = jax.random.split(jax.random.PRNGKey(seed), 3)
+    problem = Problem(fb.FedModel(gauss_model, data), data, rounds)
+    lmc = fb.LMC(**kw).build(problem)
+    _, states, _ = lmc.init(k_init, problem)
+    x0 = states.w[0]  # LMC's x_0
+    np.testing.assert_array_equal(res.global_samples["x"][:, 0], x0)
+    carry = (ServerState(x0, x0, jnp.zeros_like(x0)), states, Message(x0, jnp.asarray(0)))
+    _, history = run_rounds(lmc, problem, carry, base_key=k_rounds, cohort_size=b)
+    # memories hold last round's gradients; H + sum_i (grad U_i - h_i) equals sum_i grad U_i up to rounding
+    np.testing.assert_allclose(res.global_samples["x"], np.swapaxes(history["_sample"], 0, 1), rtol=0, atol=1e-9)
+    full = b * chains * FLOAT_BITS * D
+    np.testing.assert_array_equal(res.history["bits_up"], full)
+    assert res.init_bits == (0, full)
+
+
+def test_stationary_mean_is_exact_and_memory_reduces_the_variance():
+    data, P, mu = gaussian_clients()
+    gamma = 0.2 / np.linalg.eigvalsh(P).max()
+    n_chains, c, rounds = 2000, 2, 300
+    comp = fb.compress.qsgd(4)
+    draws, spread = {}, {}
+    for memory in (True, False):
+        algo = QLSD(step_size=gamma, num_chains=n_chains, warmup=rounds - 1, compressor=comp, memory=memory)
+        res = fb.fed_fit(gauss_model, data, algo, num_rounds=rounds, clients_per_round=c, seed=3)
+        x = draws[memory] = last_draws(res)  # one draw per chain: independent draws of the chain's law
+        # U is quadratic, so grad U(x) = P (x - mu*) and x_{k+1} - mu* = (I - gamma P)(x_k - mu*) - gamma e_k
+        # + noise with E[e_k | past] = 0 (G is unbiased): E[x_k] - mu* = (I - gamma P)^k (E[x_0] - mu*) -> 0.
+        # The estimate's noise inflates the covariance only; the mean of the chains is mu* up to MC error.
+        np.testing.assert_array_less(np.abs(x.mean(0) - mu), 5 * x.std(0) / np.sqrt(n_chains))
+        spread[memory] = np.sum((x - x.mean(0)) ** 2, axis=1)  # its mean is the trace of the covariance
+        np.testing.assert_array_equal(res.history["bits_up"], c * n_chains * comp.bits(D))
+        np.testing.assert_array_equal(res.history["bits_down"], c * n_chains * FLOAT_BITS * D)
+        assert res.init_bits == (0, data.num_clients * n_chains * FLOAT_BITS * D)
+    # heterogeneous clients (grad U_i(mu*) != 0): without memory the cohort sampling and quantisation of
+    # grad U_i add variance; the memories h_i -> grad U_i remove most of it. Independent runs: the standard
+    # error of the difference of the two trace estimates is the root sum of their squared standard errors.
+    se = np.sqrt(sum(s.var() / n_chains for s in spread.values()))
+    assert spread[True].mean() + 5 * se < spread[False].mean()
+
+
+def test_biased_compressors_and_bad_options_are_refused():
+    with pytest.raises(ConfigError, match="QLSD needs an unbiased compressor"):
+        QLSD(compressor=fb.compress.top_k(1))
+    with pytest.raises(ConfigError, match="QLSD memory"):
+        QLSD(memory=1)
+    with pytest.raises(ConfigError, match="QLSD num_chains"):
+        QLSD(num_chains=0)
