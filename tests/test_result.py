@@ -72,3 +72,21 @@ def test_numpyro_ula_run_converts_with_from_numpyro():
 
 def test_adapter_reports_its_line():
     assert ARVIZ_1 == (int(az.__version__.split(".")[0]) >= 1)
+
+
+def test_sampler_idata_has_global_draws_and_ledger_per_draw():
+    def model(x, y=None):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+        with numpyro.plate("obs", x.shape[0]):
+            numpyro.sample("y", dist.Normal(x @ w, 1.0), obs=y)
+
+    rng = np.random.default_rng(0)
+    data = fb.FederatedData({"x": [rng.normal(size=(8, 2)) for _ in range(3)], "y": [rng.normal(size=8) for _ in range(3)]})
+    res = fb.fed_fit(model, data, fb.DELF(uplink=fb.compress.top_k(1), num_chains=2, warmup=10, thinning=3),
+                     num_rounds=40, seed=0)
+    post = group(res.idata, "posterior")
+    assert post["w"].dims == ("chain", "draw", "w_dim_0") and post["w"].shape == (2, 10, 2)
+    stats = group(res.idata, "sample_stats")
+    # the ledger of the round each draw comes from, split over the chains
+    np.testing.assert_array_equal(stats["bits_up"].values[0], res.history["bits_up"][10::3] / 2)
+    assert np.all(np.isfinite(np.asarray(az.rhat(res.idata, var_names=["w"])["w"])))
