@@ -87,7 +87,7 @@ def fed_fit(
     algo = _resolve_algorithm(algorithm)
     cohort = resolve_cohort_size(clients_per_round, data.num_clients)
     fm = FedModel(model, data, model_kwargs)
-    problem = Problem(fm, data, int(num_rounds))
+    problem = Problem(fm, data, int(num_rounds), cohort)
     run = algo.build(problem)
     k_init, k_rounds, k_final = jax.random.split(jax.random.PRNGKey(seed), 3)
     carry = run.init(k_init, problem)

@@ -61,11 +61,12 @@ class RoundInfo(NamedTuple):
 
 
 class Problem(NamedTuple):
-    """A federated problem: the analysed model, the data and the planned number of rounds."""
+    """A federated problem: the analysed model, the data, the planned rounds and the cohort size."""
 
     model: Any
     data: FederatedData
     num_rounds: int
+    cohort_size: int | None = None  # None: every client every round
 
 
 class Algorithm(Protocol):

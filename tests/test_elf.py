@@ -179,6 +179,8 @@ def test_models_and_compressors_the_samplers_cannot_take():
     with pytest.raises(ConfigError, match="D-ELF"):
         fb.DELF(uplink=fb.compress.rand_k(1)).build(Problem(fb.FedModel(gauss_model, gaussian_clients()[0]),
                                                             gaussian_clients()[0], 5))
+    with pytest.raises(ConfigError, match="every client in every round.*QLSD"):
+        fb.fed_fit(gauss_model, gaussian_clients()[0], fb.BELF(), num_rounds=5, clients_per_round=2)
     for bad in ({"step_size": -1.0}, {"num_chains": 0}, {"thinning": 0}):
         with pytest.raises(ConfigError):
             fb.LMC(**bad)

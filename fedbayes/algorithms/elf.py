@@ -87,6 +87,7 @@ class _Langevin:
 
     uplink_ef = False
     downlink_ef = False
+    partial_participation = False
     name = "LMC"
 
     def __post_init__(self):
@@ -113,6 +114,13 @@ class _Langevin:
             raise ModelError(
                 f"{self.name} samples a posterior, but {params} are numpyro.param sites without a prior; "
                 "give them priors with numpyro.sample"
+            )
+        C = problem.data.num_clients
+        if not self.partial_participation and problem.cohort_size not in (None, C):
+            raise ConfigError(
+                f"{self.name} needs every client in every round (the ELF paper's setting: clients keep copies "
+                f"of w and the gradient sum must be complete), got clients_per_round={problem.cohort_size} of {C}; "
+                "use fb.QLSD for partial participation"
             )
         if self.warmup >= problem.num_rounds:
             raise ConfigError(f"{self.name} warmup={self.warmup} leaves no draws from {problem.num_rounds} rounds")

@@ -18,6 +18,12 @@ The memories h_i start at zero. ``memory=True`` (the paper's QLSD* memory mechan
 uses alpha = 1 / (omega + 1) with omega the compressor's variance constant for the d-vector; then
 h_i tracks grad U_i and the variance of G no longer grows with the clients' heterogeneity.
 ``memory=False`` is plain QLSD: alpha = 0, so h_i = H = 0 throughout.
+
+Unlike the public code, each message is quantised once, and every client has its own memory,
+starting at zero. Gradients are exact (full local data): no mini-batches and no SVRG (QLSD++).
+All chains share each round's cohort (the engine draws one per round), so under partial
+participation their errors are correlated. Ledger: per cohort client and chain, the compressor's
+bits up and 32 d bits down; at init, x_0 to all b clients and nothing up.
 """
 
 from __future__ import annotations
@@ -46,13 +52,19 @@ class QLSDClient(NamedTuple):
 
 @dataclass(frozen=True)
 class QLSD(_Langevin):
-    """QLSD with partial participation; ``memory=True`` adds the memory terms h_i (QLSD*).
+    """QLSD with partial participation (``clients_per_round`` of ``fb.fed_fit``).
 
-    ``compressor`` must be unbiased; each chain's d-vector is compressed with its own key.
+    Parameters (besides those of the Langevin samplers)
+    ----------
+    compressor:
+        The unbiased uplink compressor Q, applied to each chain's d-vector with its own key.
+    memory:
+        Memory terms h_i with alpha = 1 / (omega(d) + 1) (QLSD*); False: plain QLSD (h_i = 0).
     """
 
     compressor: Compressor = identity()
     memory: bool = True
+    partial_participation = True
     name = "QLSD"
 
     def __post_init__(self):
@@ -87,7 +99,9 @@ class QLSDRun(LangevinRun):
         clients = QLSDClient(jnp.zeros((self._b, *x0.shape), x0.dtype))
         return QLSDServer(x0, zeros), clients, Message(x0, jnp.asarray(FLOAT_BITS * x0.size, jnp.int32))
 
-    def client_step(self, key: jax.Array, payload: jax.Array, state: QLSDClient, client: ClientData):
+    def client_step(
+        self, key: jax.Array, payload: jax.Array, state: QLSDClient, client: ClientData
+    ) -> tuple[QLSDClient, Message]:
         """Send Q_i = Q(grad U_i(x) - h_i) and keep h_i + alpha Q_i."""
         q, bits = self._compress(self._up, key, self._grad(payload, client) - state.h)
         return QLSDClient(state.h + self.alpha * q), Message(q, bits)
@@ -99,7 +113,10 @@ class QLSDRun(LangevinRun):
         weight = info.num_clients / jnp.maximum(jnp.sum(info.active), 1)
         return h + weight * total, h + self.alpha * total
 
-    def server_step(self, key: jax.Array, state: QLSDServer, uploads: Message, info: RoundInfo):
+    def server_step(
+        self, key: jax.Array, state: QLSDServer, uploads: Message, info: RoundInfo
+    ) -> tuple[QLSDServer, Message, dict[str, jax.Array]]:
+        """x_{k+1} = x_k - gamma G + sqrt(2 gamma) Z_k (LangevinRun._move), recording x_k as the draw."""
         g, h = self.gradient_estimate(state.h, uploads.payload, info)
         moved, broadcast = self._move(key, ServerState(state.x, state.x, g))
         return QLSDServer(moved.x, h), broadcast, {"_sample": state.x}
