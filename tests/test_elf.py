@@ -181,7 +181,8 @@ def test_models_and_compressors_the_samplers_cannot_take():
                                                             gaussian_clients()[0], 5))
     with pytest.raises(ConfigError, match="every client in every round.*QLSD"):
         fb.fed_fit(gauss_model, gaussian_clients()[0], fb.BELF(), num_rounds=5, clients_per_round=2)
-    for bad in ({"step_size": -1.0}, {"num_chains": 0}, {"thinning": 0}):
+    assert fb.LMC(step_size=np.float32(0.01)).step_size == np.float32(0.01)  # any real number is accepted
+    for bad in ({"step_size": -1.0}, {"step_size": True}, {"num_chains": 0}, {"thinning": 0}):
         with pytest.raises(ConfigError):
             fb.LMC(**bad)
 

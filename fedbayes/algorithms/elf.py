@@ -29,6 +29,7 @@ needs contractive compressors; an unbiased one is refused unless ``rescale=True`
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
 
@@ -91,7 +92,8 @@ class _Langevin:
     name = "LMC"
 
     def __post_init__(self):
-        if self.step_size is not None and not (isinstance(self.step_size, (int, float)) and self.step_size > 0):
+        if self.step_size is not None and (isinstance(self.step_size, bool) or not isinstance(self.step_size, numbers.Real)
+                                           or not self.step_size > 0):
             raise ConfigError(f"{self.name} step_size must be a positive number or None, got {self.step_size!r}")
         _positive_int(self.num_chains, f"{self.name} num_chains")
         _positive_int(self.warmup, f"{self.name} warmup", 0)
@@ -182,8 +184,10 @@ def _ef_compressor(c: Compressor, rescale: bool, who: str) -> Compressor:
 
 @dataclass(frozen=True)
 class LMC(_Langevin):
-    """Federated Langevin Monte Carlo. With an unbiased ``compressor`` it is the *naive* compressed LMC
-    baseline (each client sends Q(grad U_i(x)) with no error feedback)."""
+    """Federated Langevin Monte Carlo. With a ``compressor`` (any kind: unbiased such as rand_k / qsgd,
+    or biased such as top_k) it is the *naive* compressed LMC baseline: each client sends
+    Q(grad U_i(x)) with no error feedback. A biased Q biases the stationary law (a contractive one
+    scaled by 1/(1+omega) also shrinks the drift and inflates the covariance by about 1+omega)."""
 
     compressor: Compressor = identity()
     name = "LMC"

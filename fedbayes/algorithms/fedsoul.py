@@ -29,6 +29,7 @@ log p(D_i | theta, z) is a sum over the client's points.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -141,7 +142,7 @@ class FedSOUL:
         _positive_int(self.warmup, "FedSOUL warmup", 0)
         _positive_int(self.thinning, "FedSOUL thinning")
         _positive_int(self.num_chains, "FedSOUL num_chains")
-        if not (isinstance(self.step_scale, (int, float)) and 0 < self.step_scale < 2):
+        if isinstance(self.step_scale, bool) or not isinstance(self.step_scale, numbers.Real) or not 0 < self.step_scale < 2:
             raise ConfigError(f"FedSOUL step_scale must lie in (0, 2) (ULA is unstable beyond 2), got {self.step_scale!r}")
         if self.step_size is not None:
             steps = np.asarray(self.step_size, dtype=float)
