@@ -10,7 +10,7 @@ import numpy as np
 from .algorithms import ALGORITHMS
 from .data import FederatedData
 from .engine import Problem, resolve_cohort_size, run_rounds
-from .errors import ConfigError, DataError, FedbayesError
+from .errors import ConfigError, DataError, FedbayesError, require_int
 from .model import FedModel
 from .result import Result
 
@@ -82,8 +82,7 @@ def fed_fit(
         else:
             raise DataError(f"data must be fb.FederatedData or a dict of per-client lists, got {type(data).__name__}")
     for what, value, low in (("num_rounds", num_rounds, 1), ("seed", seed, 0), ("chunk_size", chunk_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-            raise ConfigError(f"{what} must be an integer >= {low}, got {value!r}")
+        require_int(value, what, low)
     algo = _resolve_algorithm(algorithm)
     cohort = resolve_cohort_size(clients_per_round, data.num_clients)
     fm = FedModel(model, data, model_kwargs)

@@ -91,6 +91,12 @@ def _dimension(d: object) -> int:
     return d
 
 
+def _call_repr(func: str, args: tuple[str, ...], float_bits: int, extra: tuple[str, ...]) -> str:
+    """``func(args, float_bits=..., extra)``, leaving out the default 32-bit floats."""
+    bits = () if float_bits == 32 else (f"float_bits={float_bits}",)
+    return f"{func}({', '.join((*args, *bits, *extra))})"
+
+
 def _index_bits(d: int) -> int:
     """Bits of one coordinate index in [0, d): max(1, ceil(log2 d))."""
     return max(1, (d - 1).bit_length())
@@ -319,8 +325,7 @@ class _QSGD(Compressor):
         return self._signature()
 
     def _signature(self, *extra: str) -> str:
-        bits = () if self.float_bits == 32 else (f"float_bits={self.float_bits}",)
-        return f"qsgd({', '.join((f'levels={self.levels}', *bits, *extra))})"
+        return _call_repr("qsgd", (f"levels={self.levels}",), self.float_bits, extra)
 
     def bits(self, d: int) -> int:
         return self.float_bits + _dimension(d) * (1 + self.levels.bit_length())
@@ -375,8 +380,7 @@ class _Natural(Compressor):
         return self._signature()
 
     def _signature(self, *extra: str) -> str:
-        bits = () if self.float_bits == 32 else (f"float_bits={self.float_bits}",)
-        return f"natural({', '.join((*bits, *extra))})"
+        return _call_repr("natural", (), self.float_bits, extra)
 
     def bits(self, d: int) -> int:
         return _dimension(d) * (1 + _IEEE_EXPONENTS[self.float_bits][0])

@@ -21,3 +21,12 @@ class ModelError(FedbayesError, ValueError):
 
 class ConfigError(FedbayesError, ValueError):
     """An algorithm, compressor or fit option has an invalid value."""
+
+
+def require_int(value: object, what: str, minimum: int = 1) -> int:
+    """``value`` as an int, or ConfigError if it is not an integer >= ``minimum`` (bools refused)."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    return int(value)

@@ -40,7 +40,7 @@ from jax.flatten_util import ravel_pytree
 
 from ..compress import Compressor, identity, require_contractive, scale_to_contractive
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
-from ..errors import ConfigError, ModelError
+from ..errors import ConfigError, ModelError, require_int
 from ..kernels import power_iteration
 from ..model import FedModel
 
@@ -54,12 +54,6 @@ class ServerState(NamedTuple):
 class ClientState(NamedTuple):
     g: jax.Array  # (chains, d)
     w: jax.Array  # (chains, d): the client's copy of the server's w
-
-
-def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -95,9 +89,9 @@ class _Langevin:
         if self.step_size is not None and (isinstance(self.step_size, bool) or not isinstance(self.step_size, numbers.Real)
                                            or not self.step_size > 0):
             raise ConfigError(f"{self.name} step_size must be a positive number or None, got {self.step_size!r}")
-        _positive_int(self.num_chains, f"{self.name} num_chains")
-        _positive_int(self.warmup, f"{self.name} warmup", 0)
-        _positive_int(self.thinning, f"{self.name} thinning")
+        require_int(self.num_chains, f"{self.name} num_chains")
+        require_int(self.warmup, f"{self.name} warmup", 0)
+        require_int(self.thinning, f"{self.name} thinning")
         self._compressors()  # refuse a compressor of the wrong kind now, not at fit time
 
     def _compressors(self) -> tuple[Compressor, Compressor]:

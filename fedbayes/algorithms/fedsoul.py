@@ -41,7 +41,7 @@ from jax.flatten_util import ravel_pytree
 from .. import optim
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
-from ..errors import ConfigError
+from ..errors import ConfigError, require_int
 from ..kernels import curvature, ula_step
 from ..model import FedModel, Params
 
@@ -62,12 +62,6 @@ class ClientState(NamedTuple):
 class Upload(NamedTuple):
     grad: Params
     objective: jax.Array
-
-
-def _positive_int(value: Any, what: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -133,15 +127,15 @@ class FedSOUL:
     name: str = "FedSOUL"
 
     def __post_init__(self):
-        _positive_int(self.local_steps, "FedSOUL local_steps")
-        _positive_int(self.burn_in, "FedSOUL burn_in", 0)
+        require_int(self.local_steps, "FedSOUL local_steps")
+        require_int(self.burn_in, "FedSOUL burn_in", 0)
         if self.burn_in >= self.local_steps:
             raise ConfigError(f"FedSOUL burn_in={self.burn_in} must be smaller than local_steps={self.local_steps}")
-        _positive_int(self.power_iters, "FedSOUL power_iters")
-        _positive_int(self.num_samples, "FedSOUL num_samples")
-        _positive_int(self.warmup, "FedSOUL warmup", 0)
-        _positive_int(self.thinning, "FedSOUL thinning")
-        _positive_int(self.num_chains, "FedSOUL num_chains")
+        require_int(self.power_iters, "FedSOUL power_iters")
+        require_int(self.num_samples, "FedSOUL num_samples")
+        require_int(self.warmup, "FedSOUL warmup", 0)
+        require_int(self.thinning, "FedSOUL thinning")
+        require_int(self.num_chains, "FedSOUL num_chains")
         if isinstance(self.step_scale, bool) or not isinstance(self.step_scale, numbers.Real) or not 0 < self.step_scale < 2:
             raise ConfigError(f"FedSOUL step_scale must lie in (0, 2) (ULA is unstable beyond 2), got {self.step_scale!r}")
         if self.step_size is not None:
