@@ -251,19 +251,11 @@ class _RandK(_Sparsifier):
         return jnp.zeros_like(x).at[chosen].set(x[chosen] * (d / k))
 
 
-@dataclass(frozen=True, repr=False)
-class _RandKUnscaled(_Sparsifier):
-    """Unscaled random sparsification: C(x) = sum_{j in S} x_j e_j, S uniform of size k.
-
-    Coordinate j is dropped with probability 1 - k/d, so E||C(x) - x||^2 = (1 - k/d) ||x||^2
-    exactly: contractive with alpha = k/d. Biased (E[C(x)] = (k/d) x): omega is None. Same message
-    as rand_k: bits = k (float_bits + max(1, ceil(log2 d))). With the same key it keeps the same
-    coordinates as rand_k, so rand_k(k)(key, x) = (d/k) rand_k_unscaled(k)(key, x).
-    """
+class _UnscaledSparsifier(_Sparsifier):
+    """Keeps k coordinates unscaled: biased (omega is None), contractive with alpha = k/d."""
 
     unbiased: ClassVar[bool] = False
     contractive: ClassVar[bool] = True
-    func: ClassVar[str] = "rand_k_unscaled"
 
     def omega(self, d: int) -> None:
         self.kept(d)
@@ -272,13 +264,26 @@ class _RandKUnscaled(_Sparsifier):
     def alpha(self, d: int) -> float:
         return self.kept(d) / d
 
+
+@dataclass(frozen=True, repr=False)
+class _RandKUnscaled(_UnscaledSparsifier):
+    """Unscaled random sparsification: C(x) = sum_{j in S} x_j e_j, S uniform of size k.
+
+    Coordinate j is dropped with probability 1 - k/d, so E||C(x) - x||^2 = (1 - k/d) ||x||^2
+    exactly: contractive with alpha = k/d. Biased (E[C(x)] = (k/d) x): omega is None. Same message
+    as rand_k: bits = k (float_bits + max(1, ceil(log2 d))). With the same key it keeps the same
+    coordinates as rand_k, so rand_k(k)(key, x) = (d/k) rand_k_unscaled(k)(key, x).
+    """
+
+    func: ClassVar[str] = "rand_k_unscaled"
+
     def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
         chosen = _uniform_subset(key, x.shape[0], self.kept(x.shape[0]))
         return jnp.zeros_like(x).at[chosen].set(x[chosen])
 
 
 @dataclass(frozen=True, repr=False)
-class _TopK(_Sparsifier):
+class _TopK(_UnscaledSparsifier):
     """Greedy sparsification: keep the k coordinates of largest |x_j|, unscaled.
 
     C(x) = sum_{j in T} x_j e_j with T the indices of the k largest |x_j| (ties broken by
@@ -288,16 +293,7 @@ class _TopK(_Sparsifier):
     None. bits = k (float_bits + max(1, ceil(log2 d))).
     """
 
-    unbiased: ClassVar[bool] = False
-    contractive: ClassVar[bool] = True
     func: ClassVar[str] = "top_k"
-
-    def omega(self, d: int) -> None:
-        self.kept(d)
-        return None
-
-    def alpha(self, d: int) -> float:
-        return self.kept(d) / d
 
     def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
         _, largest = jax.lax.top_k(jnp.abs(x), self.kept(x.shape[0]))
