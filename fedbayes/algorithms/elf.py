@@ -41,7 +41,7 @@ from jax.flatten_util import ravel_pytree
 from ..compress import Compressor, identity, require_contractive, scale_to_contractive
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
 from ..errors import ConfigError, ModelError, require_int
-from ..kernels import power_iteration
+from ..kernels import curvature
 from ..model import FedModel
 
 
@@ -120,6 +120,9 @@ class _Langevin:
             )
         if self.warmup >= problem.num_rounds:
             raise ConfigError(f"{self.name} warmup={self.warmup} leaves no draws from {problem.num_rounds} rounds")
+        return self._make_run(fm, problem)
+
+    def _make_run(self, fm: FedModel, problem: Problem) -> "LangevinRun":
         return LangevinRun(self, fm, problem)
 
 
@@ -256,8 +259,8 @@ class LangevinRun:
 
     def max_curvature(self, clients: ClientData, x: jax.Array) -> jax.Array:
         """lambda_max of the Hessian of U = sum_i U_i at x, by power iteration on summed client HVPs."""
-        grad_u = lambda y: jnp.sum(jax.vmap(jax.grad(self.client_potential), in_axes=(None, 0))(y, clients), 0)  # noqa: E731
-        return power_iteration(lambda v: jax.jvp(grad_u, (x,), (v,))[1], jnp.ones_like(x), 100)[0]
+        neg_u = lambda y: -jnp.sum(jax.vmap(self.client_potential, in_axes=(None, 0))(y, clients))  # noqa: E731
+        return curvature(neg_u, x, jnp.ones_like(x), 100)[0]
 
     def step_size(self, clients: ClientData, x: jax.Array) -> jax.Array:
         """The configured gamma, or 0.1 / lambda_max(Hessian of U at x)."""
@@ -266,13 +269,18 @@ class LangevinRun:
         return 0.1 / self.max_curvature(clients, x)
 
     # ------------------------------------------------------------------ protocol
+    def _start(self, key: jax.Array, clients: ClientData) -> jax.Array:
+        """x_0 per chain (the initial point, jittered when there are several chains); sets the step."""
+        chains = self.cfg.num_chains
+        jitter = jax.random.uniform(key, (chains, self.dim), minval=-0.5, maxval=0.5) if chains > 1 else 0.0
+        self._gamma = jax.jit(self.step_size)(clients, self._x0)
+        return self._x0[None] + jitter
+
     def init(self, key: jax.Array, problem: Problem):
         clients = stack_clients(problem.data)
         k_x, k_move = jax.random.split(key)
+        x0 = self._start(k_x, clients)
         chains = self.cfg.num_chains
-        jitter = jax.random.uniform(k_x, (chains, self.dim), minval=-0.5, maxval=0.5) if chains > 1 else 0.0
-        x0 = self._x0[None] + jitter
-        self._gamma = jax.jit(self.step_size)(clients, self._x0)
         g_i = jax.jit(jax.vmap(self._grad, in_axes=(None, 0)))(x0, clients)  # (clients, chains, d)
         # initial full messages: x0 to every client and g^i_0 = grad U_i(x_0) back
         full = FLOAT_BITS * self.dim * chains * self._b

@@ -42,7 +42,7 @@ from .. import optim
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
 from ..errors import ConfigError, require_int
-from ..kernels import curvature, ula_step
+from ..kernels import curvature, ula_chain, ula_step
 from ..model import FedModel, Params
 
 
@@ -192,9 +192,9 @@ class FedSOULRun:
     def _log_joint_fn(self, fm: FedModel, theta: Params, client: ClientData):
         return lambda z: fm.client_log_joint(theta, z, client.data, client.mask)
 
-    def _run_chain(self, fm, key, theta, z0, step, client, num_steps, keep_from, collect):
-        """ULA chain of ``num_steps`` moves from z0; averages grad_theta log p(D, z | theta) over the
-        states after move ``keep_from`` and optionally collects those states."""
+    def _run_chain(self, fm, key, theta, z0, step, client, num_steps, keep_from):
+        """ULA chain of ``num_steps`` moves from z0; averages grad_theta log p(D, z | theta) (and the
+        log joint) over the states after move ``keep_from``."""
         val, g_theta, g_z = fm.joint_grads(theta, z0, client.data, client.mask)
         zeros = jax.tree_util.tree_map(jnp.zeros_like, g_theta)
 
@@ -205,12 +205,12 @@ class FedSOULRun:
             val, g_theta, g_z = fm.joint_grads(theta, z, client.data, client.mask)
             keep = m >= keep_from
             acc = jax.tree_util.tree_map(lambda a, g: a + jnp.where(keep, g, 0.0), acc, g_theta)
-            return (z, g_z, acc, acc_val + jnp.where(keep, val, 0.0)), (z if collect else None)
+            return (z, g_z, acc, acc_val + jnp.where(keep, val, 0.0)), None
 
         xs = (jax.random.split(key, num_steps), jnp.arange(num_steps))
-        (z, _, acc, acc_val), zs = jax.lax.scan(body, (z0, g_z, zeros, jnp.zeros_like(val)), xs)
+        (z, _, acc, acc_val), _ = jax.lax.scan(body, (z0, g_z, zeros, jnp.zeros_like(val)), xs)
         n = num_steps - keep_from
-        return z, jax.tree_util.tree_map(lambda a: a / n, acc), acc_val / n, zs
+        return z, jax.tree_util.tree_map(lambda a: a / n, acc), acc_val / n
 
     def _step_for(self, fm, theta, z, v, step, client, iters):
         if not self._auto_step:
@@ -251,7 +251,7 @@ class FedSOULRun:
         k_init, k_chain, k_comp = jax.random.split(key, 3)
         z0 = state.z if self.cfg.stateful else fm.sample_local_prior(k_init, theta, client.data, client.mask)
         v, step = self._step_for(fm, theta, z0, state.v, state.step, client, self.cfg.power_iters)
-        z, grad, objective, _ = self._run_chain(fm, k_chain, theta, z0, step, client, self.cfg.local_steps, self.cfg.burn_in, False)
+        z, grad, objective = self._run_chain(fm, k_chain, theta, z0, step, client, self.cfg.local_steps, self.cfg.burn_in)
         grad_hat, bits = self._compress(k_comp, grad)
         return ClientState(z, v, step), Message(Upload(grad_hat, objective), bits + FLOAT_BITS)
 
@@ -311,7 +311,8 @@ class FedSOULRun:
             fresh = jax.vmap(fm.sample_local_prior, in_axes=(0, None, None, None))(
                 jax.random.split(k_starts, cfg.num_chains - 1), theta, client.data, client.mask)
             starts = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), z, fresh)
-            chain = lambda kc, z0: self._run_chain(fm, kc, theta, z0, s, client, n_steps, warmup, True)[3]  # noqa: E731
+            score = lambda z: fm.local_score(theta, z, client.data, client.mask)  # noqa: E731
+            chain = lambda kc, z0: ula_chain(kc, z0, score, s, n_steps)[1]  # noqa: E731
             zs = jax.vmap(chain)(jax.random.split(k_chains, cfg.num_chains), starts)
             return jax.tree_util.tree_map(lambda a: a[:, warmup + cfg.thinning - 1::cfg.thinning], zs), s
 

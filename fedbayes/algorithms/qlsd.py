@@ -75,9 +75,8 @@ class QLSD(_Langevin):
     def _compressors(self) -> tuple[Compressor, Compressor]:
         return require_unbiased(self.compressor, self.name), identity()
 
-    def build(self, problem: Problem) -> "QLSDRun":
-        super().build(problem)  # the model checks of the Langevin samplers
-        return QLSDRun(self, problem.model, problem)
+    def _make_run(self, fm: FedModel, problem: Problem) -> "QLSDRun":
+        return QLSDRun(self, fm, problem)
 
 
 class QLSDRun(LangevinRun):
@@ -89,11 +88,7 @@ class QLSDRun(LangevinRun):
 
     def init(self, key: jax.Array, problem: Problem) -> tuple[QLSDServer, QLSDClient, Message]:
         """x_0 (prior medians, jittered per chain as in LMC) broadcast to all; memories at zero."""
-        k_x = jax.random.split(key)[0]  # LangevinRun.init's jitter key: the same x_0 as LMC's
-        chains = self.cfg.num_chains
-        jitter = jax.random.uniform(k_x, (chains, self.dim), minval=-0.5, maxval=0.5) if chains > 1 else 0.0
-        x0 = self._x0[None] + jitter
-        self._gamma = jax.jit(self.step_size)(stack_clients(problem.data), self._x0)
+        x0 = self._start(jax.random.split(key)[0], stack_clients(problem.data))  # LMC's x_0 for the same key
         self.init_bits = (0, FLOAT_BITS * x0.size * self._b)
         zeros = jnp.zeros_like(x0)
         clients = QLSDClient(jnp.zeros((self._b, *x0.shape), x0.dtype))
