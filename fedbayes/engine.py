@@ -11,7 +11,10 @@ compressed, with their exact size in bits. Nothing else passes between clients a
 
 One round: the server's broadcast goes to a cohort of ``cohort_size`` clients drawn uniformly
 without replacement (a fixed size keeps shapes static); the cohort's client steps run under
-``jax.vmap``; the server step aggregates the uploads. Rounds run inside ``jax.lax.scan`` in
+``jax.vmap``; the server step aggregates the uploads. An algorithm with a ``participation``
+probability p < 1 (FedMM's Bernoulli participation) has each cohort member take part independently
+with probability p: only active clients' new states are kept, only their messages are counted, and
+the server sees who answered in ``RoundInfo.active``. Rounds run inside ``jax.lax.scan`` in
 chunks compiled once; between chunks the host records the ledger and updates the progress bar.
 Randomness is a pure function of ``(seed, round, client id)``, so a fit is reproducible.
 """
@@ -124,6 +127,14 @@ def _put(tree: PyTree, idx: jax.Array, values: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda a, v: a.at[idx].set(v), tree, values)
 
 
+_PARTICIPATION_STREAM = 0x5EED  # a key stream of its own: the other round keys are unchanged
+
+
+def _where_active(active: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+    """Commit the new client states of active clients only (inactive ones keep theirs)."""
+    return jax.tree_util.tree_map(lambda n, o: jnp.where(jnp.reshape(active, (-1,) + (1,) * (n.ndim - 1)), n, o), new, old)
+
+
 class Progress:
     """A one-line progress report on stderr, shown only on a terminal unless forced."""
 
@@ -150,6 +161,8 @@ class Progress:
 def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, cohort_size: int, base_key: jax.Array):
     """The pure function of one round: ``(carry, k) -> (carry, record)``."""
 
+    participation = float(getattr(algorithm, "participation", 1.0))
+
     def round_fn(carry, k):
         server_state, client_states, broadcast = carry
         rk = jax.random.fold_in(base_key, k)
@@ -157,9 +170,14 @@ def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, coho
         cohort = sample_cohort(k_cohort, num_clients, cohort_size)
         keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(cohort)
         step = jax.vmap(algorithm.client_step, in_axes=(0, None, 0, 0))
-        new_states, uploads = step(keys, broadcast.payload, _take(client_states, cohort), _take(clients, cohort))
+        old_states = _take(client_states, cohort)
+        new_states, uploads = step(keys, broadcast.payload, old_states, _take(clients, cohort))
+        if participation < 1.0:  # each cohort member takes part independently with probability p
+            active = jax.random.bernoulli(jax.random.fold_in(rk, _PARTICIPATION_STREAM), participation, (cohort_size,))
+            new_states = _where_active(active, new_states, old_states)
+        else:
+            active = jnp.ones((cohort_size,), bool)
         client_states = _put(client_states, cohort, new_states)
-        active = jnp.ones((cohort_size,), bool)
         info = RoundInfo(k, cohort, active, num_clients)
         server_state, new_broadcast, diag = algorithm.server_step(k_server, server_state, uploads, info)
         record = {
