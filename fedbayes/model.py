@@ -102,6 +102,18 @@ def _trace(model: Callable, kwargs: Mapping[str, Any], substitutions=None, subst
     return handlers.trace(fn).get_trace(**kwargs)
 
 
+def _abstract_trace(model: Callable, kwargs: Mapping[str, Any]):
+    """The model's trace evaluated abstractly (shapes, supports, plates; nothing compiled or computed)."""
+    box = {}
+
+    def run():
+        box["trace"] = _trace(model, kwargs)
+        return 0
+
+    jax.make_jaxpr(run)()
+    return box["trace"]
+
+
 def _support_transform(site: dict[str, Any]) -> Transform:
     if site["type"] == "param":
         constraint = site["kwargs"].get("constraint")
@@ -145,8 +157,8 @@ class FedModel:
         example = {k: np.asarray(v[0]) for k, v in data.padded.items()}
         longer = {k: np.concatenate([v, v[-1:]], axis=0) for k, v in example.items()}
         try:
-            tr = _trace(model, {**example, **self.model_kwargs})
-            tr_longer = _trace(model, {**longer, **self.model_kwargs})
+            tr = _abstract_trace(model, {**example, **self.model_kwargs})
+            tr_longer = _abstract_trace(model, {**longer, **self.model_kwargs})
         except Exception as err:  # the user's model failed on a client's data
             raise ModelError(
                 f"calling the model on client 0's data failed with {type(err).__name__}: {err}. "
