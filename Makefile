@@ -1,5 +1,7 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
 PYTHON ?= python3
+# Test files run on this many processes (module fixtures stay within one process: --dist loadfile).
+TEST_WORKERS ?= 2
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedbayes-installed
@@ -15,7 +17,7 @@ demo: $(STAMP)
 	MPLBACKEND=Agg $(PY) examples/fedpop_synthetic.py --quick
 
 test: $(STAMP)
-	MPLBACKEND=Agg $(PY) -m pytest -q tests
+	MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The ArviZ 1.x line (DataTree) needs Python >= 3.12: run the ArviZ-facing tests there.
 # Usage: make test-arviz1 PYTHON=python3.12

@@ -1,7 +1,9 @@
 """fedbayes: Bayesian federated inference for NumPyro models."""
 
 from . import compress, models
-from .algorithms import BELF, DELF, LMC, PELF, QLSD, FedSOUL, curvature_step_size, theory_step_size
+from .algorithms import (BELF, DELF, LMC, PELF, QLSD, FedEM, FedMM, FedSOUL, ParamAveragingEM, curvature_step_size,
+                         theory_step_size)
+from .expfam import CustomStatistics
 from .api import fed_fit
 from .data import FederatedData, partition_dirichlet, partition_iid, partition_shards
 from .errors import ConfigError, DataError, FedbayesError, ModelError
@@ -12,7 +14,7 @@ from .result import Result
 __version__ = "0.1.0"
 
 __all__ = [
-    "BELF", "DELF", "LMC", "PELF", "QLSD", "ConfigError", "DataError", "FedModel", "FedSOUL", "FederatedData", "FedbayesError", "ModelError",
+    "BELF", "CustomStatistics", "DELF", "FedEM", "FedMM", "ParamAveragingEM", "LMC", "PELF", "QLSD", "ConfigError", "DataError", "FedModel", "FedSOUL", "FederatedData", "FedbayesError", "ModelError",
     "Result", "ULA", "compress", "fed_fit", "local", "models", "partition_dirichlet", "partition_iid",
     "partition_shards", "curvature_step_size", "theory_step_size",
 ]

@@ -58,7 +58,17 @@ class Result:
     global_samples:
         Posterior draws of the global sites for sampling algorithms: ``{site: array (chains, draws, ...)}``.
     init_bits:
-        ``(up, down)`` bits of the one-off initial messages (e.g. the ELF samplers' full first gradients).
+        ``(up, down)`` bits of the one-off messages (e.g. the ELF samplers' full first gradients,
+        FedMM's initial E-step passes and its final information pass).
+    standard_errors:
+        EM fits: standard errors of the constrained global sites from Louis' observed information.
+    global_approx:
+        EM fits: draws ``(1, draws, ...)`` of the asymptotic normal approximation of the globals.
+    local_info:
+        EM fits: per-client local posteriors that are not samples (``responsibilities`` (C, N, K),
+        per-observation Gaussian ``mean`` / ``cov``), padded rows zero.
+    information:
+        EM fits: the observed information matrix (unconstrained coordinates, prior included).
     """
 
     def __init__(self, *, model: FedModel, data: FederatedData, run: Any, algorithm: str, seed: int,
@@ -75,6 +85,11 @@ class Result:
         self._local_chains = {k: np.asarray(v) for k, v in constrained.items()}  # (client, chain, draw, ...)
         self.local_samples = {k: v.reshape((v.shape[0], -1) + v.shape[3:]) for k, v in self._local_chains.items()}
         self.client_info = {k: np.asarray(v) for k, v in parts.get("client_info", {}).items()}
+        self.standard_errors = {k: np.asarray(v) for k, v in parts.get("se", {}).items()}
+        self.global_approx = {k: np.asarray(v) for k, v in parts.get("global_approx", {}).items()}
+        self.local_info = {k: np.asarray(v) for k, v in parts.get("local_info", {}).items()}
+        self.information = None if parts.get("information") is None else np.asarray(parts["information"])
+        self.statistic = parts.get("statistic")
         self.history = history
         self._idata = None
 
@@ -112,7 +127,7 @@ class Result:
             a = np.moveaxis(arr, 0, 2)  # (chain, draw, client, ...)
             post[name] = (["chain", "draw", "client", *_site_dims(name, arr.shape[3:])], a)
             coords.update(chain=np.arange(a.shape[0]), draw=np.arange(a.shape[1]))
-        for name, arr in self.global_samples.items():
+        for name, arr in (self.global_samples or self.global_approx).items():
             post[name] = (["chain", "draw", *_site_dims(name, arr.shape[2:])], arr)
             coords.update(chain=np.arange(arr.shape[0]), draw=np.arange(arr.shape[1]))
         posterior = xr.Dataset(post, coords=coords) if post else None
@@ -125,6 +140,12 @@ class Result:
                 stats[key] = (["chain", "draw"], np.broadcast_to(per_round, (chains, draws)))
             sample_stats = xr.Dataset(stats, coords={"chain": np.arange(chains), "draw": np.arange(draws)})
         params = xr.Dataset({k: (_site_dims(k, v.shape), v) for k, v in self.params.items()})
+        for k, v in self.standard_errors.items():
+            params[f"{k}_se"] = (_site_dims(k, v.shape), v)
+        local = None
+        if self.local_info:
+            local = xr.Dataset({k: (["client", *[f"{k}_dim_{i}" for i in range(v.ndim - 1)]], v)
+                                for k, v in self.local_info.items()}, coords={"client": coords["client"]})
         hist = {}
         for k, v in self.history.items():
             name = k.replace("/", "_")
@@ -137,9 +158,11 @@ class Result:
         attrs = {"inference_library": "fedbayes", "algorithm": self.algorithm, "seed": self.seed}
         if posterior is not None:
             posterior.attrs.update(attrs)
+            if self.global_approx and not self.global_samples:
+                posterior.attrs["globals"] = "asymptotic normal approximation N(theta_hat, I^-1), I by Louis' identity"
         history.attrs.update(init_bits_up=self.init_bits[0], init_bits_down=self.init_bits[1])
         return {"posterior": posterior, "sample_stats": sample_stats, "fed_params": params,
-                "fed_history": history, "fed_clients": clients}
+                "fed_history": history, "fed_clients": clients, "fed_local": local}
 
     def _draw_rounds(self, draws: int) -> np.ndarray:
         """The round index of each kept draw (after warm-up and thinning)."""

@@ -1,0 +1,391 @@
+"""FedMM (Dieuleveut, Fort, Hegazy, Wai, 2025, Algorithm 2): federated EM by aggregating statistics.
+
+The clients' EM surrogates are linear in the expected complete-data statistic (FedMM Example 2), so
+the server averages *statistics*, never parameters, and applies the M-step map T to the average.
+With mu_i = N_i / N, s_i(theta) = E[S(D_i, h) | D_i, theta] / N_i and h_i(s) = s_i(T(s)) - s, round t:
+
+    active clients A_{t+1} (each independently with probability p; or a uniform cohort, p = m / n)
+    client i in A:  Delta_i = s_i(theta_t) - S_t - V_i,   Q_i = Quant(Delta_i)   (unbiased),
+                    V_i <- V_i + (alpha / p) Q_i,          upload Q_i
+    server:         H = V + (1/p) sum_{i in A} mu_i Q_i      (E[H] = h(S_t))
+                    S_{t+1} = Proj( S_t + gamma_{t+1} H ),  V <- V + (alpha / p) sum_{i in A} mu_i Q_i,
+                    theta_{t+1} = T(S_{t+1}),               broadcast (S_{t+1}, theta_{t+1})
+
+so V = sum_i mu_i V_i after every round (Proposition 5). The projection onto the statistics' valid
+set (non-negative counts, PSD moment blocks; Euclidean, B = I as in the paper's experiments) keeps T
+defined under compression; ``projection=False`` is FedEM (Dieuleveut et al. 2021). Initialisation
+(the digest's recipe): a federated E-step at theta_0 gives S_0 = sum_i mu_i s_i(theta_0); with
+``control_variates="e_step"`` one more pass sets V_i = h_i(S_0) (no heterogeneity term in Theorem 1).
+With gamma = 1, p = 1, no compression and exact E-steps the iterates are centralised EM's.
+
+The M-step uses the prior as the MAP-EM penalty: T(s) = argmax Q(theta; N s) + log p(theta).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from ..compress import Compressor, identity, require_unbiased
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
+from ..errors import ConfigError, require_int
+from ..expfam import CustomStatistics, Derived, derive
+from ..kernels import curvature, ula_chain
+from ..model import FedModel, Params
+from ..optim import as_schedule
+from . import louis
+
+
+class ServerState(NamedTuple):
+    s: jax.Array  # S_t, the normalised statistic (flat)
+    v: jax.Array  # V = sum_i mu_i V_i
+    theta: Params  # T(S_t), unconstrained
+    s_sum: jax.Array  # running sum of S_t after ``average_from`` (Monte Carlo E-steps)
+    count: jax.Array
+
+
+class ClientState(NamedTuple):
+    v: jax.Array  # V_i
+    z: Params  # Langevin chain of the local latents (Monte Carlo E-step only; empty otherwise)
+    step: jax.Array
+
+
+class Broadcast(NamedTuple):
+    s: jax.Array
+    theta: Params
+
+
+@dataclass(frozen=True)
+class FedMM:
+    """FedMM (Algorithm 2) for exponential-family latent-variable models.
+
+    Parameters
+    ----------
+    step_size:
+        gamma_t in (0, 1]: a float or a schedule ``t -> gamma_t`` (1.0 with full participation and
+        no compression is exact federated EM).
+    participation:
+        p, the probability that each client of the round's cohort takes part (Bernoulli, the
+        paper's A5). With ``clients_per_round = m`` in ``fed_fit`` the inclusion probability is
+        p m / n, which is what the 1/p weights use.
+    compressor:
+        Unbiased compressor of the uploads (e.g. ``fb.compress.qsgd(levels=7)`` ~ 4 bits/coordinate).
+    alpha:
+        Control-variate step; default 1 / (1 + omega_p) with omega_p = omega + (1 + omega)(1 - p)/p
+        (Lemma 1), the largest value Theorem 1 allows; 0 disables the control variates.
+    control_variates:
+        "e_step" (V_i = h_i(S_0), one extra full pass at start) or "zero".
+    projection:
+        Project S onto its valid set each round (False: FedEM).
+    init:
+        Initial constrained values of global sites (others: ``param`` inits / prior medians).
+    statistics:
+        ``fb.CustomStatistics`` to supply S and T by hand; default: derived from the model.
+    langevin_steps, burn_in, langevin_step:
+        Monte Carlo E-step for non-Gaussian continuous local latents (stochastic EM): ULA steps per
+        round, of which the first ``burn_in`` are not averaged; the step defaults to 0.1 / L_i with
+        L_i the local posterior's curvature at the start.
+    average_from:
+        Fraction of rounds after which S_t is averaged into ``res.params`` (default: 0.5 with a
+        Monte Carlo E-step, else None: the last iterate).
+    louis_draws:
+        Posterior draws for Louis' identity where it is not computed exactly.
+    uncertainty:
+        After the fit, compute the local posteriors and Louis' standard errors (one extra pass,
+        d(d+1)/2 floats up per client); False skips it.
+    """
+
+    step_size: float | Callable = 1.0
+    participation: float = 1.0
+    compressor: Compressor = identity()
+    alpha: float | None = None
+    control_variates: str = "e_step"
+    projection: bool = True
+    init: Mapping[str, Any] | None = None
+    statistics: CustomStatistics | None = None
+    langevin_steps: int = 20
+    burn_in: int = 10
+    langevin_step: float | None = None
+    average_from: float | None = None
+    m_step_iters: int = 200
+    louis_draws: int = 500
+    uncertainty: bool = True
+    name = "FedMM"
+
+    def __post_init__(self):
+        as_schedule(self.step_size, f"{self.name} step_size")
+        if not callable(self.step_size) and self.step_size > 1:
+            raise ConfigError(f"{self.name} step_size must lie in (0, 1], got {self.step_size}")
+        p = self.participation
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
+            raise ConfigError(f"{self.name} participation must lie in (0, 1], got {p!r}")
+        require_unbiased(self.compressor, self.name)
+        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real)
+                                       or not 0 <= self.alpha <= 1):
+            raise ConfigError(f"{self.name} alpha must lie in [0, 1], got {self.alpha!r}")
+        if self.control_variates not in ("e_step", "zero"):
+            raise ConfigError(f"{self.name} control_variates must be 'e_step' or 'zero', got {self.control_variates!r}")
+        require_int(self.langevin_steps, f"{self.name} langevin_steps", 1)
+        require_int(self.burn_in, f"{self.name} burn_in", 0)
+        if self.burn_in >= self.langevin_steps:
+            raise ConfigError(f"{self.name} burn_in ({self.burn_in}) must be < langevin_steps ({self.langevin_steps})")
+        if self.average_from is not None and not 0 <= self.average_from < 1:
+            raise ConfigError(f"{self.name} average_from must lie in [0, 1), got {self.average_from!r}")
+        require_int(self.m_step_iters, f"{self.name} m_step_iters", 1)
+        require_int(self.louis_draws, f"{self.name} louis_draws", 2)
+
+    def build(self, problem: Problem) -> "FedMMRun":
+        fm: FedModel = problem.model
+        fm.require(self.name, local_continuous=False, allow_obs_latent=True)
+        stats = self.statistics if self.statistics is not None else derive(fm, m_step_iters=self.m_step_iters)
+        return FedMMRun(self, fm, stats, problem)
+
+
+@dataclass(frozen=True)
+class FedEM(FedMM):
+    """FedEM (Dieuleveut, Fort, Moulines, Robin, 2021): FedMM without the projection step."""
+
+    projection: bool = False
+    name = "FedEM"
+
+
+class FedMMRun:
+    """FedMM bound to a model and data: the engine's init / client_step / server_step / finalize."""
+
+    def __init__(self, cfg: FedMM, fm: FedModel, stats: Derived | CustomStatistics, problem: Problem):
+        self.cfg, self._fm, self.stats = cfg, fm, stats
+        self.name = cfg.name
+        self._custom = isinstance(stats, CustomStatistics)
+        self._mc = not self._custom and stats.latent_mode == "monte_carlo"
+        sizes = np.asarray(problem.data.sizes, float)
+        self._N = float(sizes.sum())
+        self._mu = jnp.asarray(sizes / sizes.sum())
+        n, m = problem.data.num_clients, problem.cohort_size or problem.data.num_clients
+        self.participation = float(cfg.participation)
+        self._p = self.participation * m / n  # inclusion probability of a client in a round
+        self._gamma = as_schedule(cfg.step_size, f"{cfg.name} step_size")
+        self._num_rounds = problem.num_rounds
+        avg = cfg.average_from if cfg.average_from is not None else (0.5 if self._mc else None)
+        self._avg_start = None if avg is None else int(avg * problem.num_rounds)
+
+    # ------------------------------------------------------------------ S and T
+    def _e_step(self, theta_u: Params, client: ClientData, z=None, step=None, key=None):
+        """(s_i flat = E[S(D_i, h)] / N_i, new chain state) at theta for one client."""
+        if self._custom:
+            total = self.stats.e_step(self._fm.constrain(theta_u), client.data, client.mask)
+            return ravel_pytree(total)[0] / client.size, z
+        if self._mc:
+            d: Derived = self.stats
+            keep = self.cfg.langevin_steps - self.cfg.burn_in
+            score = lambda zz: self._fm.local_score(theta_u, zz, client.data, client.mask)  # noqa: E731
+            z, states = ula_chain(key, z, score, step, self.cfg.langevin_steps)
+            kept = jax.tree_util.tree_map(lambda a: a[-keep:], states)
+            theta_c = self._fm.constrain(theta_u)
+            per = jax.vmap(lambda zz: ravel_pytree(d.complete_stats(theta_c, self._fm.constrain(zz), client.data,
+                                                                    client.mask))[0])(kept)
+            return jnp.mean(per, 0) / client.size, z
+        total, _ = self.stats.e_step(theta_u, client.data, client.mask)
+        return ravel_pytree(total)[0] / client.size, z
+
+    def _template(self, theta_u: Params, client: ClientData):
+        if self._custom:
+            return self.stats.e_step(self._fm.constrain(theta_u), client.data, client.mask)
+        if self._mc:
+            return self.stats.complete_stats(self._fm.constrain(theta_u), self._fm.constrain(self._fm.zeros_local()),
+                                             client.data, client.mask)
+        return self.stats.e_step(theta_u, client.data, client.mask)[0]
+
+    def m_step(self, s_flat: jax.Array, theta_u: Params) -> Params:
+        """theta = T(s): the M-step on the summed statistic N s (prior counted once)."""
+        s = self._unravel(s_flat * self._N)
+        if self._custom:
+            return self._fm.unconstrain(self.stats.m_step(s))
+        return self.stats.m_step(s, theta_u)
+
+    def project(self, s_flat: jax.Array) -> jax.Array:
+        if self._custom:
+            proj = self.stats.project
+            return s_flat if proj is None else ravel_pytree(proj(self._unravel(s_flat)))[0]
+        return ravel_pytree(self.stats.project(self._unravel(s_flat)))[0]
+
+    # ------------------------------------------------------------------ engine protocol
+    def _client(self, clients: ClientData, i: int) -> ClientData:
+        return jax.tree_util.tree_map(lambda a: a[i], clients)
+
+    def init(self, key: jax.Array, problem: Problem) -> tuple[ServerState, ClientState, Message]:
+        """theta_0, a federated E-step for S_0 and (optionally) V_i = h_i(S_0) by a second pass."""
+        fm, cfg = self._fm, self.cfg
+        k_theta, k_z, k_e1, k_e2 = jax.random.split(key, 4)
+        theta0 = fm.init_globals(k_theta, cfg.init)
+        clients = stack_clients(problem.data)
+        n = problem.data.num_clients
+        template = self._template(theta0, self._client(clients, 0))
+        flat, self._unravel = ravel_pytree(template)
+        self.q = int(flat.size)
+        self.dim = int(ravel_pytree(theta0)[0].size)
+        self._omega = float(cfg.compressor.omega(self.q))
+        omega_p = self._omega + (1 + self._omega) * (1 - self._p) / self._p
+        self.alpha = float(cfg.alpha) if cfg.alpha is not None else 1.0 / (1.0 + omega_p)
+        if self._mc:
+            z0 = jax.vmap(lambda k, c: fm.sample_local_prior(k, theta0, c.data, c.mask))(jax.random.split(k_z, n), clients)
+            steps = self._auto_steps(theta0, z0, clients)
+        else:
+            z0, steps = {}, jnp.zeros((n,))
+        self._e_step_all = e_step = jax.jit(jax.vmap(self._e_step, in_axes=(None, 0, 0, 0, 0)))
+        self._m_step_jit = jax.jit(self.m_step)
+        s_i, z0 = e_step(theta0, clients, z0, steps, jax.random.split(k_e1, n))
+        s0 = jnp.tensordot(self._mu, s_i, 1)
+        if cfg.projection:
+            s0 = self.project(s0)
+        theta1 = self._m_step_jit(s0, theta0)
+        up, down = FLOAT_BITS * self.q * n, FLOAT_BITS * self.dim * n
+        if cfg.control_variates == "e_step" and self.alpha > 0:
+            s_i1, z0 = e_step(theta1, clients, z0, steps, jax.random.split(k_e2, n))
+            v_i = s_i1 - s0[None]
+            up, down = up + FLOAT_BITS * self.q * n, down + FLOAT_BITS * (self.q + self.dim) * n
+        else:
+            v_i = jnp.zeros((n, self.q))
+        self.init_bits = (up, down)
+        v = jnp.tensordot(self._mu, v_i, 1)
+        server = ServerState(s0, v, theta1, jnp.zeros_like(s0), jnp.zeros((), jnp.int32))
+        return server, ClientState(v_i, z0, steps), self._broadcast(s0, theta1)
+
+    def _auto_steps(self, theta, z0, clients):
+        if self.cfg.langevin_step is not None:
+            return jnp.full((clients.mask.shape[0],), float(self.cfg.langevin_step))
+
+        def one(z, c):
+            log_density = lambda zz: self._fm.client_log_joint(theta, zz, c.data, c.mask)  # noqa: E731
+            v0 = jnp.ones(ravel_pytree(z)[0].shape)
+            lam, _ = curvature(log_density, z, v0, 50)
+            return 0.1 / lam
+
+        return jax.jit(jax.vmap(one))(z0, clients)
+
+    def _broadcast(self, s: jax.Array, theta: Params) -> Message:
+        return Message(Broadcast(s, theta), jnp.asarray(FLOAT_BITS * (self.q + self.dim), jnp.int32))
+
+    def client_step(self, key: jax.Array, payload: Broadcast, state: ClientState, client: ClientData):
+        """E-step at theta_t; upload Quant(s_i - S_t - V_i); V_i += (alpha/p) Q_i."""
+        k_e, k_q = jax.random.split(key)
+        s_i, z = self._e_step(payload.theta, client, state.z, state.step, k_e)
+        delta = s_i - payload.s - state.v
+        q, bits = self.cfg.compressor(k_q, delta)
+        return ClientState(state.v + (self.alpha / self._p) * q, z, state.step), Message(q, bits)
+
+    def server_step(self, key: jax.Array, state: ServerState, uploads: Message, info: RoundInfo):
+        """H = V + (1/p) sum mu_i Q_i;  S <- Proj(S + gamma H);  V += (alpha/p) sum mu_i Q_i;  theta = T(S)."""
+        mu = self._mu[info.cohort] * info.active
+        total = jnp.tensordot(mu, uploads.payload, 1) / self._p
+        h = state.v + total
+        gamma = self._gamma(info.round)
+        s_new = state.s + gamma * h
+        if self.cfg.projection:
+            s_new = self.project(s_new)
+        v_new = state.v + self.alpha * total
+        theta = self.m_step(s_new, state.theta)
+        averaging = self._avg_start is not None and True
+        take = (info.round >= (self._avg_start or 0)) if averaging else jnp.asarray(False)
+        new = ServerState(s_new, v_new, theta, state.s_sum + jnp.where(take, s_new, 0.0), state.count + take)
+        diag = {f"theta/{k}": v for k, v in self._fm.constrain(theta).items()}
+        diag["field_norm"] = jnp.linalg.norm(h)
+        diag["stat_change"] = jnp.sum((s_new - state.s) ** 2) / gamma**2
+        diag["participants"] = jnp.sum(info.active)
+        return new, self._broadcast(s_new, theta), diag
+
+    # ------------------------------------------------------------------ results
+    def final_statistic(self, state: ServerState) -> jax.Array:
+        if self._avg_start is None:
+            return state.s
+        return jnp.where(state.count > 0, state.s_sum / jnp.maximum(state.count, 1), state.s)
+
+    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+        """T of the final (or averaged) statistic, local posteriors, and Louis' asymptotic covariance."""
+        server, states, _ = carry
+        s = self.final_statistic(server)
+        theta = self._m_step_jit(s, server.theta)
+        parts: dict[str, Any] = {
+            "theta": theta,
+            "params": self._fm.constrain(theta),
+            "params_last": self._fm.constrain(server.theta),
+            "statistic": self._unravel(s),
+        }
+        up, down = self.init_bits
+        C = problem.data.num_clients
+        if not self._custom and self.cfg.uncertainty:
+            clients = stack_clients(problem.data)
+            k_e, k_louis = jax.random.split(key)
+            s_i, _ = self._e_step_all(theta, clients, states.z, states.step, jax.random.split(k_e, C))
+            statistic = self._unravel(jnp.tensordot(self._mu, s_i, 1) * self._N)  # E-step at theta-hat
+            info = louis.posterior_summary(self, k_louis, theta, states, clients, statistic)
+            parts.update(info)
+            up += FLOAT_BITS * C * self.dim * (self.dim + 1) // 2  # each client's information matrix (symmetric)
+            down += FLOAT_BITS * C * self.dim  # theta-hat to every client
+        parts["init_bits"] = (up, down)
+        return parts
+
+
+@dataclass(frozen=True)
+class ParamAveragingEM(FedMM):
+    """The parameter-averaging baseline (NOT FedMM): clients run a full local EM step and send T(s_i);
+    the server averages the constrained parameters with weights mu_i.
+
+    theta_{t+1} = sum_i mu_i T_i(s_i(theta_t)), T_i with the prior weighted by N_i / N. This is what
+    FedAvg-style federated EM does; on heterogeneous clients its fixed point is not the centralised
+    EM / MAP fixed point (FedMM Remark 1), which is why it is here: as a baseline to compare with.
+    """
+
+    name = "ParamAveragingEM"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.participation != 1.0 or not isinstance(self.compressor, type(identity())):
+            raise ConfigError("ParamAveragingEM is the plain baseline: full participation, no compression")
+
+    def build(self, problem: Problem) -> "ParamAveragingRun":
+        run = super().build(problem)
+        return ParamAveragingRun(run.cfg, run._fm, run.stats, problem)
+
+
+class ParamAveragingRun(FedMMRun):
+    def init(self, key, problem):
+        server, states, _ = super().init(key, problem)
+        self.init_bits = (0, FLOAT_BITS * self.dim * problem.data.num_clients)
+        return server, states, self._broadcast(server.s, server.theta)
+
+    def _broadcast(self, s, theta):
+        return Message(Broadcast(s, theta), jnp.asarray(FLOAT_BITS * self.dim, jnp.int32))
+
+    def client_step(self, key, payload: Broadcast, state: ClientState, client: ClientData):
+        s_i, z = self._e_step(payload.theta, client, state.z, state.step, key)
+        weight = client.size / self._N
+        s = self._unravel(s_i * client.size)
+        theta_i = self.stats.m_step(s, payload.theta, prior_weight=weight) if not self._custom else \
+            self._fm.unconstrain(self.stats.m_step(s))
+        flat = ravel_pytree(self._fm.constrain(theta_i))[0]
+        return ClientState(state.v, z, state.step), Message(flat, jnp.asarray(FLOAT_BITS * flat.size, jnp.int32))
+
+    def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
+        mu = self._mu[info.cohort] * info.active
+        avg = jnp.tensordot(mu / jnp.sum(mu), uploads.payload, 1)
+        _, unravel = ravel_pytree(self._fm.constrain(state.theta))
+        theta = self._fm.unconstrain(unravel(avg))
+        new = state._replace(theta=theta)
+        diag = {f"theta/{k}": v for k, v in self._fm.constrain(theta).items()}
+        diag["participants"] = jnp.sum(info.active)
+        return new, self._broadcast(state.s, theta), diag
+
+    def final_statistic(self, state):
+        return state.s
+
+    def finalize(self, key, carry, problem, history=None):
+        server, states, _ = carry
+        parts = {"theta": server.theta, "params": self._fm.constrain(server.theta),
+                 "params_last": self._fm.constrain(server.theta), "init_bits": self.init_bits}
+        return parts
