@@ -55,7 +55,6 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 from jax.scipy.special import gammaln
 from numpyro import distributions as dist
-from numpyro.distributions.transforms import IdentityTransform
 
 from .errors import ModelError
 from .model import FedModel, Params, _sum_log_prob
@@ -116,6 +115,14 @@ class Family:
 
 def _ws(w, x):
     return jnp.reshape(w, w.shape + (1,) * (x.ndim - w.ndim))
+
+
+def _count_sum(x, w, **more):
+    """``{"s0": sum w, "s1": sum w x}`` plus ``{name: sum w f(x)}`` for each ``more`` f."""
+    ww = _ws(w, x)
+    out = {"s0": jnp.sum(ww * jnp.ones_like(x), 0), "s1": jnp.sum(ww * x, 0)}
+    out.update({k: jnp.sum(ww * f(x), 0) for k, f in more.items()})
+    return out
 
 
 def _clip_count(s0):
@@ -185,8 +192,7 @@ FAMILIES: dict[str, Family] = {
     "normal": Family(
         ("loc", "scale"),
         lambda fn: {"loc": _param(fn, "loc"), "scale": _param(fn, "scale")},
-        lambda x, w: {"s0": jnp.sum(_ws(w, x) * jnp.ones_like(x), 0), "s1": jnp.sum(_ws(w, x) * x, 0),
-                      "s2": jnp.sum(_ws(w, x) * x**2, 0)},
+        lambda x, w: _count_sum(x, w, s2=jnp.square),
         lambda p, s: jnp.sum((p["loc"] * s["s1"] - 0.5 * s["s2"] - 0.5 * p["loc"] ** 2 * s["s0"]) / p["scale"] ** 2
                              - s["s0"] * jnp.log(p["scale"])),
         _normal_ml,
@@ -204,7 +210,7 @@ FAMILIES: dict[str, Family] = {
     "bernoulli": Family(
         ("probs",),
         lambda fn: {"probs": _param(fn, "probs")},
-        lambda x, w: {"s0": jnp.sum(_ws(w, x) * jnp.ones_like(x), 0), "s1": jnp.sum(_ws(w, x) * x, 0)},
+        _count_sum,
         lambda p, s: jnp.sum(s["s1"] * jnp.log(p["probs"]) + (s["s0"] - s["s1"]) * jnp.log1p(-p["probs"])),
         lambda s, fixed: {"probs": s["s1"] / s["s0"]},
         _bernoulli_project,
@@ -212,7 +218,7 @@ FAMILIES: dict[str, Family] = {
     "categorical": Family(
         ("probs",),
         lambda fn: {"probs": _param(fn, "probs", (_base(fn).probs.shape[-1],))},
-        None,  # needs the number of classes: built in _categorical_stats
+        None,  # needs the number of classes: see _family_stats
         lambda p, s: jnp.sum(s["s1"] * jnp.log(p["probs"])),
         lambda s, fixed: {"probs": s["s1"] / s["s0"][..., None]},
         _nonneg("s0", "s1"),
@@ -220,7 +226,7 @@ FAMILIES: dict[str, Family] = {
     "poisson": Family(
         ("rate",),
         lambda fn: {"rate": _param(fn, "rate")},
-        lambda x, w: {"s0": jnp.sum(_ws(w, x) * jnp.ones_like(x), 0), "s1": jnp.sum(_ws(w, x) * x, 0)},
+        _count_sum,
         lambda p, s: jnp.sum(s["s1"] * jnp.log(p["rate"]) - s["s0"] * p["rate"]),
         lambda s, fixed: {"rate": s["s1"] / s["s0"]},
         _nonneg("s0", "s1"),
@@ -228,7 +234,7 @@ FAMILIES: dict[str, Family] = {
     "exponential": Family(
         ("rate",),
         lambda fn: {"rate": _param(fn, "rate")},
-        lambda x, w: {"s0": jnp.sum(_ws(w, x) * jnp.ones_like(x), 0), "s1": jnp.sum(_ws(w, x) * x, 0)},
+        _count_sum,
         lambda p, s: jnp.sum(s["s0"] * jnp.log(p["rate"]) - p["rate"] * s["s1"]),
         lambda s, fixed: {"rate": s["s0"] / s["s1"]},
         _nonneg("s0", "s1"),
@@ -236,8 +242,7 @@ FAMILIES: dict[str, Family] = {
     "gamma": Family(
         ("concentration", "rate"),
         lambda fn: {"concentration": _param(fn, "concentration"), "rate": _param(fn, "rate")},
-        lambda x, w: {"s0": jnp.sum(_ws(w, x) * jnp.ones_like(x), 0), "s1": jnp.sum(_ws(w, x) * x, 0),
-                      "s2": jnp.sum(_ws(w, x) * jnp.log(x), 0)},
+        lambda x, w: _count_sum(x, w, s2=jnp.log),
         lambda p, s: jnp.sum(s["s0"] * (p["concentration"] * jnp.log(p["rate"]) - gammaln(p["concentration"]))
                              + (p["concentration"] - 1) * s["s2"] - p["rate"] * s["s1"]),
         lambda s, fixed: ({"rate": fixed["concentration"] * s["s0"] / s["s1"]} if "concentration" in fixed else None),
@@ -313,7 +318,7 @@ class Derived:
         axis = self._rows(site)
         return arr if axis is None else jnp.moveaxis(arr, axis, 0)[0]
 
-    def _site_values(self, site: dict, family: str) -> tuple[jax.Array, Callable]:
+    def _site_values(self, site: dict) -> tuple[jax.Array, Callable]:
         """(value with rows first, a function moving any param array the same way)."""
         axis = self._rows(site)
         if axis is None:
@@ -327,7 +332,7 @@ class Derived:
         tr = self._trace(theta_c, latents_c, data, mask)
         out: Stats = {}
         for t in self.tables:
-            x, _ = self._site_values(tr[t.site], t.family)
+            x, _ = self._site_values(tr[t.site])
             rw = w if t.in_plate else jnp.ones((1,), w.dtype)
             out[t.site] = _family_stats(t.family, tr[t.site]["fn"], x, rw)
         for lin in self.linears:
@@ -341,7 +346,7 @@ class Derived:
         def loc(beta):
             tr = self._trace({**theta_c, **unravel(beta)}, latents_c, data, mask)
             site = tr[lin.site]
-            y, move = self._site_values(site, "normal")
+            y, move = self._site_values(site)
             return move(_param(site["fn"], "loc")).reshape(y.shape[0], -1), y.reshape(y.shape[0], -1)
 
         zero = jnp.zeros_like(beta0)

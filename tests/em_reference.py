@@ -221,3 +221,20 @@ def run_em(step, params, n_iter, tol=None):
         if tol is not None and change < tol:
             break
     return params, iterates
+
+
+def poisson_random_effects(y):
+    """A non-conjugate random-effects model (NumPyro): b_i ~ N(mu, tau^2), y_ij ~ Poisson(exp(b_i))."""
+    import jax.numpy as jnp
+    import numpyro
+    import numpyro.distributions as dist
+    from numpyro.distributions import constraints
+
+    import fedbayes as fb
+
+    mu = numpyro.param("mu", 0.0)
+    tau = numpyro.param("tau", 1.0, constraint=constraints.positive)
+    with fb.local():
+        b = numpyro.sample("b", dist.Normal(mu, tau))
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Poisson(jnp.exp(b)), obs=y)

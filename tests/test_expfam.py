@@ -178,14 +178,6 @@ def test_monte_carlo_mode_for_non_gaussian_local_latents():
     rng = np.random.default_rng(0)
     data = fb.FederatedData({"y": [rng.poisson(np.exp(rng.normal()), size=n).astype(float) for n in (5, 8)]})
 
-    def poisson_re(y):
-        mu = numpyro.param("mu", 0.0)
-        tau = numpyro.param("tau", 1.0, constraint=constraints.positive)
-        with fb.local():
-            b = numpyro.sample("b", dist.Normal(mu, tau))
-        with numpyro.plate("obs", y.shape[0]):
-            numpyro.sample("y", dist.Poisson(jnp.exp(b)), obs=y)
-
-    d = derive(FedModel(poisson_re, data))
+    d = derive(FedModel(R.poisson_random_effects, data))
     assert d.latent_mode == "monte_carlo" and d.closed_form
     assert [t.site for t in d.tables] == ["b"]  # y's law is theta-free given b: E-step only

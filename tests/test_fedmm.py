@@ -168,6 +168,19 @@ def test_remark_1_statistics_vs_parameter_averaging():
     assert abs(avg.params["rate"] / res.params["rate"] - 1) > 0.5
 
 
+def test_custom_statistics_protocol():
+    """Hand-written S and T plug in through fb.CustomStatistics and give the derived answer."""
+    rng = np.random.default_rng(1)
+    ys = [rng.exponential(m, size=n) for m, n in ((0.5, 40), (2.0, 60))]
+    data = fb.FederatedData({"y": ys})
+    custom = fb.CustomStatistics(
+        e_step=lambda theta, d, mask: {"n": jnp.sum(mask), "sum": jnp.sum(jnp.where(mask, d["y"], 0.0))},
+        m_step=lambda s: {"rate": s["n"] / s["sum"]},
+    )
+    res = fb.fed_fit(_exponential, data, fb.FedMM(statistics=custom), num_rounds=2, seed=0)
+    np.testing.assert_allclose(res.params["rate"], 1.0 / np.concatenate(ys).mean(), rtol=1e-12)
+
+
 def test_linear_mixed_effects_em_matches_statsmodels():
     import statsmodels.api as sm
 
@@ -202,15 +215,6 @@ def test_bad_configurations_are_refused():
         fb.FedMM(compressor=fb.compress.top_k(2))
     with pytest.raises(fb.ConfigError, match="baseline"):
         fb.ParamAveragingEM(participation=0.5)
-
-
-def _poisson_random_effects(y):
-    mu = numpyro.param("mu", 0.0)
-    tau = numpyro.param("tau", 1.0, constraint=constraints.positive)
-    with fb.local():
-        b = numpyro.sample("b", dist.Normal(mu, tau))
-    with numpyro.plate("obs", y.shape[0]):
-        numpyro.sample("y", dist.Poisson(jnp.exp(b)), obs=y)
 
 
 def test_monte_carlo_e_step_reaches_the_marginal_mle():
@@ -248,6 +252,6 @@ def test_monte_carlo_e_step_reaches_the_marginal_mle():
     h = 1e-4
     se_mu = 1 / np.sqrt((f(mu_hat + h, tau_hat) - 2 * f(mu_hat, tau_hat) + f(mu_hat - h, tau_hat)) / h**2)
     se_tau = 1 / np.sqrt((f(mu_hat, tau_hat + h) - 2 * f(mu_hat, tau_hat) + f(mu_hat, tau_hat - h)) / h**2)
-    res = fb.fed_fit(_poisson_random_effects, data, fb.FedMM(step_size=0.5, uncertainty=False), num_rounds=300, seed=0)
+    res = fb.fed_fit(R.poisson_random_effects, data, fb.FedMM(step_size=0.5, uncertainty=False), num_rounds=300, seed=0)
     assert abs(res.params["mu"] - mu_hat) < 0.5 * se_mu
     assert abs(res.params["tau"] - tau_hat) < 0.5 * se_tau

@@ -290,8 +290,7 @@ class FedMMRun:
             s_new = self.project(s_new)
         v_new = state.v + self.alpha * total
         theta = self.m_step(s_new, state.theta)
-        averaging = self._avg_start is not None and True
-        take = (info.round >= (self._avg_start or 0)) if averaging else jnp.asarray(False)
+        take = jnp.asarray(False) if self._avg_start is None else info.round >= self._avg_start
         new = ServerState(s_new, v_new, theta, state.s_sum + jnp.where(take, s_new, 0.0), state.count + take)
         diag = {f"theta/{k}": v for k, v in self._fm.constrain(theta).items()}
         diag["field_norm"] = jnp.linalg.norm(h)
