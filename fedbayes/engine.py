@@ -230,13 +230,18 @@ def run_rounds(
     """
     num_rounds = problem.num_rounds
     clients = stack_clients(problem.data)
-    round_fn = make_round(algorithm, clients, problem.data.num_clients, cohort_size, base_key)
-    run_chunk = jax.jit(lambda c, ks: jax.lax.scan(round_fn, c, ks))
+
+    def chunk(carry, ks, clients):
+        # The client data enter as arguments, not closure constants, so XLA does not constant-fold them.
+        round_fn = make_round(algorithm, clients, problem.data.num_clients, cohort_size, base_key)
+        return jax.lax.scan(round_fn, carry, ks)
+
+    run_chunk = jax.jit(chunk)
     bar = Progress(num_rounds, getattr(algorithm, "name", type(algorithm).__name__), progress)
     records: list[dict[str, np.ndarray]] = []
     for first, length in chunk_plan(start, num_rounds, chunk_size):
         t0 = time.perf_counter()
-        carry, rec = run_chunk(carry, jnp.arange(first, first + length))
+        carry, rec = run_chunk(carry, jnp.arange(first, first + length), clients)
         rec = {name: np.asarray(v) for name, v in rec.items()}
         rec["seconds"] = np.full(length, (time.perf_counter() - t0) / length)  # the first chunk includes compilation
         for name in ("bits_up", "bits_down"):
