@@ -26,7 +26,11 @@ def _resolve_algorithm(algorithm: Any) -> Any:
     return algorithm
 
 
-def _check_finite(history: dict[str, np.ndarray], name: str) -> None:
+_DEFAULT_HINT = ("The likely cause is a step size: lower the Langevin step_size (or leave it None for the per-client "
+                 "automatic step) or the server_lr.")
+
+
+def _check_finite(history: dict[str, np.ndarray], name: str, hint: str | None = None) -> None:
     """Refuse a diverged fit with the round where the global parameters stopped being finite."""
     bad = np.zeros(len(history.get("bits_up", [])), bool)
     for key, values in history.items():
@@ -35,8 +39,7 @@ def _check_finite(history: dict[str, np.ndarray], name: str) -> None:
     if bad.any():
         raise FedbayesError(
             f"{name} diverged: the global parameters became non-finite at round {int(np.argmax(bad))}. "
-            "The likely cause is a step size: lower the Langevin step_size (or leave it None for the "
-            "per-client automatic step) or the server_lr."
+            + (f"Likely fixes: {hint}." if hint else _DEFAULT_HINT)
         )
 
 
@@ -92,7 +95,7 @@ def fed_fit(
     carry = run.init(k_init, problem)
     carry, history = run_rounds(run, problem, carry, base_key=k_rounds, cohort_size=cohort,
                                 chunk_size=chunk_size, progress=progress)
-    _check_finite(history, run.name)
+    _check_finite(history, run.name, getattr(run.cfg, "divergence_hint", None) if hasattr(run, "cfg") else None)
     parts = run.finalize(k_final, carry, problem, history=history)
     history = {k: v for k, v in history.items() if not k.startswith("_")}  # private records (raw draws)
     return Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts, history=history)

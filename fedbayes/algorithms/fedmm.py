@@ -23,6 +23,7 @@ The M-step uses the prior as the MAP-EM penalty: T(s) = argmax Q(theta; N s) + l
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple
@@ -117,6 +118,8 @@ class FedMM:
     louis_draws: int = 500
     uncertainty: bool = True
     name = "FedMM"
+    divergence_hint = ("lower step_size, use more quantisation levels, or start from other initial values "
+                       "(a mixture component may have collapsed)")
 
     def __post_init__(self):
         as_schedule(self.step_size, f"{self.name} step_size")
@@ -348,14 +351,14 @@ class ParamAveragingEM(FedMM):
             raise ConfigError("ParamAveragingEM is the plain baseline: full participation, no compression")
 
     def build(self, problem: Problem) -> "ParamAveragingRun":
-        run = super().build(problem)
+        run = FedMM.build(dataclasses.replace(self, control_variates="zero"), problem)
         return ParamAveragingRun(run.cfg, run._fm, run.stats, problem)
 
 
 class ParamAveragingRun(FedMMRun):
     def init(self, key, problem):
+        """Start, like FedMM, from T of a federated E-step at theta_0 (its pass is in the ledger)."""
         server, states, _ = super().init(key, problem)
-        self.init_bits = (0, FLOAT_BITS * self.dim * problem.data.num_clients)
         return server, states, self._broadcast(server.s, server.theta)
 
     def _broadcast(self, s, theta):
@@ -365,6 +368,8 @@ class ParamAveragingRun(FedMMRun):
         s_i, z = self._e_step(payload.theta, client, state.z, state.step, key)
         weight = client.size / self._N
         s = self._unravel(s_i * client.size)
+        if not self._custom:  # a client's own statistic can be degenerate (a nearly empty component)
+            s = self.stats.project(s)
         theta_i = self.stats.m_step(s, payload.theta, prior_weight=weight) if not self._custom else \
             self._fm.unconstrain(self.stats.m_step(s))
         flat = ravel_pytree(self._fm.constrain(theta_i))[0]
