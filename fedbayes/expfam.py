@@ -46,7 +46,7 @@ started from the closed form where it exists). Users can supply their own S and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import jax
@@ -300,14 +300,13 @@ class Derived:
     latent_per_obs: bool
     closed_form: bool
     m_step_iters: int = 200
-    _row0: dict = field(default_factory=dict)
 
     # ------------------------------------------------------------------ evaluation helpers
     def _trace(self, theta_c: Params, latents_c: Params, data, mask):
         return self.fm._client_trace({**theta_c, **latents_c}, data, mask)
 
-    def _rows(self, site: dict) -> tuple[jax.Array, int]:
-        """Move a site's data-plate axis to the front; returns (axis moved array fn, axis)."""
+    def _rows(self, site: dict) -> int | None:
+        """The axis of a site's value that runs over the data plate (None outside it)."""
         fn = site["fn"]
         for frame in site["cond_indep_stack"]:
             if frame.name in self.fm.data_plates:
@@ -315,8 +314,7 @@ class Derived:
         return None
 
     def _first_row(self, site: dict, arr: jax.Array) -> jax.Array:
-        axis = self._rows(site)
-        return arr if axis is None else jnp.moveaxis(arr, axis, 0)[0]
+        return _first(self._rows(site), arr)
 
     def _site_values(self, site: dict) -> tuple[jax.Array, Callable]:
         """(value with rows first, a function moving any param array the same way)."""
@@ -364,7 +362,7 @@ class Derived:
                 "Gr": jnp.einsum("n,ne,nep->ep", rw, r, Ge), "GG": jnp.einsum("n,nep,neq->epq", rw, Ge, Ge)}
 
     # ------------------------------------------------------------------ the client E-step
-    def e_step(self, theta_u: Params, data, mask, state: Any = None, key=None):
+    def e_step(self, theta_u: Params, data, mask):
         """``(S_i, local posterior summary)``: the client's expected statistic (a sum over its data)."""
         theta_c = self.fm.constrain(theta_u)
         if self.latent_mode == "none":
@@ -475,10 +473,8 @@ class Derived:
 
     # ------------------------------------------------------------------ the surrogate and T
     def _row0_data(self):
-        if "data" not in self._row0:  # numpy, so that a first call under jit caches constants, not tracers
-            self._row0["data"] = {k: np.asarray(v)[:1] for k, v in self.fm._example.items()}
-            self._row0["mask"] = np.ones((1,), bool)
-        return self._row0["data"], self._row0["mask"]
+        """Client 0's first row (numpy, so that under jit it is a constant, not a tracer)."""
+        return {k: np.asarray(v)[:1] for k, v in self.fm._example.items()}, np.ones((1,), bool)
 
     def _row0_latents(self, k: int) -> Params:
         data, mask = self._row0_data()
@@ -643,7 +639,8 @@ def _spread(fn):
 
 
 def _first(axis: int | None, arr):
-    return arr if axis is None else np.moveaxis(np.asarray(arr), axis, 0)[0]
+    """Row 0 of ``arr`` along its data-plate ``axis`` (``arr`` itself outside a plate)."""
+    return arr if axis is None else jnp.moveaxis(arr, axis, 0)[0]
 
 
 def _rows_equal(axis: int | None, arr) -> bool:

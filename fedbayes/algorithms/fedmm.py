@@ -385,9 +385,6 @@ class ParamAveragingRun(FedMMRun):
         diag["participants"] = jnp.sum(info.active)
         return new, self._broadcast(state.s, theta), diag
 
-    def final_statistic(self, state):
-        return state.s
-
     def finalize(self, key, carry, problem, history=None):
         server, states, _ = carry
         parts = {"theta": server.theta, "params": self._fm.constrain(server.theta),
