@@ -1,8 +1,9 @@
 """fedbayes: Bayesian federated inference for NumPyro models."""
 
 from . import compress, models
-from .algorithms import (BELF, DELF, LMC, PELF, QLSD, FedEM, FedMM, FedSOUL, ParamAveragingEM, curvature_step_size,
-                         theory_step_size)
+from .algorithms import (BELF, DELF, GD, LMC, PELF, QLSD, TAMUNA, FedAvg, FedEM, FedMM, FedSOUL, ParamAveragingEM, Scaffnew,
+                         curvature_step_size, theory_step_size)
+from .algorithms import tamuna
 from .expfam import CustomStatistics
 from .api import fed_fit
 from .data import FederatedData, partition_dirichlet, partition_iid, partition_shards
@@ -14,7 +15,7 @@ from .result import Result
 __version__ = "0.1.0"
 
 __all__ = [
-    "BELF", "CustomStatistics", "DELF", "FedEM", "FedMM", "ParamAveragingEM", "LMC", "PELF", "QLSD", "ConfigError", "DataError", "FedModel", "FedSOUL", "FederatedData", "FedbayesError", "ModelError",
+    "BELF", "TAMUNA", "Scaffnew", "GD", "FedAvg", "tamuna", "CustomStatistics", "DELF", "FedEM", "FedMM", "ParamAveragingEM", "LMC", "PELF", "QLSD", "ConfigError", "DataError", "FedModel", "FedSOUL", "FederatedData", "FedbayesError", "ModelError",
     "Result", "ULA", "compress", "fed_fit", "local", "models", "partition_dirichlet", "partition_iid",
     "partition_shards", "curvature_step_size", "theory_step_size",
 ]

@@ -46,12 +46,21 @@ class Message(NamedTuple):
 
 
 class ClientData(NamedTuple):
-    """One client's padded data as the client step sees it (stacked over clients in the engine)."""
+    """One client's padded data as the client step sees it (stacked over clients in the engine).
+
+    Inside a round two more fields are set: ``slot``, the client's position in the round's cohort
+    (0 .. cohort_size - 1, assigned by the server), and ``shared_key``, the round's public random key,
+    the same for every member of the cohort and the server (a function of the seed and the round
+    number, so it costs nothing on the wire). Algorithms use them for randomness the whole cohort
+    must agree on, such as TAMUNA's number of local steps and compression mask.
+    """
 
     data: dict[str, jax.Array]
     mask: jax.Array
     size: jax.Array
     index: jax.Array
+    slot: jax.Array | None = None
+    shared_key: jax.Array | None = None
 
 
 class RoundInfo(NamedTuple):
@@ -61,6 +70,7 @@ class RoundInfo(NamedTuple):
     cohort: jax.Array
     active: jax.Array
     num_clients: int
+    shared_key: jax.Array | None = None
 
 
 class Problem(NamedTuple):
@@ -84,6 +94,10 @@ class Algorithm(Protocol):
     def server_step(
         self, key: jax.Array, server_state: PyTree, uploads: Message, info: RoundInfo
     ) -> tuple[PyTree, Message, dict[str, jax.Array]]: ...
+
+    # Optional: a second half of the round for the cohort, after the server step. An algorithm that
+    # defines it gets ``client_finish(new_broadcast_payload, client_state, client, own_upload_payload)
+    # -> (client_state, bits_received)``; the bits are added to the round's downlink for that client.
 
 
 def stack_clients(data: FederatedData) -> ClientData:
@@ -128,6 +142,8 @@ def _put(tree: PyTree, idx: jax.Array, values: PyTree) -> PyTree:
 
 
 _PARTICIPATION_STREAM = 0x5EED  # a key stream of its own: the other round keys are unchanged
+_SHARED_STREAM = 0x5A4ED  # the round's public key (cohort-wide randomness), also a stream of its own
+_CLIENT_AXES = ClientData(0, 0, 0, 0, 0, None)  # vmap axes: the shared key is the same for the cohort
 
 
 def _where_active(active: jax.Array, new: PyTree, old: PyTree) -> PyTree:
@@ -167,22 +183,30 @@ def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, coho
         server_state, client_states, broadcast = carry
         rk = jax.random.fold_in(base_key, k)
         k_cohort, k_clients, k_server = jax.random.split(rk, 3)
+        k_shared = jax.random.fold_in(rk, _SHARED_STREAM)
         cohort = sample_cohort(k_cohort, num_clients, cohort_size)
         keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(cohort)
-        step = jax.vmap(algorithm.client_step, in_axes=(0, None, 0, 0))
+        members = _take(clients, cohort)._replace(slot=jnp.arange(cohort_size), shared_key=k_shared)
+        step = jax.vmap(algorithm.client_step, in_axes=(0, None, 0, _CLIENT_AXES))
         old_states = _take(client_states, cohort)
-        new_states, uploads = step(keys, broadcast.payload, old_states, _take(clients, cohort))
+        new_states, uploads = step(keys, broadcast.payload, old_states, members)
         if participation < 1.0:  # each cohort member takes part independently with probability p
             active = jax.random.bernoulli(jax.random.fold_in(rk, _PARTICIPATION_STREAM), participation, (cohort_size,))
-            new_states = _where_active(active, new_states, old_states)
         else:
             active = jnp.ones((cohort_size,), bool)
-        client_states = _put(client_states, cohort, new_states)
-        info = RoundInfo(k, cohort, active, num_clients)
+        info = RoundInfo(k, cohort, active, num_clients, k_shared)
         server_state, new_broadcast, diag = algorithm.server_step(k_server, server_state, uploads, info)
+        bits_down = broadcast.bits
+        if hasattr(algorithm, "client_finish"):  # the server's reply to this round's cohort
+            finish = jax.vmap(algorithm.client_finish, in_axes=(None, 0, _CLIENT_AXES, 0))
+            new_states, reply_bits = finish(new_broadcast.payload, new_states, members, uploads.payload)
+            bits_down = bits_down + reply_bits
+        if participation < 1.0:
+            new_states = _where_active(active, new_states, old_states)
+        client_states = _put(client_states, cohort, new_states)
         record = {
             "bits_up": jnp.where(active, uploads.bits, 0),
-            "bits_down": jnp.where(active, broadcast.bits, 0),
+            "bits_down": jnp.where(active, bits_down, 0),
             "active": jnp.sum(active),
             **diag,
         }

@@ -321,6 +321,25 @@ class FedModel:
         loglik = sum((_sum_log_prob(tr[n]) for n in self.observed), jnp.zeros(()))
         return local_lp, loglik
 
+    def client_loglik_population(self, theta_u: Params, data: Mapping[str, jax.Array], mask: jax.Array) -> jax.Array:
+        """log p(D_i | theta, z_i = E[z_i | theta]): the client's log-likelihood with every local latent
+        set to its population mean (the non-personalised "global model" of a personalised model).
+
+        It is the objective of warm starts (e.g. ``fb.FedSOUL(init="map")``): theta fitted as if every
+        client were the average client. Parameters that enter only the population prior's spread
+        (a random-effect scale) do not enter it and keep their initial values.
+        """
+        theta_c = self._constrain(theta_u)
+
+        def at_mean(site):
+            if site["name"] in self.local_names:
+                return site["fn"].mean
+            return None
+
+        fn = handlers.substitute(handlers.substitute(handlers.seed(self.model, 0), data=theta_c), substitute_fn=at_mean)
+        tr = handlers.trace(_DataMask(fn, mask, self.data_plates)).get_trace(**data, **self.model_kwargs)
+        return sum((_sum_log_prob(tr[n]) for n in self.observed), jnp.zeros(()))
+
     def client_log_joint(self, theta_u: Params, z_u: Params, data, mask) -> jax.Array:
         """log p(D_i, z_i | theta) in unconstrained z (global prior excluded)."""
         a, b = self.client_log_terms(theta_u, z_u, data, mask)

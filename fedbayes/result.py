@@ -69,6 +69,9 @@ class Result:
         per-observation Gaussian ``mean`` / ``cov``), padded rows zero.
     information:
         EM fits: the observed information matrix (unconstrained coordinates, prior included).
+    settings:
+        The hyper-parameters the fit resolved (e.g. TAMUNA's gamma, p, eta, s, and the estimated
+        L_max, mu_min when they were not given).
     """
 
     def __init__(self, *, model: FedModel, data: FederatedData, run: Any, algorithm: str, seed: int,
@@ -90,6 +93,7 @@ class Result:
         self.local_info = {k: np.asarray(v) for k, v in parts.get("local_info", {}).items()}
         self.information = None if parts.get("information") is None else np.asarray(parts["information"])
         self.statistic = parts.get("statistic")
+        self.settings = dict(parts.get("settings", {}))
         self.history = history
         self._idata = None
 

@@ -43,6 +43,7 @@ from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_
 from ..errors import ConfigError, ModelError, require_int
 from ..kernels import curvature
 from ..model import FedModel
+from .tamuna import check_init, resolve_init
 
 
 class ServerState(NamedTuple):
@@ -71,14 +72,17 @@ class _Langevin:
     warmup, thinning:
         Rounds dropped at the start, and keep every ``thinning``-th of the rest.
     init:
-        Initial constrained values of global sites (default: prior medians, jittered per chain).
+        Start of the chains (jittered per chain when there are several): None (prior medians), a dict
+        of constrained values, a previous fit ``Result`` (its ``params``, e.g. a ``fb.TAMUNA`` MAP), or
+        ``"map"``: a TAMUNA fit of the density the sampler targets (Jacobian included; 300 rounds,
+        default settings) run first, which puts the chains at the mode and skips most of the warm-up.
     """
 
     step_size: float | None = None
     num_chains: int = 4
     warmup: int = 0
     thinning: int = 1
-    init: Mapping[str, Any] | None = None
+    init: Any = None
 
     uplink_ef = False
     downlink_ef = False
@@ -92,6 +96,7 @@ class _Langevin:
         require_int(self.num_chains, f"{self.name} num_chains")
         require_int(self.warmup, f"{self.name} warmup", 0)
         require_int(self.thinning, f"{self.name} thinning")
+        check_init(self.init, self.name)
         self._compressors()  # refuse a compressor of the wrong kind now, not at fit time
 
     def _compressors(self) -> tuple[Compressor, Compressor]:
@@ -242,7 +247,7 @@ class LangevinRun:
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
         self._up, self._down = cfg._compressors()
         self._b = problem.data.num_clients
-        theta0 = fm.init_globals(jax.random.PRNGKey(0), cfg.init)
+        theta0 = fm.init_globals(jax.random.PRNGKey(0), resolve_init(cfg.init, problem, jacobian=True))
         flat, self._unravel = ravel_pytree(theta0)
         self._x0, self.dim = flat, flat.size
         self.init_bits = (0, 0)

@@ -44,6 +44,7 @@ from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_
 from ..errors import ConfigError, require_int
 from ..kernels import curvature, ula_chain, ula_step
 from ..model import FedModel, Params
+from .tamuna import check_init, resolve_init
 
 
 class ServerState(NamedTuple):
@@ -99,7 +100,10 @@ class FedSOUL:
     average_from:
         Fraction of the rounds after which iterates enter the reported average.
     init:
-        Initial constrained values of global sites (others: param inits / prior medians).
+        Initial constrained values of global sites (others: param inits / prior medians): a dict, a
+        previous fit ``Result``, or ``"map"``: a TAMUNA fit of the non-personalised model first
+        (every client's latents at their population mean; 300 rounds), the classic warm start of a
+        personalised model from the global one.
     num_samples, warmup, thinning, num_chains:
         After the last round each client runs ``num_chains`` ULA chains of ``warmup`` +
         ``num_samples * thinning`` steps at the averaged theta, keeping every ``thinning``-th state:
@@ -119,7 +123,7 @@ class FedSOUL:
     exact_sites: tuple[str, ...] = ()
     bounds: Mapping[str, tuple[float, float]] | None = None
     average_from: float = 0.5
-    init: Mapping[str, Any] | None = None
+    init: Any = None
     num_samples: int = 200
     warmup: int = 200
     thinning: int = 5
@@ -144,6 +148,7 @@ class FedSOUL:
                 raise ConfigError("FedSOUL step_size must be a positive float or a 1-d sequence of them (one per client)")
         if not 0.0 <= self.average_from < 1.0:
             raise ConfigError(f"FedSOUL average_from must lie in [0, 1), got {self.average_from!r}")
+        check_init(self.init, "FedSOUL")
         optim.as_schedule(self.server_lr, "FedSOUL server_lr")
         optim.resolve(self.server_optimizer, self.server_lr)
         require_unbiased(self.compressor, "FedSOUL")
@@ -221,7 +226,7 @@ class FedSOULRun:
     # ------------------------------------------------------------------ protocol
     def init(self, key: jax.Array, problem: Problem) -> tuple[ServerState, ClientState, Message]:
         k_theta, k_rest = jax.random.split(key)
-        theta0 = self._fm.init_globals(k_theta, self.cfg.init)
+        theta0 = self._fm.init_globals(k_theta, resolve_init(self.cfg.init, problem))
         theta, states = jax.jit(self._init_arrays)(k_rest, theta0, stack_clients(problem.data))
         zeros = jax.tree_util.tree_map(jnp.zeros_like, theta)
         server = ServerState(theta, self._opt.init(theta), zeros, jnp.zeros(()))

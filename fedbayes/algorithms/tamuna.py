@@ -1,0 +1,528 @@
+"""TAMUNA: federated MAP with local training, compression and partial participation.
+
+Condat, Agarsky, Malinovsky and Richtarik, "TAMUNA: Doubly accelerated distributed optimization with
+local training, compression, and partial participation" (Algorithm 1, Theorems 1 and 3). The problem
+
+    min_x f(x) = (1/n) sum_i f_i(x),   f_i(x) = -log p(D_i | x) - log p(x) / n,
+
+in unconstrained coordinates: the minimiser is the MAP of the global sites (maximum likelihood for
+``numpyro.param`` sites, which have no prior). The prior is shared out equally, so every f_i carries
+its share of the prior's strong convexity, as Theorem 1 requires of each f_i. Round r:
+
+    draw the cohort Omega (c of the n clients, uniformly) and L ~ Geometric(p) on {1, 2, ...},
+        common to the cohort (both from the round's public key)
+    every i in Omega starts from the broadcast x_bar and takes L local steps
+        x_i <- x_i - gamma (grad f_i(x_i) - h_i)
+    mask q in {0,1}^{d x c} with exactly s ones per row (the paper's template, columns permuted)
+    client i uploads q_i * x_i:   ceil(s d / c) or floor(s d / c) floats (s d in all)
+    x_bar <- (1/s) sum_{i in Omega} q_i * x_i          (each coordinate: the mean of its s holders)
+    i in Omega: h_i <- h_i + (eta / gamma) q_i * (x_bar - x_i)   (the server's reply: q_i * x_bar)
+
+The control variates h_i start at zero and keep sum_i h_i = 0 (each coordinate's correction sums to
+zero over its s holders), so at the solution x* they are h_i* = grad f_i(x*) and local steps no
+longer drift (the Scaffnew property). Theorem 1: with 0 < gamma < 2 / L_max and
+0 < eta <= p n (s - 1) / (s (n - 1)), E[Psi^t] <= tau^t Psi^0 with, per local step,
+
+    tau = max((1 - gamma mu)^2, (gamma L - 1)^2, 1 - p^2 chi (s - 1) / (n - 1)),   chi = eta / p.
+
+Theorem 3 (communication-optimal choices): p = min(sqrt(n / (s kappa)), 1) and
+s = max(2, floor(c / d), floor(alpha c)), alpha the relative cost of the downlink.
+
+Special cases, all the same code: ``Scaffnew`` (c = s = n, eta = p), ``GD`` (one local step,
+c = s = n: the server iterate is exactly gradient descent on f) and ``FedAvg`` (local steps, no
+control variates, no compression: it converges to a wrong point on heterogeneous clients).
+
+The ledger counts what crosses the wire: each cohort member receives x_bar (d floats) and uploads
+its q_i entries; with control variates it then receives x_bar on those entries (the reply it needs
+for its h_i update; a member of the next cohort gets all of x_bar again at the next round).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.flatten_util import ravel_pytree
+
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, run_rounds, stack_clients
+from ..errors import ConfigError, ModelError, require_int
+from ..kernels import power_iteration
+from ..model import FedModel
+
+POPULATION_MEAN = "population-mean"
+
+# ---------------------------------------------------------------------------------------- masks
+
+
+def template_column(col: jax.Array, d: int, c: int, s: int) -> jax.Array:
+    """Column ``col`` of the paper's fixed (d x c) pattern with exactly s ones per row (Figure 1).
+
+    If s d >= c, row k holds ones at columns (s k + j) mod c, j = 0..s-1 (s cyclically consecutive
+    columns; every column then holds floor(s d / c) or ceil(s d / c) ones). Otherwise column
+    col < d s holds a single one at row col mod d and the other c - d s columns are empty.
+    """
+    k = jnp.arange(d)
+    if s * d >= c:
+        return jnp.mod(col - s * k, c) < s
+    return (col < d * s) & (k == jnp.mod(col, d))
+
+
+def mask_column(key: jax.Array, slot: jax.Array, d: int, c: int, s: int) -> jax.Array:
+    """Client ``slot``'s column of the round's mask: the template with its c columns permuted by ``key``."""
+    return template_column(jax.random.permutation(key, c)[slot], d, c, s)
+
+
+def mask(key: jax.Array, d: int, c: int, s: int) -> jax.Array:
+    """The whole (c, d) boolean mask of a round (row j: the coordinates cohort member j uploads)."""
+    _check_mask_sizes(d, c, s)
+    return jax.vmap(lambda j: mask_column(key, j, d, c, s))(jnp.arange(c))
+
+
+def _check_mask_sizes(d: int, c: int, s: int) -> None:
+    require_int(d, "d")
+    require_int(c, "c (cohort size)", 2)
+    require_int(s, "s", 1)
+    if not s <= c:
+        raise ConfigError(f"s={s} coordinate holders cannot exceed the cohort size c={c}")
+
+
+def aggregate(x: jax.Array, q: jax.Array, s: int) -> jax.Array:
+    """The server's estimate (1/s) sum_j q_j * x_j of the cohort's mean, from masked iterates (c, d)."""
+    return jnp.sum(jnp.where(q, x, 0.0), axis=0) / s
+
+
+# ---------------------------------------------------------------------------------- theory helpers
+
+
+def recommended_p(kappa: float, n: int, s: int) -> float:
+    """p = min(sqrt(n / (s kappa)), 1) (eq. 12 with its constant set to 1): E[L] = 1/p local steps."""
+    if not kappa >= 1:
+        raise ConfigError(f"kappa = L / mu must be >= 1, got {kappa!r}")
+    require_int(n, "n (clients)", 2)
+    require_int(s, "s", 1)
+    return float(min(1.0, math.sqrt(n / (s * kappa))))
+
+
+def recommended_s(c: int, d: int, downlink_cost: float = 0.0) -> int:
+    """s = max(2, floor(c / d), floor(alpha c)) capped at c (Theorem 3, eq. 14); alpha in [0, 1] is the
+    cost of a downlink float relative to an uplink float (0: uplink only, 1: symmetric)."""
+    require_int(c, "c (cohort size)", 2)
+    require_int(d, "d")
+    if not 0.0 <= downlink_cost <= 1.0:
+        raise ConfigError(f"downlink_cost (alpha) must lie in [0, 1], got {downlink_cost!r}")
+    return int(min(c, max(2, c // d, math.floor(downlink_cost * c))))
+
+
+def max_eta(p: float, n: int, s: int) -> float:
+    """The largest eta of Theorem 1: p n (s - 1) / (s (n - 1)) (eq. 5 and 11)."""
+    return p * n * (s - 1) / (s * (n - 1))
+
+
+def theorem1_rate(*, gamma: float, mu: float, L: float, p: float, s: int, n: int, eta: float | None = None) -> float:
+    """tau of Theorem 1 (eq. 10), the contraction per local step of E[Psi]:
+    max((1 - gamma mu)^2, (gamma L - 1)^2, 1 - p^2 chi (s - 1) / (n - 1)) with chi = eta / p."""
+    chi = (max_eta(p, n, s) if eta is None else eta) / p
+    return float(max((1 - gamma * mu) ** 2, (gamma * L - 1) ** 2, 1 - p * p * chi * (s - 1) / (n - 1)))
+
+
+def expected_uplink_floats(d: int, c: int, s: int) -> tuple[int, int]:
+    """(fewest, most) floats one cohort member uploads per round: floor/ceil(s d / c), or (0, 1) if s d < c."""
+    if s * d >= c:
+        return (s * d) // c, -(-s * d // c)
+    return 0, 1
+
+
+# ------------------------------------------------------------------------------------- config
+
+
+class ServerState(NamedTuple):
+    x: jax.Array  # (d,) the server model x_bar
+
+
+def _real(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class TAMUNA:
+    """TAMUNA (Algorithm 1): federated MAP of the global sites.
+
+    Parameters
+    ----------
+    step_size:
+        gamma, the local step; Theorem 1 needs gamma < 2 / L_max. None: 1 / L_max, with L_max the
+        largest eigenvalue of any client's Hessian of f_i at the initial point.
+    p:
+        Probability of communicating after each local step: L ~ Geometric(p), E[L] = 1/p. None:
+        ``recommended_p(kappa, n, s)``.
+    s:
+        Holders per coordinate (2 <= s <= c; c is ``clients_per_round``). None: ``recommended_s(c, d,
+        downlink_cost)``.
+    eta:
+        Control-variate step; Theorem 1 needs 0 < eta <= p n (s - 1) / (s (n - 1)). None: the largest.
+    local_steps:
+        None (the theory): L ~ Geometric(p) each round. An int: exactly that many local steps (then
+        p means 1 / local_steps in eta's range, the paper's Remark 2).
+    kappa:
+        Condition number L / mu, for the default p; None: estimated from the clients' Hessians at the
+        initial point (dense up to d = 1000, power iterations beyond).
+    downlink_cost:
+        alpha in TotalCom = UpCom + alpha DownCom, for the default s.
+    local_latents:
+        Models with per-client latents (``fb.local()``) have no finite-sum MAP objective over the
+        global sites. ``"population-mean"`` fits the non-personalised model instead, every client's
+        latents at their population mean (the usual warm start of a personalised fit).
+    jacobian:
+        Add the log-Jacobian of the unconstraining transforms to the prior (the mode of the density a
+        Langevin sampler targets) instead of the MAP in the model's own parametrisation.
+    init:
+        Initial constrained values of global sites (a dict, or a previous ``Result``).
+    """
+
+    step_size: float | None = None
+    p: float | None = None
+    s: int | None = None
+    eta: float | None = None
+    local_steps: int | None = None
+    kappa: float | None = None
+    downlink_cost: float = 0.0
+    local_latents: str | None = None
+    jacobian: bool = False
+    init: Any = None
+
+    name = "TAMUNA"
+    control_variates = True
+    compression = True  # False: every cohort member uploads everything (s = c)
+    full_participation = False  # True: the special case needs c = n
+    divergence_hint = ("lower step_size below 2 / L_max (or leave it None for 1 / L_max at the start); the objective "
+                       "must be smooth and strongly convex near the path")
+
+    def __post_init__(self):
+        n = self.name
+        if self.step_size is not None and (not _real(self.step_size) or self.step_size <= 0):
+            raise ConfigError(f"{n} step_size must be a positive number or None, got {self.step_size!r}")
+        if self.p is not None and (not _real(self.p) or not 0 < self.p <= 1):
+            raise ConfigError(f"{n} p (probability of communicating) must lie in (0, 1], got {self.p!r}")
+        if self.s is not None:
+            if not self.compression:
+                raise ConfigError(f"{n} does not compress (s = c); leave s unset or use fb.TAMUNA")
+            require_int(self.s, f"{n} s", 2)
+        if self.eta is not None and (not _real(self.eta) or self.eta < 0):
+            raise ConfigError(f"{n} eta must be a non-negative number or None, got {self.eta!r}")
+        if self.eta == 0 and self.control_variates:
+            raise ConfigError(f"{n} eta must be > 0 (Theorem 1); eta = 0 switches the control variates off, which is "
+                              "fb.FedAvg (it converges to a wrong point on heterogeneous clients)")
+        if self.local_steps is not None:
+            require_int(self.local_steps, f"{n} local_steps")
+            if self.p is not None:
+                raise ConfigError(f"{n}: give p (geometric local steps) or local_steps (a fixed number), not both")
+        if self.kappa is not None and (not _real(self.kappa) or self.kappa < 1):
+            raise ConfigError(f"{n} kappa must be a number >= 1, got {self.kappa!r}")
+        if not _real(self.downlink_cost) or not 0 <= self.downlink_cost <= 1:
+            raise ConfigError(f"{n} downlink_cost must lie in [0, 1], got {self.downlink_cost!r}")
+        check_init(self.init, n)
+        if self.init == "map":
+            raise ConfigError(f"{n} computes the MAP itself; init='map' is for the samplers and FedSOUL")
+        if self.local_latents not in (None, POPULATION_MEAN):
+            raise ConfigError(f"{n} local_latents must be None or '{POPULATION_MEAN}', got {self.local_latents!r}")
+
+    def build(self, problem: Problem) -> "TAMUNARun":
+        fm: FedModel = problem.model
+        fm.require(self.name, local_continuous=False)
+        if fm.local_names and self.local_latents != POPULATION_MEAN:
+            raise ModelError(
+                f"{self.name} optimises the global sites of a finite sum, but the model has per-client latents "
+                f"{list(fm.local_names)} (their marginal likelihood has no closed form). Use fb.FedSOUL or fb.FedMM "
+                f"for the personalised model, or local_latents='{POPULATION_MEAN}' to fit the non-personalised model"
+            )
+        n = problem.data.num_clients
+        if n < 2:
+            raise ConfigError(f"{self.name} needs at least 2 clients, got {n}")
+        c = problem.cohort_size or n
+        if self.full_participation and c != n:
+            raise ConfigError(f"{self.name} is the full-participation special case (c = s = n = {n}); "
+                              f"got clients_per_round={c}. Use fb.TAMUNA for partial participation")
+        if self.control_variates and c < 2:
+            raise ConfigError(f"{self.name} needs a cohort of at least 2 clients (s >= 2 holders per coordinate)")
+        if self.s is not None and self.s > c:
+            raise ConfigError(f"{self.name} s={self.s} exceeds the cohort size c={c} (clients_per_round)")
+        return TAMUNARun(self, fm, problem)
+
+
+@dataclass(frozen=True)
+class Scaffnew(TAMUNA):
+    """Scaffnew / ProxSkip: TAMUNA with full participation and no compression (c = s = n, eta = p)."""
+
+    name = "Scaffnew"
+    compression = False
+    full_participation = True
+
+
+@dataclass(frozen=True)
+class GD(TAMUNA):
+    """Gradient descent x <- x - gamma (1/n) sum_i grad f_i(x): TAMUNA with one local step, c = s = n."""
+
+    local_steps: int | None = 1
+    name = "GD"
+    compression = False
+    full_participation = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.local_steps != 1:
+            raise ConfigError("GD takes exactly one local step per round; use fb.Scaffnew or fb.TAMUNA for more")
+
+
+@dataclass(frozen=True)
+class FedAvg(TAMUNA):
+    """FedAvg: local steps (default 10 per round) without control variates and without compression.
+
+    The baseline users know. With heterogeneous clients and more than one local step its fixed point
+    is not the minimiser of f (client drift): compare with TAMUNA / Scaffnew.
+    """
+
+    local_steps: int | None = 10
+    name = "FedAvg"
+    control_variates = False
+    compression = False
+
+    def __post_init__(self):
+        if self.p is not None and self.local_steps is not None:
+            object.__setattr__(self, "local_steps", None)  # p given: geometric local steps
+        super().__post_init__()
+        if self.eta not in (None, 0):
+            raise ConfigError("FedAvg has no control variates (eta = 0); use fb.TAMUNA for eta > 0")
+
+
+# ---------------------------------------------------------------------------------------- run
+
+
+class TAMUNARun:
+    """TAMUNA bound to a model and data: the engine protocol (with the reply to the cohort) and ``finalize``."""
+
+    def __init__(self, cfg: TAMUNA, fm: FedModel, problem: Problem):
+        self.cfg, self._fm, self.name = cfg, fm, cfg.name
+        self.n = problem.data.num_clients
+        self.c = problem.cohort_size or self.n
+        init = resolve_init(cfg.init, problem)
+        theta0 = fm.init_globals(jax.random.PRNGKey(0), init)
+        self._x0, self._unravel = ravel_pytree(theta0)
+        self.dim = d = self._x0.size
+        self.s = (self.s_value(d) if cfg.compression else self.c)
+        self.L_max = self.mu_min = None
+        need_p = cfg.p is None and cfg.local_steps is None
+        if cfg.step_size is None or (need_p and cfg.kappa is None):
+            self.mu_min, self.L_max = estimate_condition_at(self, stack_clients(problem.data), self._x0)
+        self.gamma = float(cfg.step_size) if cfg.step_size is not None else 1.0 / self.L_max
+        if self.L_max is not None and not self.gamma < 2.0 / self.L_max:
+            warnings.warn(f"{self.name} step_size={self.gamma:.3g} is not below 2 / L_max = {2 / self.L_max:.3g} "
+                          "(L_max estimated at the initial point); Theorem 1 needs gamma < 2 / L_max", stacklevel=3)
+        if cfg.local_steps is not None:
+            self.p = 1.0 / cfg.local_steps
+        elif cfg.p is not None:
+            self.p = float(cfg.p)
+        else:
+            kappa = cfg.kappa if cfg.kappa is not None else self._kappa_estimate()
+            self.p = recommended_p(kappa, self.n, self.s) if kappa is not None else 0.1
+        bound = max_eta(self.p, self.n, self.s)
+        if not cfg.control_variates:
+            self.eta = 0.0
+        elif cfg.eta is None:
+            self.eta = bound
+        else:
+            self.eta = float(cfg.eta)
+            if self.eta > bound * (1 + 1e-12):
+                raise ConfigError(
+                    f"{self.name} eta={self.eta:.6g} is outside Theorem 1's range (0, p n (s-1) / (s (n-1))] = "
+                    f"(0, {bound:.6g}] for p={self.p:.6g}, n={self.n}, s={self.s}; leave eta=None for the largest")
+        self.init_bits = (0, 0)
+
+    def s_value(self, d: int) -> int:
+        return int(self.cfg.s) if self.cfg.s is not None else recommended_s(self.c, d, self.cfg.downlink_cost)
+
+    def _kappa_estimate(self) -> float | None:
+        if self.mu_min is None or not self.mu_min > 1e-12 * self.L_max:
+            warnings.warn(
+                f"{self.name}: the objective is not strongly convex at the initial point (smallest Hessian eigenvalue "
+                f"{self.mu_min:.3g}), so kappa and Theorem 1's p are undefined; using p = 0.1. Pass p or kappa",
+                stacklevel=4)
+            return None
+        return float(self.L_max / self.mu_min)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The resolved hyper-parameters: gamma, p, eta, s, c, n, d (and L_max, mu_min when estimated)."""
+        out = {"gamma": self.gamma, "p": self.p, "eta": self.eta, "s": self.s, "c": self.c, "n": self.n,
+               "d": self.dim, "local_steps": self.cfg.local_steps}
+        if self.L_max is not None:
+            out.update(L_max=self.L_max, mu_min=self.mu_min)
+        return out
+
+    # ------------------------------------------------------------------ objective
+    def client_objective(self, x: jax.Array, client: ClientData) -> jax.Array:
+        """f_i(x) = -log p(D_i | x) - log p(x) / n (unconstrained x)."""
+        fm, theta = self._fm, self._unravel(x)
+        if fm.local_names:
+            loglik = fm.client_loglik_population(theta, client.data, client.mask)
+        else:
+            loglik = fm.client_log_terms(theta, {}, client.data, client.mask)[1]
+        return -loglik - fm.log_prior(theta, jacobian=self.cfg.jacobian) / self.n
+
+    def objective(self, x: jax.Array, clients: ClientData) -> jax.Array:
+        """f(x) = (1/n) sum_i f_i(x) over all clients (a reference for tests and benchmarks)."""
+        return jnp.mean(jax.vmap(self.client_objective, in_axes=(None, 0))(x, clients))
+
+    def _grad(self, x, client):
+        return jax.grad(self.client_objective)(x, client)
+
+    # ------------------------------------------------------------------ protocol
+    def num_local_steps(self, shared_key: jax.Array) -> jax.Array:
+        """L of the round, common to the cohort: Geometric(p) on {1, 2, ...} or the fixed number."""
+        if self.cfg.local_steps is not None:
+            return jnp.asarray(self.cfg.local_steps)
+        if self.p >= 1.0:
+            return jnp.asarray(1)
+        return jax.random.geometric(jax.random.fold_in(shared_key, 0), self.p)
+
+    def column(self, shared_key: jax.Array, slot: jax.Array) -> jax.Array:
+        """The coordinates the cohort member in ``slot`` uploads this round."""
+        if self.s == self.c:
+            return jnp.ones((self.dim,), bool)
+        return mask_column(jax.random.fold_in(shared_key, 1), slot, self.dim, self.c, self.s)
+
+    def init(self, key: jax.Array, problem: Problem):
+        h = jnp.zeros((problem.data.num_clients, self.dim), self._x0.dtype)  # sum_i h_i = 0
+        return ServerState(self._x0), h, self._broadcast(self._x0)
+
+    def _broadcast(self, x):
+        return Message(x, jnp.asarray(FLOAT_BITS * self.dim))
+
+    def client_step(self, key, x_bar, h, client: ClientData):
+        gamma = self.gamma
+        steps = self.num_local_steps(client.shared_key)
+        x = jax.lax.fori_loop(0, steps, lambda _, x: x - gamma * (self._grad(x, client) - h), x_bar)
+        q = self.column(client.shared_key, client.slot)
+        return h, Message(jnp.where(q, x, 0.0), FLOAT_BITS * jnp.sum(q))
+
+    def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
+        x = jnp.sum(uploads.payload, axis=0) / self.s
+        diag = {f"theta/{k}": v for k, v in self._fm.constrain(self._unravel(x)).items()}
+        diag["local_steps"] = self.num_local_steps(info.shared_key)
+        return ServerState(x), self._broadcast(x), diag
+
+    def client_finish(self, x_bar, h, client: ClientData, upload):
+        """h_i += (eta / gamma) q_i * (x_bar_new - x_i): the client receives x_bar on its own q_i entries."""
+        if not self.cfg.control_variates:
+            return h, jnp.asarray(0)
+        q = self.column(client.shared_key, client.slot)
+        h = h + (self.eta / self.gamma) * jnp.where(q, x_bar - upload, 0.0)
+        return h, FLOAT_BITS * jnp.sum(q)
+
+    def finalize(self, key, carry, problem: Problem, history=None) -> dict[str, Any]:
+        x = carry[0].x
+        theta = self._unravel(x)
+        params = self._fm.constrain(theta)
+        return {"theta": theta, "params": params, "params_last": params, "init_bits": self.init_bits,
+                "settings": self.settings, "final_state": carry[0]}
+
+
+# ------------------------------------------------------------------------------ condition number
+
+
+def estimate_condition_at(run: TAMUNARun, clients: ClientData, x: jax.Array, dense_max: int = 1000,
+                          iters: int = 300) -> tuple[float, float]:
+    """(mu_min, L_max): the smallest and largest eigenvalue of any client's Hessian of f_i at x.
+
+    Dense Hessians (exact eigenvalues) for d <= ``dense_max``; beyond, power iterations on
+    Hessian-vector products (L_i, then L_i - mu_i from the shifted operator).
+    """
+    d = x.size
+
+    def one(client):
+        if d <= dense_max:
+            ev = jnp.linalg.eigvalsh(jax.hessian(run.client_objective)(x, client))
+            return ev[0], ev[-1]
+        g = lambda y: jax.grad(run.client_objective)(y, client)  # noqa: E731
+        hvp = lambda v: jax.jvp(g, (x,), (v,))[1]  # noqa: E731
+        v0 = jnp.ones_like(x)
+        big, _ = power_iteration(hvp, v0, iters)
+        gap, _ = power_iteration(lambda v: big * v - hvp(v), v0, iters)
+        return big - gap, big
+
+    lo, hi = jax.jit(lambda cl: jax.lax.map(one, cl))(clients)
+    return float(jnp.min(lo)), float(jnp.max(hi))
+
+
+def estimate_condition(model, data, *, at: Mapping[str, Any] | None = None, model_kwargs=None,
+                       local_latents: str | None = None, jacobian: bool = False) -> dict[str, float]:
+    """``{"L": L_max, "mu": mu_min, "kappa": L_max / mu_min}`` of the clients' TAMUNA objectives
+    f_i = -log p(D_i | x) - log p(x) / n at ``at`` (constrained values; default: the initial point).
+
+    These are local constants (Theorem 1 needs them along the whole path); for logistic regression
+    with a Gaussian prior the Hessian is largest at x = 0, so L_max there is the global constant.
+    """
+    from ..data import FederatedData
+
+    fd = data if isinstance(data, FederatedData) else FederatedData(data)
+    fm = FedModel(model, fd, model_kwargs)
+    run = TAMUNA(step_size=1.0, p=1.0, eta=None, local_latents=local_latents, jacobian=jacobian,
+                 init=at).build(Problem(fm, fd, 1))
+    mu, L = estimate_condition_at(run, stack_clients(fd), run._x0)
+    return {"L": L, "mu": mu, "kappa": L / mu if mu > 0 else float("inf")}
+
+
+# ---------------------------------------------------------------------------------- warm starts
+
+
+def check_init(init: Any, who: str) -> None:
+    """Refuse at configuration time an ``init`` that :func:`resolve_init` cannot use."""
+    if init is None or isinstance(init, Mapping) or (isinstance(init, str) and init == "map"):
+        return
+    if isinstance(getattr(init, "params", None), Mapping) and hasattr(init, "history"):
+        return
+    raise ConfigError(f"{who} init must be None, a dict of constrained values, a fit Result or 'map', got {init!r}")
+
+
+def resolve_init(init: Any, problem: Problem, *, jacobian: bool = False, map_rounds: int = 300) -> Mapping[str, Any] | None:
+    """Initial constrained values from ``init``: None, a dict, a previous ``Result`` (its ``params``), or
+    ``"map"`` (a TAMUNA fit on the same model and data, ``map_rounds`` rounds, every client each round)."""
+    check_init(init, "")
+    if init is None or isinstance(init, Mapping):
+        return init
+    if isinstance(init, str):
+        return map_estimate(problem, jacobian=jacobian, num_rounds=map_rounds)
+    return {k: np.asarray(v) for k, v in init.params.items()}
+
+
+def map_estimate(problem: Problem, *, jacobian: bool = False, num_rounds: int = 300, seed: int = 0) -> dict[str, np.ndarray]:
+    """Constrained MAP of the global sites by TAMUNA with every client in every round and no compression
+    (Scaffnew: a warm start should converge first and save bits second), p from the estimated kappa.
+    Models with local latents: the non-personalised model, latents at their population mean, and
+    p = 0.2 (a random-effect scale does not enter it, so kappa is undefined) and half the default step
+    (such models are rarely convex, and the curvature at the start can understate it along the path)."""
+    fm: FedModel = problem.model
+    has_locals = bool(fm.local_names)
+    cfg = Scaffnew(jacobian=jacobian, local_latents=POPULATION_MEAN if has_locals else None, p=0.2 if has_locals else None)
+    full = Problem(fm, problem.data, num_rounds, None)
+    run = cfg.build(full)
+    if has_locals:
+        run.gamma *= 0.5
+    k_init, k_rounds = jax.random.split(jax.random.PRNGKey(seed))
+    carry = run.init(k_init, full)
+    carry, _ = run_rounds(run, full, carry, base_key=k_rounds, cohort_size=problem.data.num_clients, progress=False)
+    x = carry[0].x
+    if not bool(jnp.all(jnp.isfinite(x))):
+        raise ConfigError("the TAMUNA warm start ('map') diverged; fit fb.TAMUNA with a smaller step_size and pass "
+                          "its Result as init")
+    return {k: np.asarray(v) for k, v in fm.constrain(run._unravel(x)).items()}
+
+
+__all__ = ["TAMUNA", "Scaffnew", "GD", "FedAvg", "mask", "mask_column", "template_column", "aggregate",
+           "recommended_p", "recommended_s", "max_eta", "theorem1_rate", "expected_uplink_floats",
+           "estimate_condition", "check_init", "resolve_init", "map_estimate", "POPULATION_MEAN"]
