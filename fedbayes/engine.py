@@ -235,6 +235,20 @@ def chunk_plan(start: int, end: int, size: int) -> list[tuple[int, int]]:
     return plan
 
 
+def _compiled_chunk(algorithm: Algorithm, num_clients: int, cohort_size: int):
+    """The jitted scan over a chunk of rounds, kept on the algorithm object so that later calls of
+    :func:`run_rounds` (a run continued in segments) reuse its compilation."""
+    cache = algorithm.__dict__.setdefault("_engine_chunks", {}) if hasattr(algorithm, "__dict__") else {}
+    if (num_clients, cohort_size) not in cache:
+        def chunk(carry, ks, clients, base_key):
+            # The client data enter as arguments, not closure constants, so XLA does not constant-fold them.
+            round_fn = make_round(algorithm, clients, num_clients, cohort_size, base_key)
+            return jax.lax.scan(round_fn, carry, ks)
+
+        cache[(num_clients, cohort_size)] = jax.jit(chunk)
+    return cache[(num_clients, cohort_size)]
+
+
 def run_rounds(
     algorithm: Algorithm,
     problem: Problem,
@@ -255,17 +269,12 @@ def run_rounds(
     num_rounds = problem.num_rounds
     clients = stack_clients(problem.data)
 
-    def chunk(carry, ks, clients):
-        # The client data enter as arguments, not closure constants, so XLA does not constant-fold them.
-        round_fn = make_round(algorithm, clients, problem.data.num_clients, cohort_size, base_key)
-        return jax.lax.scan(round_fn, carry, ks)
-
-    run_chunk = jax.jit(chunk)
+    run_chunk = _compiled_chunk(algorithm, problem.data.num_clients, cohort_size)
     bar = Progress(num_rounds, getattr(algorithm, "name", type(algorithm).__name__), progress)
     records: list[dict[str, np.ndarray]] = []
     for first, length in chunk_plan(start, num_rounds, chunk_size):
         t0 = time.perf_counter()
-        carry, rec = run_chunk(carry, jnp.arange(first, first + length), clients)
+        carry, rec = run_chunk(carry, jnp.arange(first, first + length), clients, base_key)
         rec = {name: np.asarray(v) for name, v in rec.items()}
         rec["seconds"] = np.full(length, (time.perf_counter() - t0) / length)  # the first chunk includes compilation
         for name in ("bits_up", "bits_down"):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from sklearn.linear_model import LogisticRegression
 
 import fedbayes as fb
 from fedbayes.algorithms import tamuna as tm
@@ -28,22 +29,15 @@ def quad():
     return fb.models.linear_regression(1.0, PRIOR), data, xstar
 
 
-def newton_logistic(X, b, prior_var, iters=50):
-    """Centralised MAP of L2-regularised logistic regression by Newton's method (quadratic convergence)."""
-    w = np.zeros(X.shape[1])
-    for _ in range(iters):
-        p = 1 / (1 + np.exp(-X @ w))
-        g = X.T @ (p - b) + w / prior_var
-        H = X.T @ (X * (p * (1 - p))[:, None]) + np.eye(X.shape[1]) / prior_var
-        w -= np.linalg.solve(H, g)
-    return w
-
-
 @pytest.fixture(scope="module")
 def logit():
     data, _ = fb.models.make_glm_clients(N, D, (30, 80), family="logistic", heterogeneity=1.5, seed=2)
     pooled = data.pooled()
-    return fb.models.logistic_regression(PRIOR), data, newton_logistic(pooled["x"], pooled["y"], PRIOR**2)
+    xstar = fb.models.logistic_map(pooled["x"], pooled["y"], PRIOR)
+    # the Newton reference is itself checked against scikit-learn (C = prior^2, no intercept)
+    sk = LogisticRegression(C=PRIOR**2, fit_intercept=False, tol=1e-12, max_iter=10_000).fit(pooled["x"], pooled["y"])
+    np.testing.assert_allclose(sk.coef_[0], xstar, atol=1e-6)
+    return fb.models.logistic_regression(PRIOR), data, xstar
 
 
 def trajectory(res):
@@ -236,8 +230,16 @@ def test_parameter_helpers_follow_the_theorems():
     assert tm.recommended_s(1000, 300, downlink_cost=0.1) == 100
     assert tm.recommended_s(100, 300) == 2
     assert tm.recommended_s(5, 1) == 5  # capped at c
-    assert tm.recommended_p(1e4, 1000, 3) == pytest.approx(np.sqrt(1000 / 3e4))
-    assert tm.recommended_p(1.0, 10, 2) == 1.0
+    assert tm.recommended_p(1e4, 1000, 3, rule="eq12") == pytest.approx(np.sqrt(1000 / 3e4))
+    assert tm.recommended_p(1.0, 10, 2, rule="eq12") == 1.0
+    # the threshold rule: p^2 chi (s-1)/(n-1) = 1 - (1 - 1/kappa)^2, i.e. tau equals gradient descent's
+    p = tm.recommended_p(1e4, 100, 2)
+    chi = 100 / 198
+    assert p**2 * chi / 99 == pytest.approx(1 - (1 - 1e-4) ** 2)
+    assert tm.theorem1_rate(gamma=1.0, mu=1e-4, L=1.0, p=p, s=2, n=100) == pytest.approx((1 - 1e-4) ** 2)
+    assert tm.theorem1_rate(gamma=1.0, mu=1e-4, L=1.0, p=0.9 * p, s=2, n=100) > (1 - 1e-4) ** 2
+    assert tm.recommended_p(1e4, 100, 100) == pytest.approx(np.sqrt(1 - (1 - 1e-4) ** 2))  # Scaffnew: chi = 1
+    assert tm.recommended_p(2.0, 10, 2) == 1.0
     assert tm.max_eta(0.2, 10, 2) == pytest.approx(0.2 * 10 / 18)
     assert tm.theorem1_rate(gamma=0.1, mu=1.0, L=10.0, p=0.5, s=2, n=10) == pytest.approx(
         max(0.81, 0.0, 1 - 0.25 * (10 / 18) / 9))

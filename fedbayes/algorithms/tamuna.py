@@ -25,8 +25,9 @@ longer drift (the Scaffnew property). Theorem 1: with 0 < gamma < 2 / L_max and
 
     tau = max((1 - gamma mu)^2, (gamma L - 1)^2, 1 - p^2 chi (s - 1) / (n - 1)),   chi = eta / p.
 
-Theorem 3 (communication-optimal choices): p = min(sqrt(n / (s kappa)), 1) and
-s = max(2, floor(c / d), floor(alpha c)), alpha the relative cost of the downlink.
+Theorem 3 (communication-optimal choices): p of order min(sqrt(n / (s kappa)), 1) and
+s = max(2, floor(c / d), floor(alpha c)), alpha the relative cost of the downlink. The default p
+makes the control-variate term of tau no larger than gradient descent's (see ``recommended_p``).
 
 Special cases, all the same code: ``Scaffnew`` (c = s = n, eta = p), ``GD`` (one local step,
 c = s = n: the server iterate is exactly gradient descent on f) and ``FedAvg`` (local steps, no
@@ -100,13 +101,34 @@ def aggregate(x: jax.Array, q: jax.Array, s: int) -> jax.Array:
 # ---------------------------------------------------------------------------------- theory helpers
 
 
-def recommended_p(kappa: float, n: int, s: int) -> float:
-    """p = min(sqrt(n / (s kappa)), 1) (eq. 12 with its constant set to 1): E[L] = 1/p local steps."""
-    if not kappa >= 1:
+def recommended_p(kappa: float, n: int, s: int, *, gamma_L: float = 1.0, rule: str = "threshold") -> float:
+    """The probability p of communicating after a local step (E[L] = 1/p local steps per round).
+
+    ``rule="threshold"`` (the default): the smallest p at which Theorem 1's rate equals gradient
+    descent's, tau = tau# = max(1 - gamma mu, gamma L - 1)^2. The paper notes that local training,
+    compression and partial participation "do not harm convergence at all, until some threshold":
+    the control-variate term 1 - p^2 chi (s - 1) / (n - 1) of eq. 10 stays below tau# when
+
+        p >= sqrt((1 - tau#) (n - 1) / (chi (s - 1))),   chi = n (s - 1) / (s (n - 1)) (the largest),
+
+    and every larger p only adds rounds. ``gamma_L`` is gamma * L (1 for the default step 1 / L).
+    ``rule="eq12"``: p = min(sqrt(n / (s kappa)), 1), Theorem 3's order with its constant set to 1
+    (the same order in kappa, but on the bound's constants about 4 times too small at s = 2, which
+    leaves the control-variate term dominant and costs rounds).
+    """
+    if not _real(kappa) or kappa < 1:
         raise ConfigError(f"kappa = L / mu must be >= 1, got {kappa!r}")
     require_int(n, "n (clients)", 2)
-    require_int(s, "s", 1)
-    return float(min(1.0, math.sqrt(n / (s * kappa))))
+    require_int(s, "s", 2)
+    if rule == "eq12":
+        return float(min(1.0, math.sqrt(n / (s * kappa))))
+    if rule != "threshold":
+        raise ConfigError(f"rule must be 'threshold' or 'eq12', got {rule!r}")
+    if not _real(gamma_L) or not 0 < gamma_L < 2:
+        raise ConfigError(f"gamma_L = gamma * L must lie in (0, 2) (Theorem 1), got {gamma_L!r}")
+    tau_sharp = max(1 - gamma_L / kappa, gamma_L - 1) ** 2
+    chi = n * (s - 1) / (s * (n - 1))
+    return float(min(1.0, math.sqrt((1 - tau_sharp) * (n - 1) / (chi * (s - 1)))))
 
 
 def recommended_s(c: int, d: int, downlink_cost: float = 0.0) -> int:
@@ -160,7 +182,8 @@ class TAMUNA:
         largest eigenvalue of any client's Hessian of f_i at the initial point.
     p:
         Probability of communicating after each local step: L ~ Geometric(p), E[L] = 1/p. None:
-        ``recommended_p(kappa, n, s)``.
+        ``recommended_p(kappa, n, s, gamma_L=gamma L_max)``, the fewest rounds at gradient descent's
+        rate under Theorem 1.
     s:
         Holders per coordinate (2 <= s <= c; c is ``clients_per_round``). None: ``recommended_s(c, d,
         downlink_cost)``.
@@ -266,10 +289,16 @@ class Scaffnew(TAMUNA):
 
 @dataclass(frozen=True)
 class GD(TAMUNA):
-    """Gradient descent x <- x - gamma (1/n) sum_i grad f_i(x): TAMUNA with one local step, c = s = n."""
+    """Gradient descent x <- x - gamma (1/n) sum_i grad f_i(x): TAMUNA with one local step, c = s = n.
+
+    With one step and every client uploading everything, the control variates cancel in the average
+    (sum_i h_i = 0), so they are left out: the iterates are exactly gradient descent's, without the
+    floating-point drift of sum_i h_i (see the README) and without the reply message.
+    """
 
     local_steps: int | None = 1
     name = "GD"
+    control_variates = False
     compression = False
     full_participation = True
 
@@ -329,7 +358,8 @@ class TAMUNARun:
             self.p = float(cfg.p)
         else:
             kappa = cfg.kappa if cfg.kappa is not None else self._kappa_estimate()
-            self.p = recommended_p(kappa, self.n, self.s) if kappa is not None else 0.1
+            gamma_L = self.gamma * self.L_max if self.L_max is not None else 1.0
+            self.p = recommended_p(kappa, self.n, self.s, gamma_L=min(gamma_L, 1.999)) if kappa is not None else 0.1
         bound = max_eta(self.p, self.n, self.s)
         if not cfg.control_variates:
             self.eta = 0.0
