@@ -9,6 +9,7 @@ Newton's method on the pooled data (float64). Every method starts at w = 0 with 
 
 * TAMUNA, c = n: s = 2 (Theorem 3 with alpha = 0), p from ``recommended_p`` (GD's rate under Theorem 1).
 * TAMUNA, c = n / 10: partial participation, s = 2, same rule for p.
+* TAMUNA, c = n, alpha = 0.1: s from Theorem 3 for a downlink float costing 0.1 uplink float (s = 10).
 * Scaffnew: c = s = n, p from the same rule (chi = 1).
 * GD: one local step, c = s = n.
 * FedAvg: 10 local steps, no control variates; it stalls at its drift point (reported, not reached).
@@ -108,6 +109,7 @@ def main(quick: bool) -> None:
     methods = [
         ("TAMUNA c=n", fb.TAMUNA(s=2, init=zero), n, 2000),
         ("TAMUNA c=n/10", fb.TAMUNA(s=2, init=zero), n // 10, 2000),
+        ("TAMUNA c=n, alpha=0.1", fb.TAMUNA(downlink_cost=0.1, init=zero), n, 1000),
         ("Scaffnew", fb.Scaffnew(init=zero), n, 50),
         ("GD", fb.GD(init=zero), n, 1000),
         ("FedAvg (10 local steps)", fb.FedAvg(local_steps=10, init=zero), n, 500),

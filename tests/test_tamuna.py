@@ -141,6 +141,18 @@ def test_without_control_variates_it_converges_to_a_wrong_point(quad):
     assert np.abs(trajectory(exact)[-1] - xstar).max() < 1e-10
 
 
+def test_default_settings_reach_the_map_by_name(logit):
+    """fed_fit(..., "tamuna"): every setting from the model (start at the prior median, gamma = 1 / L_max,
+    s from Theorem 3, p from the threshold rule) and the MAP in res.params; the fit converts to ArviZ."""
+    model, data, xstar = logit
+    res = fb.fed_fit(model, data, "tamuna", num_rounds=1500, clients_per_round=C)
+    assert res.algorithm == "TAMUNA" and res.settings["s"] == 2
+    np.testing.assert_allclose(res.params["w"], xstar, atol=1e-10)
+    hist = fb.result.group(res.idata, "fed_history")
+    assert "local_steps" in hist and hist.sizes["round"] == 1500
+    np.testing.assert_allclose(fb.result.group(res.idata, "fed_params")["w"], xstar, atol=1e-10)
+
+
 # ------------------------------------------------------------------- invariants and ledger
 
 
@@ -273,6 +285,9 @@ def test_bad_settings_are_refused_with_clear_errors(quad):
             fb.TAMUNA(**bad)
     with pytest.raises(ConfigError):
         fb.GD(local_steps=2)
+    with pytest.raises(ConfigError, match="not both"):
+        fb.FedAvg(p=0.2, local_steps=5)
+    assert fb.FedAvg().local_steps == 10 and fb.FedAvg(p=0.2).local_steps is None
     with pytest.raises(ConfigError):
         fb.Scaffnew(s=2)
 

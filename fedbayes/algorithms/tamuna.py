@@ -68,10 +68,11 @@ def template_column(col: jax.Array, d: int, c: int, s: int) -> jax.Array:
     columns; every column then holds floor(s d / c) or ceil(s d / c) ones). Otherwise column
     col < d s holds a single one at row col mod d and the other c - d s columns are empty.
     """
-    k = jnp.arange(d)
+    col = jnp.asarray(col, jnp.int32)
     if s * d >= c:
-        return jnp.mod(col - s * k, c) < s
-    return (col < d * s) & (k == jnp.mod(col, d))
+        diff = col - jnp.asarray(np.arange(d) * s % c, jnp.int32)  # in (-c, c): one add, no integer division
+        return jnp.where(diff < 0, diff + c, diff) < s
+    return (col < d * s) & (jnp.arange(d, dtype=jnp.int32) == col % d)
 
 
 def mask_column(key: jax.Array, slot: jax.Array, d: int, c: int, s: int) -> jax.Array:
@@ -310,20 +311,21 @@ class GD(TAMUNA):
 
 @dataclass(frozen=True)
 class FedAvg(TAMUNA):
-    """FedAvg: local steps (default 10 per round) without control variates and without compression.
+    """FedAvg: local steps without control variates and without compression.
+
+    ``local_steps`` per round (10 when neither it nor ``p`` is given), or Geometric(p) steps with ``p``.
 
     The baseline users know. With heterogeneous clients and more than one local step its fixed point
     is not the minimiser of f (client drift): compare with TAMUNA / Scaffnew.
     """
 
-    local_steps: int | None = 10
     name = "FedAvg"
     control_variates = False
     compression = False
 
     def __post_init__(self):
-        if self.p is not None and self.local_steps is not None:
-            object.__setattr__(self, "local_steps", None)  # p given: geometric local steps
+        if self.p is None and self.local_steps is None:
+            object.__setattr__(self, "local_steps", 10)  # neither given: 10 local steps (p given: Geometric(p))
         super().__post_init__()
         if self.eta not in (None, 0):
             raise ConfigError("FedAvg has no control variates (eta = 0); use fb.TAMUNA for eta > 0")
@@ -343,7 +345,7 @@ class TAMUNARun:
         theta0 = fm.init_globals(jax.random.PRNGKey(0), init)
         self._x0, self._unravel = ravel_pytree(theta0)
         self.dim = d = self._x0.size
-        self.s = (self.s_value(d) if cfg.compression else self.c)
+        self.s = self._s_value(d) if cfg.compression else self.c
         self.L_max = self.mu_min = None
         need_p = cfg.p is None and cfg.local_steps is None
         if cfg.step_size is None or (need_p and cfg.kappa is None):
@@ -373,7 +375,7 @@ class TAMUNARun:
                     f"(0, {bound:.6g}] for p={self.p:.6g}, n={self.n}, s={self.s}; leave eta=None for the largest")
         self.init_bits = (0, 0)
 
-    def s_value(self, d: int) -> int:
+    def _s_value(self, d: int) -> int:
         return int(self.cfg.s) if self.cfg.s is not None else recommended_s(self.c, d, self.cfg.downlink_cost)
 
     def _kappa_estimate(self) -> float | None:
