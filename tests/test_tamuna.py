@@ -47,7 +47,20 @@ def trajectory(res):
 # --------------------------------------------------------------------------------- the mask
 
 
-@settings(max_examples=60, deadline=None)
+def paper_template(d, c, s):
+    """Figure 1's (d x c) pattern, transcribed from the paper's 1-indexed formulas in plain numpy."""
+    t = np.zeros((d, c), int)
+    if d >= c / s:
+        for k in range(1, d + 1):
+            for col in range(s * (k - 1), s * k):  # columns mod(s(k-1), c) + 1 .. mod(sk - 1, c) + 1
+                t[k - 1, col % c] = 1
+    else:
+        for i in range(1, d * s + 1):
+            t[(i - 1) % d, i - 1] = 1
+    return t
+
+
+@settings(max_examples=20, deadline=None)
 @given(d=st.integers(1, 40), c=st.integers(2, 30), s_frac=st.floats(0, 1), seed=st.integers(0, 2**31 - 1))
 def test_mask_has_s_ones_per_row_and_balanced_columns(d, c, s_frac, seed):
     s = 2 + int(s_frac * (c - 2))
@@ -57,8 +70,8 @@ def test_mask_has_s_ones_per_row_and_balanced_columns(d, c, s_frac, seed):
     per_client = q.sum(axis=1)
     lo, hi = tm.expected_uplink_floats(d, c, s)
     assert per_client.min() >= lo and per_client.max() <= hi
-    # a column permutation of the template
-    template = np.stack([np.asarray(tm.template_column(jnp.asarray(j), d, c, s)) for j in range(c)])
+    # a column permutation of the paper's template
+    template = paper_template(d, c, s).T
     assert sorted(map(bytes, q.astype(np.uint8))) == sorted(map(bytes, template.astype(np.uint8)))
 
 
@@ -71,6 +84,9 @@ def test_paper_template_examples():
     t = np.stack([np.asarray(tm.template_column(jnp.asarray(j), 3, 10, 2)) for j in range(10)]).T.astype(int)
     np.testing.assert_array_equal(t[:, :6], np.tile(np.eye(3, dtype=int), 2))
     assert t[:, 6:].sum() == 0
+    for d, c, s in ((5, 6, 2), (5, 7, 2), (3, 10, 2), (7, 7, 3)):
+        t = np.stack([np.asarray(tm.template_column(jnp.asarray(j), d, c, s)) for j in range(c)]).T.astype(int)
+        np.testing.assert_array_equal(t, paper_template(d, c, s))
 
 
 def test_compressed_aggregate_is_unbiased_with_the_sampling_variance():
@@ -296,8 +312,8 @@ def test_models_with_local_latents_need_the_population_mean_option():
     data = fb.models.make_linear_mixed_effects(num_clients=6, seed=0)[0]
     with pytest.raises(ModelError, match="population-mean"):
         fb.fed_fit(fb.models.linear_mixed_effects, data, "tamuna", num_rounds=2)
-    res = fb.fed_fit(fb.models.linear_mixed_effects, data, fb.TAMUNA(local_latents="population-mean", p=0.5),
-                     num_rounds=300)
+    res = fb.fed_fit(fb.models.linear_mixed_effects, data, fb.Scaffnew(local_latents="population-mean", p=0.5),
+                     num_rounds=150)
     # with b_i at its mean 0 the model is ordinary least squares on the pooled data
     pooled = data.pooled()
     beta = np.linalg.lstsq(pooled["x"], pooled["y"], rcond=None)[0]
