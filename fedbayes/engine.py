@@ -14,7 +14,11 @@ without replacement (a fixed size keeps shapes static); the cohort's client step
 ``jax.vmap``; the server step aggregates the uploads. An algorithm with a ``participation``
 probability p < 1 (FedMM's Bernoulli participation) has each cohort member take part independently
 with probability p: only active clients' new states are kept, only their messages are counted, and
-the server sees who answered in ``RoundInfo.active``. Rounds run inside ``jax.lax.scan`` in
+the server sees who answered in ``RoundInfo.active``. Each member also gets its slot in the cohort
+and the round's public key (``ClientData.slot``, ``ClientData.shared_key``) for randomness the
+cohort must share. An algorithm with a ``client_finish`` method gets a second half-round: after the
+server step, each member receives the server's reply (the new broadcast, of which it is charged
+only the bits ``client_finish`` reports) and updates its state. Rounds run inside ``jax.lax.scan`` in
 chunks compiled once; between chunks the host records the ledger and updates the progress bar.
 Randomness is a pure function of ``(seed, round, client id)``, so a fit is reproducible.
 """
@@ -237,7 +241,8 @@ def chunk_plan(start: int, end: int, size: int) -> list[tuple[int, int]]:
 
 def _compiled_chunk(algorithm: Algorithm, num_clients: int, cohort_size: int):
     """The jitted scan over a chunk of rounds, kept on the algorithm object so that later calls of
-    :func:`run_rounds` (a run continued in segments) reuse its compilation."""
+    :func:`run_rounds` (a run continued in segments) reuse its compilation. The algorithm's
+    attributes (e.g. a step size set by ``init``) are read when the chunk is first traced."""
     cache = algorithm.__dict__.setdefault("_engine_chunks", {}) if hasattr(algorithm, "__dict__") else {}
     if (num_clients, cohort_size) not in cache:
         def chunk(carry, ks, clients, base_key):
