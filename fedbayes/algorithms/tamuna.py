@@ -503,7 +503,7 @@ def estimate_condition(model, data, *, at: Mapping[str, Any] | None = None, mode
 
     fd = data if isinstance(data, FederatedData) else FederatedData(data)
     fm = FedModel(model, fd, model_kwargs)
-    run = TAMUNA(step_size=1.0, p=1.0, eta=None, local_latents=local_latents, jacobian=jacobian,
+    run = TAMUNA(step_size=1.0, p=1.0, local_latents=local_latents, jacobian=jacobian,
                  init=at).build(Problem(fm, fd, 1))
     mu, L = estimate_condition_at(run, stack_clients(fd), run._x0)
     return {"L": L, "mu": mu, "kappa": L / mu if mu > 0 else float("inf")}
@@ -521,14 +521,14 @@ def check_init(init: Any, who: str) -> None:
     raise ConfigError(f"{who} init must be None, a dict of constrained values, a fit Result or 'map', got {init!r}")
 
 
-def resolve_init(init: Any, problem: Problem, *, jacobian: bool = False, map_rounds: int = 300) -> Mapping[str, Any] | None:
+def resolve_init(init: Any, problem: Problem, *, jacobian: bool = False) -> Mapping[str, Any] | None:
     """Initial constrained values from ``init``: None, a dict, a previous ``Result`` (its ``params``), or
-    ``"map"`` (a TAMUNA fit on the same model and data, ``map_rounds`` rounds, every client each round)."""
+    ``"map"`` (:func:`map_estimate`: a TAMUNA fit on the same model and data, 300 rounds, every client)."""
     check_init(init, "")
     if init is None or isinstance(init, Mapping):
         return init
     if isinstance(init, str):
-        return map_estimate(problem, jacobian=jacobian, num_rounds=map_rounds)
+        return map_estimate(problem, jacobian=jacobian)
     return {k: np.asarray(v) for k, v in init.params.items()}
 
 
