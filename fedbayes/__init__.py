@@ -1,6 +1,6 @@
 """fedbayes: Bayesian federated inference for NumPyro models."""
 
-from . import compress, diagnostics, models
+from . import compress, diagnostics, models, reference
 from .algorithms import (BELF, DELF, GD, LMC, PELF, QLSD, TAMUNA, FedAvg, FedEM, FedMM, FedSOUL, ParamAveragingEM, Scaffnew,
                          curvature_step_size, theory_step_size)
 from .algorithms import tamuna
@@ -16,6 +16,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BELF", "TAMUNA", "Scaffnew", "GD", "FedAvg", "tamuna", "CustomStatistics", "DELF", "FedEM", "FedMM", "ParamAveragingEM", "LMC", "PELF", "QLSD", "ConfigError", "DataError", "FedModel", "FedSOUL", "FederatedData", "FedbayesError", "ModelError",
-    "Result", "ULA", "compress", "diagnostics", "fed_fit", "local", "models", "partition_dirichlet", "partition_iid",
+    "Result", "ULA", "compress", "diagnostics", "reference", "fed_fit", "local", "models", "partition_dirichlet", "partition_iid",
     "partition_shards", "curvature_step_size", "theory_step_size",
 ]

@@ -80,6 +80,18 @@ class _DataMask(Messenger):
                 msg["fn"] = msg["fn"].mask(m)
 
 
+class _Unobserve(Messenger):
+    """Turn the named observed sites into ordinary sample sites (posterior predictive replicates)."""
+
+    def __init__(self, fn: Callable, names: tuple[str, ...]):
+        self.names = frozenset(names)
+        super().__init__(fn)
+
+    def process_message(self, msg: dict[str, Any]) -> None:
+        if msg["type"] == "sample" and msg["name"] in self.names and msg["is_observed"]:
+            msg["is_observed"], msg["value"] = False, None
+
+
 @dataclass(frozen=True)
 class Site:
     """One latent site of the model: its role, constrained shape and bijection to R^n."""
@@ -339,6 +351,47 @@ class FedModel:
         fn = handlers.substitute(handlers.substitute(handlers.seed(self.model, 0), data=theta_c), substitute_fn=at_mean)
         tr = handlers.trace(_DataMask(fn, mask, self.data_plates)).get_trace(**data, **self.model_kwargs)
         return sum((_sum_log_prob(tr[n]) for n in self.observed), jnp.zeros(()))
+
+    def pointwise_loglik(self, values_c: Mapping[str, Any], data: Mapping[str, jax.Array], mask: jax.Array) -> jax.Array:
+        """log p(y_ij | theta, z_i) per observation j of one padded client, (max_size,), padded rows 0.
+
+        ``values_c`` are constrained values of the globals and locals. Every observed site must sit in
+        the data plate (their log-densities are summed per observation); models with per-observation
+        latents (mixture labels) have no such per-draw term: call :meth:`require_pointwise` first.
+        """
+        tr = self._client_trace(dict(values_c), data, mask)
+        total = jnp.zeros(mask.shape)
+        for name in self.observed:
+            site = tr[name]
+            lp = site["fn"].log_prob(site["value"])
+            frame = next(f for f in site["cond_indep_stack"] if f.name in self.data_plates)
+            lp = jnp.moveaxis(jnp.broadcast_to(lp, jnp.shape(lp)), lp.ndim + frame.dim, 0)
+            total = total + lp.reshape(lp.shape[0], -1).sum(1)
+        return jnp.where(mask, total, 0.0)
+
+    def require_pointwise(self) -> None:
+        """Raise ModelError unless every observed site has one log-density term per observation."""
+        if self.obs_latent_names:
+            raise ModelError(
+                f"per-observation log-likelihoods need the latent sites {list(self.obs_latent_names)} summed out, "
+                "which is not derived for this model; they are available for models without per-observation latents")
+        tr = self._client_trace({}, self._example, jnp.ones(next(iter(self._example.values())).shape[0], bool))
+        for name in self.observed:
+            if not any(f.name in self.data_plates for f in tr[name]["cond_indep_stack"]):
+                raise ModelError(f"observed site '{name}' is not inside the data plate, so it has no value per "
+                                 "observation; put it under numpyro.plate over the client's rows")
+
+    def sample_observed(self, key: jax.Array, values_c: Mapping[str, Any], data: Mapping[str, jax.Array]) -> Params:
+        """Draw the observed sites afresh at the client's inputs given constrained ``values_c``
+        (posterior predictive replicates y_rep ~ p(y | x, theta, z)); ``{site: (max_size, ...)}``."""
+        fn = handlers.seed(_Unobserve(handlers.substitute(self.model, data=dict(values_c)), self.observed), key)
+        tr = handlers.trace(fn).get_trace(**data, **self.model_kwargs)
+        return {n: tr[n]["value"] for n in self.observed}
+
+    def observed_values(self, data: Mapping[str, jax.Array]) -> Params:
+        """The observed values of one padded client as the model sees them, ``{site: (max_size, ...)}``."""
+        tr = _trace(self.model, {**data, **self.model_kwargs})
+        return {n: tr[n]["value"] for n in self.observed}
 
     def client_log_joint(self, theta_u: Params, z_u: Params, data, mask) -> jax.Array:
         """log p(D_i, z_i | theta) in unconstrained z (global prior excluded)."""

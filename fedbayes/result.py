@@ -9,10 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import xarray as xr
+from numpyro import handlers
 
 from .data import FederatedData
 from .engine import ClientData
-from .errors import DataError
+from .errors import DataError, FedbayesError, require_int
 from .model import FedModel
 
 with warnings.catch_warnings():
@@ -35,6 +36,18 @@ def group(data: Any, name: str) -> xr.Dataset:
     """Group ``name`` of ArviZ data as an xarray Dataset, on either ArviZ line."""
     node = data[name]
     return node.to_dataset() if hasattr(node, "to_dataset") else node
+
+
+def loo_summary(data: Any) -> dict[str, float]:
+    """``az.loo`` of ArviZ data on either line: elpd_loo, se, p_loo and the largest Pareto k."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ArviZ warns on large Pareto k: it is reported in the row instead
+        out = az.loo(data, pointwise=True)
+    if ARVIZ_1:
+        return {"elpd_loo": float(out.elpd), "se": float(out.se), "p_loo": float(out.p),
+                "max_pareto_k": float(np.max(np.asarray(out.pareto_k)))}
+    return {"elpd_loo": float(out["elpd_loo"]), "se": float(out["se"]), "p_loo": float(out["p_loo"]),
+            "max_pareto_k": float(np.max(np.asarray(out["pareto_k"])))}
 
 
 def _site_dims(name: str, shape: tuple[int, ...]) -> list[str]:
@@ -96,6 +109,7 @@ class Result:
         self.settings = dict(parts.get("settings", {}))
         self.history = history
         self._idata = None
+        self._extra_groups: dict[str, xr.Dataset] = {}
 
     # ------------------------------------------------------------------ communication
     @property
@@ -118,7 +132,8 @@ class Result:
     def idata(self) -> Any:
         """ArviZ data: ``posterior`` (local sites with a ``client`` dim; chain, draw), ``fed_params``
         (global estimates), ``fed_history`` (per-round trajectory and ledger, dim ``round``) and
-        ``fed_clients`` (per-client size and Langevin step)."""
+        ``fed_clients`` (per-client size and Langevin step); ``log_likelihood``,
+        ``posterior_predictive`` and ``observed_data`` after :meth:`extend_idata`."""
         if self._idata is None:
             self._idata = to_arviz(self._groups())
         return self._idata
@@ -165,7 +180,7 @@ class Result:
             if self.global_approx and not self.global_samples:
                 posterior.attrs["globals"] = "asymptotic normal approximation N(theta_hat, I^-1), I by Louis' identity"
         history.attrs.update(init_bits_up=self.init_bits[0], init_bits_down=self.init_bits[1])
-        return {"posterior": posterior, "sample_stats": sample_stats, "fed_params": params,
+        return {"posterior": posterior, "sample_stats": sample_stats, **self._extra_groups, "fed_params": params,
                 "fed_history": history, "fed_clients": clients, "fed_local": local}
 
     def _draw_rounds(self, draws: int) -> np.ndarray:
@@ -188,6 +203,33 @@ class Result:
             out[k] = jnp.asarray(a)
         return out
 
+    def _draws(self, client: int | None, num_samples: int | None, seed: int) -> tuple[dict[str, np.ndarray], int]:
+        """Constrained posterior draws ``{site: (S, ...)}`` for prediction: client ``client``'s local samples
+        (none for a new client) with the globals' draws, or theta* repeated when the globals are a point."""
+        if client is None:  # a new client; a point estimate of a model without locals needs one draw
+            point = not self._fm.local_names and not self.global_samples
+            S = num_samples or (1 if point else 1000)
+            samples = {}
+        else:
+            if isinstance(client, bool) or not isinstance(client, (int, np.integer)):
+                raise DataError(f"client must be an integer index or None (a new client), got {client!r}")
+            if not -self._data.num_clients <= client < self._data.num_clients:
+                raise DataError(f"client={client} is out of range for {self._data.num_clients} clients")
+            samples = {k: v[client] for k, v in self.local_samples.items()}
+            if not samples:
+                raise DataError("this fit has no per-client local samples; pass client=None")
+            S = next(iter(samples.values())).shape[0]
+            if num_samples is not None:
+                idx = np.random.default_rng(seed).choice(S, num_samples, replace=num_samples > S)
+                samples, S = {k: v[idx] for k, v in samples.items()}, num_samples
+        if self.global_samples:  # sampled globals: average over their posterior draws
+            pooled = {k: v.reshape((-1,) + v.shape[2:]) for k, v in self.global_samples.items()}
+            idx = np.random.default_rng(seed).choice(len(next(iter(pooled.values()))), S)
+            samples.update({k: v[idx] for k, v in pooled.items()})
+        else:
+            samples.update({k: np.broadcast_to(v, (S,) + v.shape) for k, v in self.params.items()})
+        return samples, S
+
     def predict(self, new_data: Mapping[str, Any], client: int | None = None, *, num_samples: int | None = None,
                 seed: int = 0) -> dict[str, np.ndarray]:
         """Posterior predictive draws of the observed sites at ``new_data``.
@@ -200,26 +242,111 @@ class Result:
         from numpyro.infer import Predictive
 
         x = self._client_arrays(new_data)
-        if client is None:
-            S = num_samples or 1000
-            samples = {}
-        else:
-            if not -self._data.num_clients <= client < self._data.num_clients:
-                raise DataError(f"client={client} is out of range for {self._data.num_clients} clients")
-            samples = {k: v[client] for k, v in self.local_samples.items()}
-            S = next(iter(samples.values())).shape[0]
-            if num_samples is not None:
-                idx = np.random.default_rng(seed).choice(S, num_samples, replace=num_samples > S)
-                samples, S = {k: v[idx] for k, v in samples.items()}, num_samples
-        if self.global_samples:  # sampled globals: average over their posterior draws
-            pooled = {k: v.reshape((-1,) + v.shape[2:]) for k, v in self.global_samples.items()}
-            idx = np.random.default_rng(seed).choice(len(next(iter(pooled.values()))), S)
-            samples.update({k: v[idx] for k, v in pooled.items()})
-        else:
-            samples.update({k: np.broadcast_to(v, (S,) + v.shape) for k, v in self.params.items()})
+        samples, _ = self._draws(client, num_samples, seed)
         pred = Predictive(self._fm.model, posterior_samples=samples, return_sites=list(self._fm.observed))
         out = pred(jax.random.PRNGKey(seed), **x, **self._fm.model_kwargs)
         return {k: np.asarray(v) for k, v in out.items()}
+
+    def predictive_probs(self, new_data: Mapping[str, Any], client: int | None = None, *,
+                         num_samples: int | None = None, seed: int = 0) -> np.ndarray:
+        """Posterior draws of the class probabilities p(y = k | x, theta_s, z_s) of a discrete observed site,
+        shape (S, N, K): the input of the calibration and OOD diagnostics (average over S for the
+        posterior predictive). ``client`` as in :meth:`predict` (None: z_s from the population prior)."""
+        fm = self._fm
+        if len(fm.observed) != 1:
+            raise DataError(f"predictive_probs needs one observed site, the model has {list(fm.observed)}")
+        site = fm.observed[0]
+        x = self._client_arrays(new_data)
+        samples, S = self._draws(client, num_samples, seed)
+        keys = jax.random.split(jax.random.PRNGKey(seed), S)
+
+        def one(key, values):
+            fn = handlers.seed(handlers.substitute(fm.model, data=values), key)
+            d = handlers.trace(fn).get_trace(**x, **fm.model_kwargs)[site]["fn"]
+            if not d.has_enumerate_support:
+                raise DataError(f"observed site '{site}' has a {type(d).__name__} distribution, not a discrete one "
+                                "with finite support; use predict() draws and the regression diagnostics")
+            support = d.enumerate_support(expand=False)  # (K, 1, ...)
+            return jnp.moveaxis(jnp.exp(d.log_prob(support)), 0, -1)
+
+        return np.asarray(jax.jit(jax.vmap(one))(keys, {k: jnp.asarray(v) for k, v in samples.items()}))
+
+    # ------------------------------------------------------------------ model checking groups
+    def extend_idata(self, *, log_likelihood: bool = True, posterior_predictive: bool = True,
+                     observed_data: bool = True, seed: int = 0) -> Any:
+        """Add ``log_likelihood``, ``posterior_predictive`` and ``observed_data`` groups to :attr:`idata`.
+
+        All three have one ``obs`` dimension over every client's real observations (client-major, the
+        order of ``data.pooled()``) and a ``client`` coordinate along it, so ``az.loo(res.idata)`` works on
+        the pooled data and per client (:func:`fb.diagnostics.loo_per_client`). Draws are those of the
+        ``posterior`` group: client i's local draws with theta* (personalised fits), or the globals'
+        draws (samplers; EM fits' normal approximation). The log-likelihood is log p(y_ij | theta, z_i),
+        the observed sites summed per observation. Returns the extended ``res.idata``.
+        """
+        require_int(seed, "seed", 0)
+        fm = self._fm
+        local_vals, global_vals, chains, draws = self._training_draws()
+        data, mask = self._data.padded, self._data.mask
+        keep = np.asarray(mask)
+        obs_client = self._data.pooled_client_ids()
+        coords = {"chain": np.arange(chains), "draw": np.arange(draws), "client": ("obs", obs_client)}
+        S = chains * draws
+
+        def pooled(a: jax.Array) -> np.ndarray:  # (C, S, N, ...) -> (chain, draw, total, ...)
+            a = np.moveaxis(np.asarray(a), 0, 1)[:, keep]
+            return a.reshape((chains, draws) + a.shape[1:])
+
+        groups = {}
+        if log_likelihood:
+            fm.require_pointwise()
+            ll = jax.jit(jax.vmap(jax.vmap(fm.pointwise_loglik, in_axes=(0, None, None)), in_axes=(0, 0, 0)))
+            vals = self._per_client_values(local_vals, global_vals)
+            name = fm.observed[0] if len(fm.observed) == 1 else "loglik"
+            groups["log_likelihood"] = xr.Dataset({name: (["chain", "draw", "obs"], pooled(ll(vals, data, mask)))},
+                                                  coords=coords)
+        if posterior_predictive:
+            keys = jax.vmap(lambda c: jax.random.split(jax.random.fold_in(jax.random.PRNGKey(seed), c), S))(
+                jnp.arange(self._data.num_clients))
+            rep = jax.jit(jax.vmap(jax.vmap(fm.sample_observed, in_axes=(0, 0, None)), in_axes=(0, 0, 0)))(
+                keys, self._per_client_values(local_vals, global_vals), data)
+            groups["posterior_predictive"] = xr.Dataset(
+                {k: (["chain", "draw", "obs", *_site_dims(k, v.shape[3:])], pooled(v)) for k, v in rep.items()},
+                coords=coords)
+        if observed_data:
+            obs = jax.vmap(fm.observed_values)(data)
+            groups["observed_data"] = xr.Dataset(
+                {k: (["obs", *_site_dims(k, v.shape[2:])], np.asarray(v)[keep]) for k, v in obs.items()},
+                coords={"client": ("obs", obs_client)})
+        self._extra_groups.update(groups)
+        self._idata = None
+        return self.idata
+
+    def _per_client_values(self, local_vals: dict[str, np.ndarray], global_vals: dict[str, np.ndarray]) -> dict:
+        C = self._data.num_clients
+        out = {k: jnp.asarray(v) for k, v in local_vals.items()}
+        out.update({k: jnp.broadcast_to(jnp.asarray(v), (C,) + v.shape) for k, v in global_vals.items()})
+        return out
+
+    def _training_draws(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int, int]:
+        """The posterior group's draws: locals ``{site: (C, S, ...)}``, globals ``{site: (S, ...)}``, chains, draws."""
+        fm = self._fm
+        if fm.local_names:
+            if not self._local_chains:
+                raise FedbayesError(f"{self.algorithm} keeps no samples of the local latents "
+                                    f"{list(fm.local_names)}, so there are no draws to evaluate the data at")
+            if self.global_samples:
+                raise FedbayesError("fits with both sampled globals and sampled locals are not supported here")
+            C, chains, draws = next(iter(self._local_chains.values())).shape[:3]
+            local = {k: v.reshape((C, chains * draws) + v.shape[3:]) for k, v in self._local_chains.items()}
+            glob = {k: np.broadcast_to(v, (chains * draws,) + v.shape) for k, v in self.params.items()}
+            return local, glob, chains, draws
+        src = self.global_samples or self.global_approx
+        if not src:
+            raise FedbayesError(f"{self.algorithm} gives a point estimate, not posterior draws: the model-checking "
+                                "groups need draws (use a sampler, FedSOUL or an EM fit's normal approximation)")
+        chains, draws = next(iter(src.values())).shape[:2]
+        glob = {k: v.reshape((chains * draws,) + v.shape[2:]) for k, v in src.items()}
+        return {}, glob, chains, draws
 
     def sample_client(self, new_client_data: Mapping[str, Any], *, num_samples: int = 200, warmup: int = 200,
                       seed: int = 0) -> dict[str, np.ndarray]:

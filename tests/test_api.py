@@ -28,12 +28,18 @@ def test_bad_fit_options(data, kwargs, err, match):
         fb.fed_fit(fb.models.fedpop_synthetic, data, **kwargs)
 
 
-def test_bad_data_and_prediction_inputs(data):
+@pytest.fixture(scope="module")
+def short_fit(data):
+    """A short FedSOUL fit; test_same_seed_same_result repeats it, reusing its compiled programs."""
+    return fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(num_samples=5, warmup=5), num_rounds=20, seed=4)
+
+
+def test_bad_data_and_prediction_inputs(short_fit):
     with pytest.raises(DataError, match="FederatedData"):
         fb.fed_fit(fb.models.fedpop_synthetic, [np.zeros(3)])
     with pytest.raises(DataError, match="NaN"):
         fb.fed_fit(fb.models.fedpop_synthetic, {"x": [np.full((3, 20), np.nan)], "y": [np.zeros(3)]})
-    res = fb.fed_fit(fb.models.fedpop_synthetic, data, "fedsoul", num_rounds=2, seed=0)
+    res = short_fit
     with pytest.raises(DataError, match="out of range"):
         res.predict({"x": np.zeros((2, 20))}, client=6)
     with pytest.raises(DataError, match="keys"):
@@ -52,8 +58,8 @@ def test_divergence_is_reported_with_the_round_and_the_cause(data):
                    num_rounds=30, seed=0)
 
 
-def test_same_seed_same_result(data):
-    a = fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(num_samples=5, warmup=5), num_rounds=20, seed=4)
+def test_same_seed_same_result(data, short_fit):
+    a = short_fit
     b = fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(num_samples=5, warmup=5), num_rounds=20, seed=4)
     c = fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(num_samples=5, warmup=5), num_rounds=20, seed=5)
     np.testing.assert_array_equal(a.params["phi"], b.params["phi"])

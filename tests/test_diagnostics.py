@@ -140,3 +140,146 @@ def test_sample_distances():
     err = dg.moment_errors(x + [0.1, 0.0], x)
     np.testing.assert_allclose(err["mean"], [0.1 / x[:, 0].std(ddof=1), 0.0], atol=1e-12)
     np.testing.assert_allclose(err["sd"], 0.0, atol=1e-12)
+
+
+def test_posterior_intervals_of_a_conjugate_model_cover_the_true_parameter():
+    """theta ~ N(0, 1), y_1..n | theta ~ N(theta, 2^2): the exact posterior is N(m, v) with
+    v = 1 / (1 + n / 4), m = v sum(y) / 4. Over M datasets drawn from the prior predictive, central
+    posterior intervals of level a contain the true theta with probability exactly a."""
+    rng = np.random.default_rng(11)
+    M, n, S = 4000, 5, 1000
+    theta = rng.normal(size=M)
+    y = theta[:, None] + 2.0 * rng.normal(size=(M, n))
+    v = 1.0 / (1.0 + n / 4.0)
+    m = v * y.sum(1) / 4.0
+    draws = m + np.sqrt(v) * rng.normal(size=(S, M))
+    for level, got in dg.interval_coverage(draws, theta, levels=(0.5, 0.8, 0.9, 0.95)).items():
+        # binomial sd sqrt(a (1 - a) / M) <= 0.0079; the empirical quantiles of S = 1000 draws shift
+        # the coverage by O(1 / S) (about 0.002), hence 4 sd + 0.005
+        assert abs(got - level) < 4 * np.sqrt(level * (1 - level) / M) + 0.005
+    assert scipy.stats.kstest(dg.pit(draws, theta), "uniform").pvalue > 1e-3
+    # an over-confident posterior (sd halved) under-covers clearly
+    narrow = m + 0.5 * np.sqrt(v) * rng.normal(size=(S, M))
+    assert dg.interval_coverage(narrow, theta, levels=0.9)[0.9] < 0.7
+
+
+def test_pav_matches_scikit_learn_isotonic_regression():
+    from sklearn.isotonic import IsotonicRegression
+
+    rng = np.random.default_rng(4)
+    x = np.round(rng.uniform(size=500), 2)  # rounded: many ties
+    y = (rng.uniform(size=500) < x**2).astype(float)
+    w = rng.uniform(0.5, 2.0, size=500)
+    fit = dg.pav(x, y, w)
+    ref = IsotonicRegression().fit(x, y, sample_weight=w).predict(x)
+    np.testing.assert_allclose(fit["calibrated"], ref[fit["order"]], atol=1e-12)
+    assert np.all(np.diff(fit["calibrated"]) >= -1e-15)
+    # CORP miscalibration: about 0 for a calibrated predictor, clearly positive for an over-confident one
+    p, labels = random_classifier(rng, n=5000)
+    sharp = p**4 / np.sum(p**4, 1, keepdims=True)
+    assert dg.pav_reliability(p, labels)["miscalibration"] < 0.005
+    assert dg.pav_reliability(sharp, labels)["miscalibration"] > 0.02
+
+
+def test_novelty_score_matches_gaussian_closed_forms():
+    rng = np.random.default_rng(5)
+    m0, c0 = np.array([0.0, 1.0]), np.array([[1.0, 0.3], [0.3, 0.5]])
+    m, c = np.array([1.0, 2.0]), 0.1 * np.eye(2)
+    prior = rng.multivariate_normal(m0, c0, size=200000)
+    post = rng.multivariate_normal(m, c, size=200000)
+    diff = m - m0
+    exact = np.sqrt(diff @ np.linalg.solve(c0, diff))
+    # means and covariances from 2e5 draws: relative errors of order 1 / sqrt(2e5) = 0.002
+    assert dg.novelty_score(post, prior) == pytest.approx(exact, rel=0.01)
+    assert dg.novelty_score(post, prior, kind="kl") == pytest.approx(dg.gaussian_kl(m, c, m0, c0), rel=0.01)
+    with pytest.raises(ConfigError):
+        dg.novelty_score(post, prior, kind="euclid")
+
+
+def _as_idata(posterior):
+    import xarray as xr
+
+    from fedbayes.result import to_arviz
+
+    return to_arviz({"posterior": xr.Dataset(posterior)})
+
+
+def test_compare_to_reference_reports_closed_form_distances():
+    rng = np.random.default_rng(6)
+    R = 4000
+    ref = {"a": (["chain", "draw", "a_dim_0"], rng.normal(size=(2, R, 2))),
+           "z": (["chain", "draw", "client", "z_dim_0"], rng.normal(size=(2, R, 3, 1)))}
+    shifted = {"a": (["chain", "draw", "a_dim_0"], 0.5 + 2.0 * rng.normal(size=(2, R, 2))),
+               "z": (["chain", "draw", "client", "z_dim_0"], rng.normal(size=(2, R, 3, 1)))}
+    table = dg.compare_to_reference(_as_idata(shifted), _as_idata(ref))
+    assert list(table.index) == ["a", "z"] and table.loc["z", "clients"] == 3
+    a = table.loc["a"]
+    # N(0.5, 4 I) against N(0, I) in 2-d: W2^2 = 2 * 0.25 + 2 * (2 - 1)^2, KL = (2*4 + 2*0.25 - 2 + 2*log(1/4)) / 2;
+    # moment estimates from 8000 draws per side are within about 3 % here
+    assert a["w2_gauss"] == pytest.approx(np.sqrt(2 * 0.25 + 2), rel=0.03)
+    assert a["kl_gauss"] == pytest.approx((8 + 0.5 - 2 + 2 * np.log(0.25)) / 2, rel=0.05)
+    assert a["mean_err"] == pytest.approx(0.5, abs=0.1) and a["sd_err"] == pytest.approx(1.0, abs=0.1)
+    assert a["mmd"] > 0.1 and a["sliced_w2"] > 0.5
+    z = table.loc["z"]  # the same law on both sides: every distance is sampling noise
+    assert z["mean_err"] < 0.1 and z["w2_gauss"] < 0.1 and z["mmd"] < 0.05
+    with pytest.raises(DataError, match="not in both"):
+        dg.compare_to_reference(_as_idata(shifted), _as_idata(ref), var_names=["b"])
+
+
+def test_loo_per_client_matches_exact_leave_one_out():
+    """Bayesian linear regression with known noise: p(y_i | y_-i) = N(x_i m_-i, s^2 + x_i V_-i x_i') in
+    closed form. PSIS-LOO from 4000 exact posterior draws reproduces each client's sum of them."""
+    import xarray as xr
+
+    from fedbayes.result import to_arviz
+
+    rng = np.random.default_rng(7)
+    n, s = 40, 0.5
+    x = np.column_stack([np.ones(n), rng.normal(size=n)])
+    y = x @ [0.5, -1.0] + s * rng.normal(size=n)
+    client = np.repeat(np.arange(4), 10)
+
+    def posterior(keep):  # prior w ~ N(0, I)
+        prec = np.eye(2) + x[keep].T @ x[keep] / s**2
+        cov = np.linalg.inv(prec)
+        return cov @ x[keep].T @ y[keep] / s**2, cov
+
+    m, cov = posterior(np.ones(n, bool))
+    w = rng.multivariate_normal(m, cov, size=(2, 2000))  # (chain, draw, 2)
+    mu = w @ x.T
+    ll = scipy.stats.norm.logpdf(y, mu, s)
+    exact = np.zeros(n)
+    for i in range(n):
+        mi, ci = posterior(np.arange(n) != i)
+        exact[i] = scipy.stats.norm.logpdf(y[i], x[i] @ mi, np.sqrt(s**2 + x[i] @ ci @ x[i]))
+    idata = to_arviz({"posterior": xr.Dataset({"w": (["chain", "draw", "w_dim_0"], w)}),
+                      "log_likelihood": xr.Dataset({"y": (["chain", "draw", "obs"], ll)},
+                                                   coords={"client": ("obs", client)})})
+    table = dg.loo_per_client(idata)
+    assert list(table["n"]) == [10] * 4
+    # importance-sampling error per point is about 0.005 here (smooth, light-tailed weights)
+    np.testing.assert_allclose(table["elpd_loo"], [exact[client == c].sum() for c in range(4)], atol=0.05)
+    assert np.all(table["max_pareto_k"] < 0.7)
+
+
+class _FakeFit:
+    """predictive_probs(inputs, client) of a fit: client c predicts its classes with confidence 0.9."""
+
+    def predictive_probs(self, inputs, client=None, *, num_samples=None, seed=0):
+        x = np.asarray(inputs["x"])
+        p = np.where(x[:, None] > 0, [0.9, 0.1], [0.5, 0.5])
+        return np.broadcast_to(p, (3,) + p.shape)
+
+
+def test_ood_report_scores_per_client_inputs():
+    inside = [{"x": np.ones(4)}, {"x": np.ones(6)}]
+    outside = [{"x": -np.ones(3)}, {"x": -np.ones(5)}]
+    table = dg.ood_report(_FakeFit(), inside, outside, client=[0, 1])
+    assert set(table.index) == {"predictive_entropy", "mutual_information", "expected_entropy", "neg_max_probability"}
+    h = -(0.9 * np.log(0.9) + 0.1 * np.log(0.1))
+    assert table.loc["predictive_entropy", "mean_in"] == pytest.approx(h)
+    assert table.loc["predictive_entropy", "mean_out"] == pytest.approx(np.log(2))
+    assert table.loc["predictive_entropy", "auroc"] == 1.0 and table.loc["neg_max_probability", "auroc"] == 1.0
+    assert table.loc["mutual_information", "auroc"] == 0.5  # identical draws: no epistemic signal at all
+    with pytest.raises(DataError, match="one input dict per client"):
+        dg.ood_report(_FakeFit(), inside[0], outside, client=[0, 1])

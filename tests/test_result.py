@@ -90,3 +90,74 @@ def test_sampler_idata_has_global_draws_and_ledger_per_draw():
     # the ledger of the round each draw comes from, split over the chains
     np.testing.assert_array_equal(stats["bits_up"].values[0], res.history["bits_up"][10::3] / 2)
     assert np.all(np.isfinite(np.asarray(az.rhat(res.idata, var_names=["w"])["w"])))
+
+
+# ------------------------------------------------------------------ model-checking groups and plots
+
+
+def test_extend_idata_adds_exact_log_likelihood_predictive_and_observed_groups(res):
+    from scipy.stats import norm
+
+    train, _, _ = fb.models.make_fedpop_synthetic(12, seed=5)
+    idata = res.extend_idata(seed=1)
+    ll, pp, obs = (group(idata, g) for g in ("log_likelihood", "posterior_predictive", "observed_data"))
+    assert ll["y"].dims == ("chain", "draw", "obs") and ll["y"].shape == (2, 60, train.total_size)
+    np.testing.assert_array_equal(ll["client"].values, train.pooled_client_ids())
+    np.testing.assert_allclose(obs["y"].values, train.pooled()["y"], rtol=1e-6)
+    # log N(y | x' phi z, 0.1^2) at every client's own draws (client-major, real rows only)
+    x, ids = train.pooled()["x"], train.pooled_client_ids()
+    mean = np.einsum("nk,kd,nsd->sn", x, res.params["phi"], res.local_samples["z"][ids])  # (chain*draw, obs)
+    exact = norm.logpdf(train.pooled()["y"], mean, 0.1).reshape(2, 60, -1)
+    np.testing.assert_allclose(ll["y"].values, exact, atol=1e-3)  # float32 model evaluation
+    # replicates: y_rep = x' phi z + 0.1 eps, so standardised residuals are N(0, 1) over 7800 values
+    resid = (pp["y"].values - mean.reshape(2, 60, -1)) / 0.1
+    assert abs(resid.mean()) < 4 / np.sqrt(resid.size) and abs(resid.std() - 1) < 0.05
+    loo = fb.diagnostics.loo_per_client(res)
+    assert list(loo.index) == list(range(12)) and list(loo["n"]) == list(train.sizes)
+    assert np.all(np.isfinite(loo["elpd_loo"]))
+
+
+def test_arviz_pit_plot_renders_headless(res, tmp_path):
+    res.extend_idata()
+    path = tmp_path / "pit.png"
+    fb.diagnostics.plot_arviz_pit(res, path=path)
+    assert path.stat().st_size > 1000
+
+
+@pytest.fixture(scope="module")
+def logistic():
+    data, _ = fb.models.make_glm_clients(3, 2, 40, seed=1)
+    model = fb.models.logistic_regression(prior_scale=2.0)
+    return data, fb.fed_fit(model, data, fb.LMC(num_chains=2, warmup=50, thinning=2), num_rounds=250, seed=0)
+
+
+def test_predictive_probs_are_the_model_probabilities_at_each_draw(logistic):
+    data, fit = logistic
+    x = data.client(0)["x"][:7]
+    probs = fit.predictive_probs({"x": x}, num_samples=30, seed=2)
+    draws = fit.global_samples["w"].reshape(-1, 2)[np.random.default_rng(2).choice(200, 30)]
+    p1 = 1 / (1 + np.exp(-(draws @ x.T)))
+    np.testing.assert_allclose(probs, np.stack([1 - p1, p1], -1), atol=1e-5)
+
+
+def test_arviz_pava_plot_renders_headless(logistic, tmp_path):
+    _, fit = logistic
+    fit.extend_idata()
+    path = tmp_path / "pava.png"
+    fb.diagnostics.plot_arviz_pava(fit, data_type="binary", path=path)
+    assert path.stat().st_size > 1000
+
+
+def test_client_novelty_flags_a_client_far_from_the_population(res):
+    rng = np.random.default_rng(9)
+    phi = res.params["phi"]
+    x = rng.normal(size=(10, phi.shape[0]))
+    mu, sigma = res.params["mu"], float(res.params["sigma"])
+    typical = {"x": x, "y": x @ phi @ mu + 0.1 * rng.normal(size=10)}
+    far = {"x": x, "y": x @ phi @ (mu + 8 * sigma) + 0.1 * rng.normal(size=10)}
+    a = fb.diagnostics.client_novelty(res, typical, num_samples=200, warmup=200)
+    b = fb.diagnostics.client_novelty(res, far, num_samples=200, warmup=200)
+    assert len(a["training_scores"]) == 12
+    # the local posterior of a 10-point client sits near its data's z: 8 prior sds is beyond every training client
+    assert b["p_value"] == 0.0 and b["score"] > 4 * a["score"]
+    assert a["p_value"] > 0.2
