@@ -70,7 +70,7 @@ def plot_reliability(probs: Any, labels: Any, *, n_bins: int = 15, strategy: str
                     label=f"{name + ': ' if name else ''}PAV")
     ax.set(xlabel="confidence (max probability)", ylabel="accuracy", xlim=(0, 1), ylim=(0, 1.02),
            title="reliability")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=7, loc="lower right")
     return _finish(fig, path)
 
 
