@@ -7,7 +7,7 @@ from .algorithms import tamuna
 from .expfam import CustomStatistics
 from .api import fed_fit
 from .data import FederatedData, partition_dirichlet, partition_iid, partition_shards
-from .errors import ConfigError, DataError, FedbayesError, ModelError
+from .errors import ConfigError, DataError, DivergenceError, FedbayesError, ModelError
 from .kernels import ULA
 from .model import FedModel, local
 from .result import Result
@@ -15,7 +15,7 @@ from .result import Result
 __version__ = "0.1.0"
 
 __all__ = [
-    "BELF", "TAMUNA", "Scaffnew", "GD", "FedAvg", "tamuna", "CustomStatistics", "DELF", "FedEM", "FedMM", "ParamAveragingEM", "LMC", "PELF", "QLSD", "ConfigError", "DataError", "FedModel", "FedSOUL", "FederatedData", "FedbayesError", "ModelError",
+    "BELF", "TAMUNA", "Scaffnew", "GD", "FedAvg", "tamuna", "CustomStatistics", "DELF", "FedEM", "FedMM", "ParamAveragingEM", "LMC", "PELF", "QLSD", "ConfigError", "DataError", "DivergenceError", "FedModel", "FedSOUL", "FederatedData", "FedbayesError", "ModelError",
     "Result", "ULA", "compress", "diagnostics", "reference", "fed_fit", "local", "models", "partition_dirichlet", "partition_iid",
     "partition_shards", "curvature_step_size", "theory_step_size",
 ]

@@ -9,8 +9,8 @@ import numpy as np
 
 from .algorithms import ALGORITHMS
 from .data import FederatedData
-from .engine import Problem, resolve_cohort_size, run_rounds
-from .errors import ConfigError, DataError, FedbayesError, require_int
+from .engine import Diverged, Problem, resolve_cohort_size, run_rounds
+from .errors import ConfigError, DataError, DivergenceError, require_int
 from .model import FedModel
 from .result import Result
 
@@ -30,17 +30,25 @@ _DEFAULT_HINT = ("The likely cause is a step size: lower the Langevin step_size 
                  "automatic step) or the server_lr.")
 
 
-def _check_finite(history: dict[str, np.ndarray], name: str, hint: str | None = None) -> None:
-    """Refuse a diverged fit with the round where the global parameters stopped being finite."""
-    bad = np.zeros(len(history.get("bits_up", [])), bool)
-    for key, values in history.items():
-        if key.startswith(("theta/", "_sample")):
-            bad |= ~np.all(np.isfinite(values.reshape(len(values), -1)), axis=1)
-    if bad.any():
-        raise FedbayesError(
-            f"{name} diverged: the global parameters became non-finite at round {int(np.argmax(bad))}. "
-            + (f"Likely fixes: {hint}." if hint else _DEFAULT_HINT)
-        )
+def _diverged(err: Diverged, run: Any, problem: Problem, fm: FedModel, data: FederatedData, seed: int,
+              key: jax.Array) -> DivergenceError:
+    """The user-facing error of a diverged fit, with the fit finalised at the last good round."""
+    hint = getattr(getattr(run, "cfg", None), "divergence_hint", None)
+    message = (f"{run.name} diverged: the global parameters became non-finite at round {err.round}. "
+               + (f"Likely fixes: {hint}." if hint else _DEFAULT_HINT)
+               + (f" err.result holds the fit at round {err.round - 1}, the last good one." if err.round else ""))
+    result = None
+    if err.round > 0:
+        try:
+            parts = run.finalize(key, err.carry, problem._replace(num_rounds=err.round), history=err.history)
+            history = {k: v for k, v in err.history.items() if not k.startswith("_")}
+            result = Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts, history=history)
+            if not all(np.all(np.isfinite(v)) for v in result.params.values()):
+                result = None
+        except Exception:  # noqa: BLE001 - an algorithm may need more rounds than were good to finalise
+            result = None
+    history = {k: v for k, v in err.history.items() if not k.startswith("_")}
+    return DivergenceError(message, round=err.round, history=history, result=result)
 
 
 def fed_fit(
@@ -93,9 +101,11 @@ def fed_fit(
     run = algo.build(problem)
     k_init, k_rounds, k_final = jax.random.split(jax.random.PRNGKey(seed), 3)
     carry = run.init(k_init, problem)
-    carry, history = run_rounds(run, problem, carry, base_key=k_rounds, cohort_size=cohort,
-                                chunk_size=chunk_size, progress=progress)
-    _check_finite(history, run.name, getattr(run.cfg, "divergence_hint", None) if hasattr(run, "cfg") else None)
+    try:
+        carry, history = run_rounds(run, problem, carry, base_key=k_rounds, cohort_size=cohort,
+                                    chunk_size=chunk_size, progress=progress, stop_on_divergence=True)
+    except Diverged as err:
+        raise _diverged(err, run, problem, fm, data, seed, k_final) from None
     parts = run.finalize(k_final, carry, problem, history=history)
     history = {k: v for k, v in history.items() if not k.startswith("_")}  # private records (raw draws)
     return Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts, history=history)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .data import FederatedData
-from .errors import ConfigError
+from .errors import ConfigError, FedbayesError
 
 PyTree = Any
 
@@ -254,6 +254,41 @@ def _compiled_chunk(algorithm: Algorithm, num_clients: int, cohort_size: int):
     return cache[(num_clients, cohort_size)]
 
 
+def first_nonfinite_round(records: dict[str, np.ndarray]) -> int | None:
+    """Index of the first round whose global state (``theta/<site>``, the samplers' ``_sample*`` draws)
+    is not finite, or None."""
+    bad = None
+    for key, values in records.items():
+        if key.startswith(("theta/", "_sample")) and len(values):
+            row_bad = ~np.all(np.isfinite(np.asarray(values, dtype=np.float64).reshape(len(values), -1)), axis=1)
+            if row_bad.any():
+                i = int(np.argmax(row_bad))
+                bad = i if bad is None else min(bad, i)
+    return bad
+
+
+class Diverged(FedbayesError):
+    """Raised by :func:`run_rounds` with ``stop_on_divergence``: ``round`` is the first non-finite round,
+    ``carry`` the state after the last good round and ``history`` the records of the good rounds."""
+
+    def __init__(self, round: int, carry: Any, history: dict[str, np.ndarray]):
+        super().__init__(f"non-finite global state at round {round}")
+        self.round, self.carry, self.history = round, carry, history
+
+
+def _host_records(rec: dict[str, Any], seconds: float) -> dict[str, np.ndarray]:
+    rec = {name: np.asarray(v) for name, v in rec.items()}
+    length = len(rec["bits_up"])
+    rec["seconds"] = np.full(length, seconds / max(length, 1))  # the first chunk includes compilation
+    for name in ("bits_up", "bits_down"):
+        rec[name] = rec[name].astype(np.int64).sum(axis=1)
+    return rec
+
+
+def _concat(records: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {name: np.concatenate([r[name] for r in records]) for name in records[0]} if records else {}
+
+
 def run_rounds(
     algorithm: Algorithm,
     problem: Problem,
@@ -264,12 +299,18 @@ def run_rounds(
     start: int = 0,
     chunk_size: int = 50,
     progress: bool | None = None,
+    stop_on_divergence: bool = False,
 ) -> tuple[tuple[PyTree, PyTree, Message], dict[str, np.ndarray]]:
     """Run rounds ``start .. problem.num_rounds - 1`` and return the final carry and the history.
 
     The history maps each recorded quantity to a numpy array with one row per round; ``bits_up`` and
     ``bits_down`` are exact int64 totals per round (summed on the host so they cannot overflow), and
     ``seconds`` is the wall time of the round's chunk divided by its rounds.
+
+    With ``stop_on_divergence``, a chunk whose global state turns non-finite ends the run: the state
+    after the last good round is recomputed by replaying that chunk's good rounds from its starting
+    state (round keys depend only on the seed and the round, so the replay is the same computation),
+    and :class:`Diverged` is raised with it and the good rounds' history.
     """
     num_rounds = problem.num_rounds
     clients = stack_clients(problem.data)
@@ -279,12 +320,14 @@ def run_rounds(
     records: list[dict[str, np.ndarray]] = []
     for first, length in chunk_plan(start, num_rounds, chunk_size):
         t0 = time.perf_counter()
+        before = carry
         carry, rec = run_chunk(carry, jnp.arange(first, first + length), clients, base_key)
-        rec = {name: np.asarray(v) for name, v in rec.items()}
-        rec["seconds"] = np.full(length, (time.perf_counter() - t0) / length)  # the first chunk includes compilation
-        for name in ("bits_up", "bits_down"):
-            rec[name] = rec[name].astype(np.int64).sum(axis=1)
+        rec = _host_records(rec, time.perf_counter() - t0)
+        bad = first_nonfinite_round(rec) if stop_on_divergence else None
+        if bad is not None:
+            records.append({name: v[:bad] for name, v in rec.items()})
+            good = run_chunk(before, jnp.arange(first, first + bad), clients, base_key)[0] if bad else before
+            raise Diverged(first + bad, good, _concat(records))
         records.append(rec)
         bar.update(first + length)
-    history = {name: np.concatenate([r[name] for r in records]) for name in records[0]} if records else {}
-    return carry, history
+    return carry, _concat(records)

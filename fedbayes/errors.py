@@ -23,6 +23,16 @@ class ConfigError(FedbayesError, ValueError):
     """An algorithm, compressor or fit option has an invalid value."""
 
 
+class DivergenceError(FedbayesError, FloatingPointError):
+    """A fit's global state became non-finite. ``round`` is the first bad round; ``history`` holds the
+    per-round records of the rounds before it and ``result`` the fit finalised at the last good round
+    (None when no round was good or the algorithm could not finalise so early)."""
+
+    def __init__(self, message: str, *, round: int, history: dict, result: object = None):
+        super().__init__(message)
+        self.round, self.history, self.result = round, history, result
+
+
 def require_int(value: object, what: str, minimum: int = 1) -> int:
     """``value`` as an int, or ConfigError if it is not an integer >= ``minimum`` (bools refused)."""
     import numbers

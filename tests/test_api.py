@@ -52,10 +52,28 @@ def test_bad_data_and_prediction_inputs(short_fit):
 
 
 def test_divergence_is_reported_with_the_round_and_the_cause(data):
-    # gamma = 1 is far beyond 2 / L_i for these clients: the chains and then theta blow up.
-    with pytest.raises(fb.FedbayesError, match=r"diverged.*round \d+.*step_size"):
+    # gamma = 1 is far beyond 2 / L_i for these clients: the chains and then theta blow up at once.
+    with pytest.raises(fb.DivergenceError, match=r"FedSOUL diverged.*round \d+.*step_size") as info:
         fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(step_size=1.0, num_samples=2, warmup=0),
-                   num_rounds=30, seed=0)
+                   num_rounds=30, seed=0, chunk_size=7)
+    assert info.value.round < 30 and len(info.value.history["bits_up"]) == info.value.round
+
+
+def test_a_diverged_fit_returns_everything_up_to_the_last_good_round():
+    # GD with a step 0.2 > 2 / L on a quadratic: |1 - gamma L| > 1, the iterates grow geometrically
+    # and overflow float32 after a few dozen rounds, in the middle of a chunk of 8
+    data, _ = fb.models.make_glm_clients(4, 3, 30, family="linear", seed=2)
+    model = fb.models.linear_regression()
+    with pytest.raises(fb.DivergenceError, match=r"GD diverged.*round (\d+).*last good one") as info:
+        fb.fed_fit(model, data, fb.GD(step_size=0.2), num_rounds=300, seed=0, chunk_size=8)
+    err = info.value
+    assert 8 < err.round < 300 and err.round % 8 != 0
+    assert len(err.history["bits_up"]) == len(err.result.history["bits_up"]) == err.round
+    # the partial result is exactly the fit stopped at the last good round
+    clean = fb.fed_fit(model, data, fb.GD(step_size=0.2), num_rounds=err.round, seed=0, chunk_size=8)
+    np.testing.assert_array_equal(err.result.params["w"], clean.params["w"])
+    np.testing.assert_array_equal(err.history["theta/w"], clean.history["theta/w"])
+    assert np.all(np.isfinite(err.result.params["w"]))
 
 
 def test_same_seed_same_result(data, short_fit):
