@@ -30,6 +30,11 @@ _DEFAULT_HINT = ("The likely cause is a step size: lower the Langevin step_size 
                  "automatic step) or the server_lr.")
 
 
+def _public(history: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The history without the private records (keys starting with "_", e.g. the samplers' raw draws)."""
+    return {k: v for k, v in history.items() if not k.startswith("_")}
+
+
 def _diverged(err: Diverged, run: Any, problem: Problem, fm: FedModel, data: FederatedData, seed: int,
               key: jax.Array) -> DivergenceError:
     """The user-facing error of a diverged fit, with the fit finalised at the last good round."""
@@ -37,17 +42,15 @@ def _diverged(err: Diverged, run: Any, problem: Problem, fm: FedModel, data: Fed
     message = (f"{run.name} diverged: the global parameters became non-finite at round {err.round}. "
                + (f"Likely fixes: {hint}." if hint else _DEFAULT_HINT)
                + (f" err.result holds the fit at round {err.round - 1}, the last good one." if err.round else ""))
-    result = None
+    result, history = None, _public(err.history)
     if err.round > 0:
         try:
             parts = run.finalize(key, err.carry, problem._replace(num_rounds=err.round), history=err.history)
-            history = {k: v for k, v in err.history.items() if not k.startswith("_")}
             result = Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts, history=history)
             if not all(np.all(np.isfinite(v)) for v in result.params.values()):
                 result = None
         except Exception:  # noqa: BLE001 - an algorithm may need more rounds than were good to finalise
             result = None
-    history = {k: v for k, v in err.history.items() if not k.startswith("_")}
     return DivergenceError(message, round=err.round, history=history, result=result)
 
 
@@ -107,5 +110,4 @@ def fed_fit(
     except Diverged as err:
         raise _diverged(err, run, problem, fm, data, seed, k_final) from None
     parts = run.finalize(k_final, carry, problem, history=history)
-    history = {k: v for k, v in history.items() if not k.startswith("_")}  # private records (raw draws)
-    return Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts, history=history)
+    return Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts, history=_public(history))

@@ -365,7 +365,7 @@ class FedModel:
             site = tr[name]
             lp = site["fn"].log_prob(site["value"])
             frame = next(f for f in site["cond_indep_stack"] if f.name in self.data_plates)
-            lp = jnp.moveaxis(jnp.broadcast_to(lp, jnp.shape(lp)), lp.ndim + frame.dim, 0)
+            lp = jnp.moveaxis(lp, lp.ndim + frame.dim, 0)
             total = total + lp.reshape(lp.shape[0], -1).sum(1)
         return jnp.where(mask, total, 0.0)
 

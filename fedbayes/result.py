@@ -299,16 +299,17 @@ class Result:
         groups = {}
         if log_likelihood:
             fm.require_pointwise()
-            ll = jax.jit(jax.vmap(jax.vmap(fm.pointwise_loglik, in_axes=(0, None, None)), in_axes=(0, 0, 0)))
-            vals = self._per_client_values(local_vals, global_vals)
+            per_draw = lambda lv, gv, d, m: fm.pointwise_loglik({**gv, **lv}, d, m)  # noqa: E731
+            ll = jax.jit(jax.vmap(jax.vmap(per_draw, in_axes=(0, 0, None, None)), in_axes=(0, None, 0, 0)))
             name = fm.observed[0] if len(fm.observed) == 1 else "loglik"
-            groups["log_likelihood"] = xr.Dataset({name: (["chain", "draw", "obs"], pooled(ll(vals, data, mask)))},
-                                                  coords=coords)
+            groups["log_likelihood"] = xr.Dataset(
+                {name: (["chain", "draw", "obs"], pooled(ll(local_vals, global_vals, data, mask)))}, coords=coords)
         if posterior_predictive:
             keys = jax.vmap(lambda c: jax.random.split(jax.random.fold_in(jax.random.PRNGKey(seed), c), S))(
                 jnp.arange(self._data.num_clients))
-            rep = jax.jit(jax.vmap(jax.vmap(fm.sample_observed, in_axes=(0, 0, None)), in_axes=(0, 0, 0)))(
-                keys, self._per_client_values(local_vals, global_vals), data)
+            per_draw = lambda k, lv, gv, d: fm.sample_observed(k, {**gv, **lv}, d)  # noqa: E731
+            rep = jax.jit(jax.vmap(jax.vmap(per_draw, in_axes=(0, 0, 0, None)), in_axes=(0, 0, None, 0)))(
+                keys, local_vals, global_vals, data)
             groups["posterior_predictive"] = xr.Dataset(
                 {k: (["chain", "draw", "obs", *_site_dims(k, v.shape[3:])], pooled(v)) for k, v in rep.items()},
                 coords=coords)
@@ -320,12 +321,6 @@ class Result:
         self._extra_groups.update(groups)
         self._idata = None
         return self.idata
-
-    def _per_client_values(self, local_vals: dict[str, np.ndarray], global_vals: dict[str, np.ndarray]) -> dict:
-        C = self._data.num_clients
-        out = {k: jnp.asarray(v) for k, v in local_vals.items()}
-        out.update({k: jnp.broadcast_to(jnp.asarray(v), (C,) + v.shape) for k, v in global_vals.items()})
-        return out
 
     def _training_draws(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int, int]:
         """The posterior group's draws: locals ``{site: (C, S, ...)}``, globals ``{site: (S, ...)}``, chains, draws."""

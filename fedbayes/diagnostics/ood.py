@@ -171,11 +171,13 @@ def client_novelty(fit: Any, new_client_data: Any, *, kind: str = "mahalanobis",
     keys = jax.random.split(jax.random.PRNGKey(seed + 1), prior_samples)
     prior_u = jax.vmap(fm.sample_local_prior, in_axes=(0, None, None, None))(keys, fit._theta_u, data, one.mask[0])
 
-    def flat_u(constrained: dict[str, Any]) -> np.ndarray:  # (S, ...) constrained -> (S, d) unconstrained
-        u = jax.vmap(fm.unconstrain)({k: constrained[k] for k in fm.local_names})
+    def flat(u: dict[str, Any]) -> np.ndarray:  # {site: (S, ...)} -> (S, d)
         return np.concatenate([np.asarray(u[k]).reshape(len(u[k]), -1) for k in fm.local_names], axis=1)
 
-    prior = np.concatenate([np.asarray(prior_u[k]).reshape(prior_samples, -1) for k in fm.local_names], axis=1)
+    def flat_u(constrained: dict[str, Any]) -> np.ndarray:  # constrained draws -> unconstrained (S, d)
+        return flat(jax.vmap(fm.unconstrain)({k: constrained[k] for k in fm.local_names}))
+
+    prior = flat(prior_u)
     score = novelty_score(flat_u(new), prior, kind)
     train = np.array([novelty_score(flat_u({k: v[i] for k, v in fit.local_samples.items()}), prior, kind)
                       for i in range(fit._data.num_clients)])
