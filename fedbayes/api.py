@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import dataclasses
+import os
+import pickle
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import numpy as np
 
+from . import checkpoint as checkpoint_io
 from .algorithms import ALGORITHMS
 from .data import FederatedData
-from .engine import Diverged, Problem, resolve_cohort_size, run_rounds
-from .errors import ConfigError, DataError, DivergenceError, require_int
+from .engine import Problem, Stopped, _concat, fault_events, resolve_cohort_size, run_rounds
+from .errors import CheckpointError, ConfigError, DataError, DivergenceError, ModelError, TooFewClientsError, require_int
+from .faults import FaultPolicy, Faults
 from .model import FedModel
 from .result import Result
 
@@ -35,23 +40,70 @@ def _public(history: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v for k, v in history.items() if not k.startswith("_")}
 
 
-def _diverged(err: Diverged, run: Any, problem: Problem, fm: FedModel, data: FederatedData, seed: int,
-              key: jax.Array) -> DivergenceError:
-    """The user-facing error of a diverged fit, with the fit finalised at the last good round."""
-    hint = getattr(getattr(run, "cfg", None), "divergence_hint", None)
-    message = (f"{run.name} diverged: the global parameters became non-finite at round {err.round}. "
-               + (f"Likely fixes: {hint}." if hint else _DEFAULT_HINT)
-               + (f" err.result holds the fit at round {err.round - 1}, the last good one." if err.round else ""))
-    result, history = None, _public(err.history)
+def _stopped(err: Stopped, run: Any, problem: Problem, fm: FedModel, data: FederatedData, seed: int,
+             key: jax.Array, history: dict[str, np.ndarray]) -> Exception:
+    """The user-facing error of a fit stopped early, with the fit finalised at the last good round."""
+    if err.reason == "diverged":
+        hint = getattr(getattr(run, "cfg", None), "divergence_hint", None)
+        message = (f"{run.name} diverged: the global parameters became non-finite at round {err.round}. "
+                   + (f"Likely fixes: {hint}." if hint else _DEFAULT_HINT))
+        kind = DivergenceError
+    else:
+        message = (f"{run.name} stopped: at round {err.round} client faults left fewer answering clients than "
+                   f"fb.FaultPolicy(min_clients=...) allows; err.history['active'] and the fault counts "
+                   "('dropped', 'nonfinite', 'too_large') show the rounds before it. Lower min_clients, or "
+                   "find why clients fail (res.faults / err.result.faults list every event).")
+        kind = TooFewClientsError
+    if err.round:
+        message += f" err.result holds the fit at round {err.round - 1}, the last good one."
+    result = None
     if err.round > 0:
         try:
-            parts = run.finalize(key, err.carry, problem._replace(num_rounds=err.round), history=err.history)
-            result = Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts, history=history)
+            parts = run.finalize(key, err.carry, problem._replace(num_rounds=err.round), history=history)
+            result = Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts,
+                            history=_public(history))
             if not all(np.all(np.isfinite(v)) for v in result.params.values()):
                 result = None
         except Exception:  # noqa: BLE001 - an algorithm may need more rounds than were good to finalise
             result = None
-    return DivergenceError(message, round=err.round, history=history, result=result)
+    return kind(message, round=err.round, history=_public(history), result=result)
+
+
+class _Fit(NamedTuple):
+    """Everything that determines a fit's result (what a checkpoint must reproduce)."""
+
+    model: Callable
+    data: FederatedData
+    algorithm: Any
+    num_rounds: int
+    clients_per_round: int | float | None
+    seed: int
+    model_kwargs: Mapping[str, Any] | None
+    chunk_size: int
+    faults: Faults | None
+    fault_policy: FaultPolicy | None
+
+
+def _validated(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults,
+               fault_policy) -> _Fit:
+    if not callable(model):
+        raise ModelError(f"model must be a NumPyro model function (callable), got {type(model).__name__}")
+    if not isinstance(data, FederatedData):
+        if isinstance(data, Mapping):
+            data = FederatedData(data)
+        else:
+            raise DataError(f"data must be fb.FederatedData or a dict of per-client lists, got {type(data).__name__}")
+    for what, value, low in (("num_rounds", num_rounds, 1), ("seed", seed, 0), ("chunk_size", chunk_size, 1)):
+        require_int(value, what, low)
+    if model_kwargs is not None and not isinstance(model_kwargs, Mapping):
+        raise ConfigError(f"model_kwargs must be a dict of keyword arguments or None, got {type(model_kwargs).__name__}")
+    if faults is not None and not isinstance(faults, Faults):
+        raise ConfigError(f"faults must be fb.Faults(...) or None, got {faults!r}")
+    if fault_policy is not None and not isinstance(fault_policy, FaultPolicy):
+        raise ConfigError(f"fault_policy must be fb.FaultPolicy(...) or None, got {fault_policy!r}")
+    resolve_cohort_size(clients_per_round, data.num_clients)
+    return _Fit(model, data, _resolve_algorithm(algorithm), int(num_rounds), clients_per_round, int(seed),
+                model_kwargs, int(chunk_size), faults, fault_policy)
 
 
 def fed_fit(
@@ -65,6 +117,11 @@ def fed_fit(
     model_kwargs: Mapping[str, Any] | None = None,
     progress: bool | None = None,
     chunk_size: int = 50,
+    faults: Faults | None = None,
+    fault_policy: FaultPolicy | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: int | None = None,
+    callback: Callable[[int, dict[str, np.ndarray]], Any] | None = None,
 ) -> Result:
     """Fit ``model`` (a NumPyro model of one client's data) across the clients of ``data``.
 
@@ -88,26 +145,172 @@ def fed_fit(
     progress:
         Show a progress line (default: only when stderr is a terminal).
     chunk_size:
-        Rounds per compiled ``lax.scan`` chunk (progress is reported between chunks).
+        Rounds per compiled ``lax.scan`` chunk (progress, callbacks and checkpoints happen between chunks).
+    faults:
+        ``fb.Faults(drop=..., nan=..., large=...)``: simulated client faults (to test a set-up's
+        resilience). Real faults are screened for whether or not this is given.
+    fault_policy:
+        ``fb.FaultPolicy(min_clients=..., max_abs=..., relative=...)``: how uploads are screened and
+        when too few answers stop the fit (default: reject non-finite and absurdly large uploads,
+        stop when a round's faults leave no answer).
+    checkpoint, checkpoint_every:
+        A file to which the full state (server, clients, ledger, history) is written atomically every
+        ``checkpoint_every`` rounds (default: every chunk), at the end of a chunk; ``fb.resume(path)``
+        continues from it and gives exactly the result of an uninterrupted fit.
+    callback:
+        Called after each chunk as ``callback(rounds_done, chunk_history)`` (the chunk's public records).
     """
-    if not isinstance(data, FederatedData):
-        if isinstance(data, Mapping):
-            data = FederatedData(data)
-        else:
-            raise DataError(f"data must be fb.FederatedData or a dict of per-client lists, got {type(data).__name__}")
-    for what, value, low in (("num_rounds", num_rounds, 1), ("seed", seed, 0), ("chunk_size", chunk_size, 1)):
-        require_int(value, what, low)
-    algo = _resolve_algorithm(algorithm)
-    cohort = resolve_cohort_size(clients_per_round, data.num_clients)
-    fm = FedModel(model, data, model_kwargs)
-    problem = Problem(fm, data, int(num_rounds), cohort)
-    run = algo.build(problem)
-    k_init, k_rounds, k_final = jax.random.split(jax.random.PRNGKey(seed), 3)
-    carry = run.init(k_init, problem)
+    fit = _validated(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults,
+                     fault_policy)
+    if checkpoint is None and checkpoint_every is not None:
+        raise ConfigError("checkpoint_every needs checkpoint='path' (the file to write)")
+    if checkpoint_every is not None:
+        require_int(checkpoint_every, "checkpoint_every")
+    if callback is not None and not callable(callback):
+        raise ConfigError(f"callback must be callable, got {type(callback).__name__}")
+    return _execute(fit, progress=progress, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+                    callback=callback)
+
+
+def _fingerprints(fit: _Fit, fm: FedModel, cohort: int) -> dict[str, Any]:
+    """What a checkpoint must agree on with the fit that resumes it."""
+    data = fit.data
+    model = ";".join(f"{n}:{s.role}:{list(s.shape)}" for n, s in sorted(fm.sites.items()))
+    data_digest = checkpoint_io.tree_digest((data.padded, data.mask, np.asarray(data.sizes)))
+    options = repr((fit.algorithm, fit.num_rounds, cohort, fit.seed, fit.chunk_size, fit.faults, fit.fault_policy,
+                    sorted((fit.model_kwargs or {}).items())))
+    return {"model": model, "data": data_digest, "options": options}
+
+
+def _versions() -> dict[str, Any]:
+    from . import __version__
+
+    return {"fedbayes": __version__, "jax": jax.__version__, "numpy": np.__version__,
+            "x64": bool(jax.config.jax_enable_x64), "backend": jax.default_backend()}
+
+
+def _spec_bytes(fit: _Fit) -> bytes:
+    """The fit specification pickled (model by reference), or b"" when something in it does not pickle."""
     try:
-        carry, history = run_rounds(run, problem, carry, base_key=k_rounds, cohort_size=cohort,
-                                    chunk_size=chunk_size, progress=progress, stop_on_divergence=True)
-    except Diverged as err:
-        raise _diverged(err, run, problem, fm, data, seed, k_final) from None
+        return pickle.dumps(fit._asdict(), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - lambdas, closures, open handles: resume asks for the arguments instead
+        return b""
+
+
+def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, resumed: Any = None) -> Result:
+    data = fit.data
+    cohort = resolve_cohort_size(fit.clients_per_round, data.num_clients)
+    fm = FedModel(fit.model, data, fit.model_kwargs)
+    problem = Problem(fm, data, fit.num_rounds, cohort)
+    run = fit.algorithm.build(problem)
+    k_init, k_rounds, k_final = jax.random.split(jax.random.PRNGKey(fit.seed), 3)
+    carry = run.init(k_init, problem)
+    plain = {"clients_per_round": fit.clients_per_round, "chunk_size": fit.chunk_size,
+             "faults": None if fit.faults is None else dataclasses.asdict(fit.faults),
+             "fault_policy": None if fit.fault_policy is None else dataclasses.asdict(fit.fault_policy)}
+    meta = {"algorithm": run.name, "num_rounds": fit.num_rounds, "seed": fit.seed, "versions": _versions(), "plain": plain,
+            "fingerprints": _fingerprints(fit, fm, cohort), "init_digest": checkpoint_io.tree_digest(carry)}
+    start, past = 0, []
+    if resumed is not None:
+        _check_match(resumed, meta)
+        carry, start = resumed.restore_carry(carry), resumed.round
+        past = [resumed.history] if start else []
+    spec = _spec_bytes(fit) if checkpoint is not None else b""
+    every = fit.chunk_size if checkpoint_every is None else checkpoint_every
+    last_saved = [start]
+
+    def on_chunk(done: int, state: Any, records: list[dict[str, np.ndarray]]) -> None:
+        if checkpoint is not None and done < fit.num_rounds and done - last_saved[0] >= every:
+            checkpoint_io.save(checkpoint, dict(meta, round=done), spec, state, _concat(past + records))
+            last_saved[0] = done
+        if callback is not None:
+            callback(done, _public(records[-1]))
+
+    try:
+        if start < fit.num_rounds:
+            carry, history = run_rounds(run, problem, carry, base_key=k_rounds, cohort_size=cohort, start=start,
+                                        chunk_size=fit.chunk_size, progress=progress, stop_on_divergence=True,
+                                        faults=fit.faults, policy=fit.fault_policy, on_chunk=on_chunk)
+            history = _concat(past + [history])
+        else:
+            history = past[0]
+    except Stopped as err:
+        full = _concat(past + [err.history]) if err.history else _concat(past)
+        raise _stopped(err, run, problem, fm, data, fit.seed, k_final, full) from None
     parts = run.finalize(k_final, carry, problem, history=history)
-    return Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts, history=_public(history))
+    result = Result(model=fm, data=data, run=run, algorithm=run.name, seed=fit.seed, parts=parts,
+                    history=_public(history))
+    result.faults = _fault_table(history, k_rounds, data.num_clients, cohort)
+    return result
+
+
+def _fault_table(history: dict[str, np.ndarray], base_key: jax.Array, num_clients: int, cohort: int):
+    import pandas as pd
+
+    events = fault_events(history, base_key, num_clients, cohort)
+    return pd.DataFrame(events, columns=["round", "client", "kind"])
+
+
+def _check_match(ck: checkpoint_io.Checkpoint, meta: dict[str, Any]) -> None:
+    """Refuse a checkpoint written by a different fit, version or machine set-up."""
+    saved = ck.meta
+    if saved.get("versions") != meta["versions"]:
+        raise CheckpointError(f"checkpoint was written with {saved.get('versions')}, this run has {meta['versions']}; "
+                              "an exact continuation needs the same library versions, float width and backend")
+    for field, what in (("model", "model structure"), ("data", "data"), ("options", "algorithm or fit options")):
+        if saved["fingerprints"][field] != meta["fingerprints"][field]:
+            raise CheckpointError(f"checkpoint does not match this fit: its {what} differ "
+                                  f"(saved {saved['fingerprints'][field][:200]!r}, now {meta['fingerprints'][field][:200]!r})")
+    if saved["init_digest"] != meta["init_digest"]:
+        raise CheckpointError("checkpoint does not match this fit: the initial state differs (a different model "
+                              "function body, data or initialisation)")
+    if not 0 <= ck.round <= meta["num_rounds"]:
+        raise CheckpointError(f"checkpoint round {ck.round} is outside the fit's 0..{meta['num_rounds']}")
+
+
+def resume(
+    path: str | os.PathLike,
+    *,
+    model: Callable | None = None,
+    data: FederatedData | Mapping[str, Any] | None = None,
+    algorithm: Any = None,
+    model_kwargs: Mapping[str, Any] | None = None,
+    progress: bool | None = None,
+    checkpoint: str | os.PathLike | None | bool = True,
+    checkpoint_every: int | None = None,
+    callback: Callable[[int, dict[str, np.ndarray]], Any] | None = None,
+) -> Result:
+    """Continue the fit saved in the checkpoint ``path``; the result equals the uninterrupted fit's, bit
+    for bit (same machine, same library versions).
+
+    The checkpoint carries the fit's specification when it pickles (a model function importable by
+    name, the data, the algorithm); otherwise pass ``model=`` (and ``data=``, ``algorithm=``,
+    ``model_kwargs=``) again. Whatever is passed is checked against the checkpoint's fingerprints, and
+    the re-initialised state against the saved digest: a checkpoint of a different fit, or a corrupted
+    one, raises :class:`fb.CheckpointError` and is never used. ``checkpoint=True`` keeps writing to
+    ``path`` (``False``/None: no more checkpoints, or another path).
+    """
+    ck = checkpoint_io.load(path)
+    try:
+        spec = ck.unpickle_spec() or {}
+    except Exception as err:  # noqa: BLE001 - e.g. a model defined in a script that is not importable here
+        if model is None:
+            raise CheckpointError(f"the checkpoint's fit specification cannot be loaded here ({type(err).__name__}: "
+                                  f"{err}); pass model=, data=, algorithm= and model_kwargs= to fb.resume") from None
+        spec = {}
+    plain = ck.meta["plain"]
+    fields = {"num_rounds": ck.meta["num_rounds"], "seed": ck.meta["seed"], "model_kwargs": None,
+              "clients_per_round": plain["clients_per_round"], "chunk_size": plain["chunk_size"],
+              "faults": None if plain["faults"] is None else Faults(**plain["faults"]),
+              "fault_policy": None if plain["fault_policy"] is None else FaultPolicy(**plain["fault_policy"])}
+    fields.update(spec)
+    given = {"model": model, "data": data, "algorithm": algorithm, "model_kwargs": model_kwargs}
+    fields.update({name: value for name, value in given.items() if value is not None})
+    missing = [n for n in ("model", "data", "algorithm") if n not in fields]
+    if missing:
+        raise CheckpointError(f"the checkpoint does not carry {missing} (they did not pickle when it was written); "
+                              f"pass them to fb.resume({', '.join(m + '=...' for m in missing)})")
+    fit = _validated(**fields)
+    target = path if checkpoint is True else (None if checkpoint is False else checkpoint)
+    return _execute(fit, progress=progress, checkpoint=target, checkpoint_every=checkpoint_every, callback=callback,
+                    resumed=ck)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ import numpy as np
 
 from .data import FederatedData
 from .errors import ConfigError, FedbayesError
+from .faults import DROPPED, KIND_NAMES, NONFINITE, OK, TOO_LARGE, FaultPolicy, Faults, screen
 
 PyTree = Any
 
@@ -68,13 +69,16 @@ class ClientData(NamedTuple):
 
 
 class RoundInfo(NamedTuple):
-    """What the server knows about a round: its index, the cohort and who answered."""
+    """What the server knows about a round: its index, the cohort, who answered usefully (``active``)
+    and which expected members failed (``faulty``: dropped, or an upload rejected by the screen of
+    :mod:`fedbayes.faults`; their uploads arrive zeroed)."""
 
     round: jax.Array
     cohort: jax.Array
     active: jax.Array
     num_clients: int
     shared_key: jax.Array | None = None
+    faulty: jax.Array | None = None
 
 
 class Problem(NamedTuple):
@@ -147,6 +151,7 @@ def _put(tree: PyTree, idx: jax.Array, values: PyTree) -> PyTree:
 
 _PARTICIPATION_STREAM = 0x5EED  # a key stream of its own: the other round keys are unchanged
 _SHARED_STREAM = 0x5A4ED  # the round's public key (cohort-wide randomness), also a stream of its own
+_FAULT_STREAM = 0xFA017  # simulated faults (fb.Faults): a stream of its own, so fault-free keys are unchanged
 _CLIENT_AXES = ClientData(0, 0, 0, 0, 0, None)  # vmap axes: the shared key is the same for the cohort
 
 
@@ -178,10 +183,18 @@ class Progress:
         sys.stderr.flush()
 
 
-def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, cohort_size: int, base_key: jax.Array):
-    """The pure function of one round: ``(carry, k) -> (carry, record)``."""
+def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, cohort_size: int, base_key: jax.Array,
+               faults: Faults | None = None, policy: FaultPolicy | None = None):
+    """The pure function of one round: ``(carry, k) -> (carry, record)``.
+
+    Every upload is screened (:func:`fedbayes.faults.screen`); ``faults`` injects simulated ones
+    first. A faulty member's upload is zeroed before the server step, its client state is rolled back
+    (or resynchronised by the algorithm's optional ``resync(old_state, new_state) -> (state, bits)``,
+    whose bits are counted on the downlink) and it gets no ``client_finish`` reply.
+    """
 
     participation = float(getattr(algorithm, "participation", 1.0))
+    policy = FaultPolicy() if policy is None else policy
 
     def round_fn(carry, k):
         server_state, client_states, broadcast = carry
@@ -195,28 +208,63 @@ def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, coho
         old_states = _take(client_states, cohort)
         new_states, uploads = step(keys, broadcast.payload, old_states, members)
         if participation < 1.0:  # each cohort member takes part independently with probability p
-            active = jax.random.bernoulli(jax.random.fold_in(rk, _PARTICIPATION_STREAM), participation, (cohort_size,))
+            expected = jax.random.bernoulli(jax.random.fold_in(rk, _PARTICIPATION_STREAM), participation, (cohort_size,))
         else:
-            active = jnp.ones((cohort_size,), bool)
-        info = RoundInfo(k, cohort, active, num_clients, k_shared)
+            expected = jnp.ones((cohort_size,), bool)
+        payload = uploads.payload
+        injected = jnp.zeros((cohort_size,), jnp.int32)
+        if faults is not None:
+            injected = faults.draw(jax.random.fold_in(rk, _FAULT_STREAM), cohort_size)
+            payload = faults.corrupt(payload, injected)
+        received = expected & (injected != DROPPED)
+        kind = jnp.where(injected == DROPPED, DROPPED, screen(payload, received, policy))
+        kind = jnp.where(expected, kind, OK)
+        faulty = kind != OK
+        active = expected & ~faulty
+        payload = jax.tree_util.tree_map(
+            lambda p: jnp.where(jnp.reshape(active, (-1,) + (1,) * (p.ndim - 1)), p, jnp.zeros_like(p)), payload)
+        uploads = Message(payload, uploads.bits)
+        info = RoundInfo(k, cohort, active, num_clients, k_shared, faulty)
         server_state, new_broadcast, diag = algorithm.server_step(k_server, server_state, uploads, info)
         bits_down = broadcast.bits
-        if hasattr(algorithm, "client_finish"):  # the server's reply to this round's cohort
+        if hasattr(algorithm, "client_finish"):  # the server's reply to this round's answering members
             finish = jax.vmap(algorithm.client_finish, in_axes=(None, 0, _CLIENT_AXES, 0))
             new_states, reply_bits = finish(new_broadcast.payload, new_states, members, uploads.payload)
-            bits_down = bits_down + reply_bits
-        if participation < 1.0:
-            new_states = _where_active(active, new_states, old_states)
-        client_states = _put(client_states, cohort, new_states)
+            bits_down = bits_down + jnp.where(active, reply_bits, 0)
+        kept = _where_active(active, new_states, old_states)
+        if hasattr(algorithm, "resync"):  # a faulty member's copy of server state is re-sent in full
+            resynced, resync_bits = jax.vmap(algorithm.resync)(old_states, new_states)
+            kept = _where_active(faulty, resynced, kept)
+            bits_down = bits_down + jnp.where(faulty, resync_bits, 0)
+        client_states = _put(client_states, cohort, kept)
+        sent = expected & (kind != DROPPED)  # rejected uploads crossed the network all the same
         record = {
-            "bits_up": jnp.where(active, uploads.bits, 0),
-            "bits_down": jnp.where(active, bits_down, 0),
+            "bits_up": jnp.where(sent, uploads.bits, 0),
+            "bits_down": jnp.where(expected, bits_down, 0),
             "active": jnp.sum(active),
+            "dropped": jnp.sum(kind == DROPPED),
+            "nonfinite": jnp.sum(kind == NONFINITE),
+            "too_large": jnp.sum(kind == TOO_LARGE),
+            "bits_up_rejected": jnp.where(sent & faulty, uploads.bits, 0),
+            "_fault_kind": kind.astype(jnp.int8),
             **diag,
         }
         return (server_state, client_states, new_broadcast), record
 
     return round_fn
+
+
+def fault_events(records: dict[str, np.ndarray], base_key: jax.Array, num_clients: int, cohort_size: int,
+                 start: int = 0) -> list[tuple[int, int, str]]:
+    """``(round, client, kind)`` of every fault in the records of rounds ``start, start + 1, ...``
+    (the cohort of a round is a function of the seed and the round, so it is recomputed here)."""
+    kinds = np.asarray(records.get("_fault_kind", np.zeros((0, 0))))
+    events = []
+    for r in np.flatnonzero(kinds.any(axis=1)) if kinds.size else []:
+        k_cohort = jax.random.split(jax.random.fold_in(base_key, start + int(r)), 3)[0]
+        cohort = np.asarray(sample_cohort(k_cohort, num_clients, cohort_size))
+        events += [(start + int(r), int(cohort[j]), KIND_NAMES[int(kinds[r, j])]) for j in np.flatnonzero(kinds[r])]
+    return events
 
 
 def chunk_plan(start: int, end: int, size: int) -> list[tuple[int, int]]:
@@ -239,19 +287,21 @@ def chunk_plan(start: int, end: int, size: int) -> list[tuple[int, int]]:
     return plan
 
 
-def _compiled_chunk(algorithm: Algorithm, num_clients: int, cohort_size: int):
+def _compiled_chunk(algorithm: Algorithm, num_clients: int, cohort_size: int, faults: Faults | None = None,
+                    policy: FaultPolicy | None = None):
     """The jitted scan over a chunk of rounds, kept on the algorithm object so that later calls of
     :func:`run_rounds` (a run continued in segments) reuse its compilation. The algorithm's
     attributes (e.g. a step size set by ``init``) are read when the chunk is first traced."""
     cache = algorithm.__dict__.setdefault("_engine_chunks", {}) if hasattr(algorithm, "__dict__") else {}
-    if (num_clients, cohort_size) not in cache:
+    key = (num_clients, cohort_size, faults, policy)
+    if key not in cache:
         def chunk(carry, ks, clients, base_key):
             # The client data enter as arguments, not closure constants, so XLA does not constant-fold them.
-            round_fn = make_round(algorithm, clients, num_clients, cohort_size, base_key)
+            round_fn = make_round(algorithm, clients, num_clients, cohort_size, base_key, faults, policy)
             return jax.lax.scan(round_fn, carry, ks)
 
-        cache[(num_clients, cohort_size)] = jax.jit(chunk)
-    return cache[(num_clients, cohort_size)]
+        cache[key] = jax.jit(chunk)
+    return cache[key]
 
 
 def first_nonfinite_round(records: dict[str, np.ndarray]) -> int | None:
@@ -267,20 +317,28 @@ def first_nonfinite_round(records: dict[str, np.ndarray]) -> int | None:
     return bad
 
 
-class Diverged(FedbayesError):
-    """Raised by :func:`run_rounds` with ``stop_on_divergence``: ``round`` is the first non-finite round,
-    ``carry`` the state after the last good round and ``history`` the records of the good rounds."""
+def first_short_round(records: dict[str, np.ndarray], min_clients: int) -> int | None:
+    """Index of the first round in which faults left fewer than ``min_clients`` answers, or None."""
+    faults = records["dropped"] + records["nonfinite"] + records["too_large"]
+    short = (faults > 0) & (records["active"] < min_clients)
+    return int(np.argmax(short)) if short.any() else None
 
-    def __init__(self, round: int, carry: Any, history: dict[str, np.ndarray]):
-        super().__init__(f"non-finite global state at round {round}")
-        self.round, self.carry, self.history = round, carry, history
+
+class Stopped(FedbayesError):
+    """Raised by :func:`run_rounds` when a round fails a stop check: ``reason`` is ``"diverged"`` (the
+    global state is not finite) or ``"too_few_clients"``; ``round`` is the first bad round, ``carry``
+    the state after the last good round and ``history`` the records of the good rounds."""
+
+    def __init__(self, reason: str, round: int, carry: Any, history: dict[str, np.ndarray]):
+        super().__init__(f"{reason} at round {round}")
+        self.reason, self.round, self.carry, self.history = reason, round, carry, history
 
 
 def _host_records(rec: dict[str, Any], seconds: float) -> dict[str, np.ndarray]:
     rec = {name: np.asarray(v) for name, v in rec.items()}
     length = len(rec["bits_up"])
     rec["seconds"] = np.full(length, seconds / max(length, 1))  # the first chunk includes compilation
-    for name in ("bits_up", "bits_down"):
+    for name in ("bits_up", "bits_down", "bits_up_rejected"):
         rec[name] = rec[name].astype(np.int64).sum(axis=1)
     return rec
 
@@ -300,34 +358,59 @@ def run_rounds(
     chunk_size: int = 50,
     progress: bool | None = None,
     stop_on_divergence: bool = False,
+    faults: Faults | None = None,
+    policy: FaultPolicy | None = None,
+    on_chunk: Callable[[int, Any, list[dict[str, np.ndarray]]], None] | None = None,
 ) -> tuple[tuple[PyTree, PyTree, Message], dict[str, np.ndarray]]:
     """Run rounds ``start .. problem.num_rounds - 1`` and return the final carry and the history.
 
-    The history maps each recorded quantity to a numpy array with one row per round; ``bits_up`` and
-    ``bits_down`` are exact int64 totals per round (summed on the host so they cannot overflow), and
-    ``seconds`` is the wall time of the round's chunk divided by its rounds.
+    The history maps each recorded quantity to a numpy array with one row per round; ``bits_up``,
+    ``bits_down`` and ``bits_up_rejected`` are exact int64 totals per round (summed on the host so they
+    cannot overflow), and ``seconds`` is the wall time of the round's chunk divided by its rounds.
 
-    With ``stop_on_divergence``, a chunk whose global state turns non-finite ends the run: the state
-    after the last good round is recomputed by replaying that chunk's good rounds from its starting
-    state (round keys depend only on the seed and the round, so the replay is the same computation),
-    and :class:`Diverged` is raised with it and the good rounds' history.
+    Rounds run in the chunks of ``chunk_plan(0, num_rounds, chunk_size)``; a run continued from a
+    chunk boundary ``start`` runs the remaining chunks of that same plan, so a continued run performs
+    exactly the computations of an uninterrupted one. ``on_chunk(rounds_done, carry, records)`` is
+    called after each chunk (``records``: this call's chunk records so far).
+
+    A round fails a stop check when faults leave fewer than ``policy.min_clients`` answers, or, with
+    ``stop_on_divergence``, when the global state turns non-finite or no member answered and at least
+    half of them sent non-finite updates (a blow-up of the clients' computation, not random faults). Then the state after the last good
+    round is recomputed by replaying the chunk's good rounds from its starting state (round keys depend
+    only on the seed and the round, so the replay is the same computation) and :class:`Stopped` is
+    raised with it and the good rounds' history.
     """
     num_rounds = problem.num_rounds
     clients = stack_clients(problem.data)
-
-    run_chunk = _compiled_chunk(algorithm, problem.data.num_clients, cohort_size)
+    min_clients = (FaultPolicy() if policy is None else policy).min_clients
+    run_chunk = _compiled_chunk(algorithm, problem.data.num_clients, cohort_size, faults, policy)
     bar = Progress(num_rounds, getattr(algorithm, "name", type(algorithm).__name__), progress)
+    plan = [c for c in chunk_plan(0, num_rounds, chunk_size) if c[0] >= start]
+    if not plan or plan[0][0] != start:
+        plan = chunk_plan(start, num_rounds, chunk_size)
     records: list[dict[str, np.ndarray]] = []
-    for first, length in chunk_plan(start, num_rounds, chunk_size):
+    for first, length in plan:
         t0 = time.perf_counter()
         before = carry
         carry, rec = run_chunk(carry, jnp.arange(first, first + length), clients, base_key)
         rec = _host_records(rec, time.perf_counter() - t0)
-        bad = first_nonfinite_round(rec) if stop_on_divergence else None
-        if bad is not None:
+        short = first_short_round(rec, min_clients)
+        reason = "too_few_clients"
+        if short is not None and stop_on_divergence and rec["active"][short] == 0:
+            expected = rec["dropped"][short] + rec["nonfinite"][short] + rec["too_large"][short]
+            if 2 * rec["nonfinite"][short] >= expected:  # most members blew up at once: a divergence, not faults
+                reason = "diverged"
+        checks = [(reason, short)]
+        if stop_on_divergence:
+            checks.append(("diverged", first_nonfinite_round(rec)))
+        checks = [(bad, reason) for reason, bad in checks if bad is not None]
+        if checks:
+            bad, reason = min(checks)
             records.append({name: v[:bad] for name, v in rec.items()})
             good = run_chunk(before, jnp.arange(first, first + bad), clients, base_key)[0] if bad else before
-            raise Diverged(first + bad, good, _concat(records))
+            raise Stopped(reason, first + bad, good, _concat(records))
         records.append(rec)
         bar.update(first + length)
+        if on_chunk is not None:
+            on_chunk(first + length, carry, records)
     return carry, _concat(records)

@@ -23,14 +23,27 @@ class ConfigError(FedbayesError, ValueError):
     """An algorithm, compressor or fit option has an invalid value."""
 
 
-class DivergenceError(FedbayesError, FloatingPointError):
-    """A fit's global state became non-finite. ``round`` is the first bad round; ``history`` holds the
-    per-round records of the rounds before it and ``result`` the fit finalised at the last good round
-    (None when no round was good or the algorithm could not finalise so early)."""
+class _StoppedFit:
+    """A fit stopped early. ``round`` is the first bad round; ``history`` holds the per-round records of
+    the rounds before it and ``result`` the fit finalised at the last good round (None when no round
+    was good or the algorithm could not finalise so early)."""
 
     def __init__(self, message: str, *, round: int, history: dict, result: object = None):
         super().__init__(message)
         self.round, self.history, self.result = round, history, result
+
+
+class DivergenceError(_StoppedFit, FedbayesError, FloatingPointError):
+    """A fit's global state became non-finite (see ``round``, ``history``, ``result``)."""
+
+
+class TooFewClientsError(_StoppedFit, FedbayesError, RuntimeError):
+    """Faults left fewer answering clients in a round than ``FaultPolicy.min_clients`` (see ``round``,
+    ``history``, ``result``)."""
+
+
+class CheckpointError(FedbayesError, ValueError):
+    """A checkpoint file is corrupted, incomplete, or does not match the fit it is resumed with."""
 
 
 def require_int(value: object, what: str, minimum: int = 1) -> int:

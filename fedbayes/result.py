@@ -108,6 +108,7 @@ class Result:
         self.statistic = parts.get("statistic")
         self.settings = dict(parts.get("settings", {}))
         self.history = history
+        self.faults = None  # a DataFrame (round, client, kind) of the client faults, set by fed_fit
         self._idata = None
         self._extra_groups: dict[str, xr.Dataset] = {}
 

@@ -41,6 +41,7 @@ from jax.flatten_util import ravel_pytree
 from ..compress import Compressor, identity, require_contractive, scale_to_contractive
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
 from ..errors import ConfigError, ModelError, require_int
+from ..faults import fault_weight
 from ..kernels import curvature
 from ..model import FedModel
 from .tamuna import check_init, resolve_init
@@ -317,10 +318,19 @@ class LangevinRun:
         c, bits = self._compress(self._up, key, grad)
         return ClientState(c, w), Message(c, bits)
 
+    def resync(self, old: ClientState, new: ClientState) -> tuple[ClientState, jax.Array]:
+        """A faulty client keeps its gradient memory (the server did not add its message) and, under
+        P-/B-ELF, is re-sent the server's w in full (its copy must stay equal to the server's)."""
+        if not self.cfg.downlink_ef:
+            return old, jnp.asarray(0, jnp.int32)
+        return ClientState(old.g, new.w), jnp.asarray(FLOAT_BITS * new.w.size, jnp.int32)
+
     def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
-        active = info.active[:, None, None]
-        total = jnp.sum(jnp.where(active, uploads.payload, 0.0), 0)
-        g = state.g + total if self.cfg.uplink_ef else total
+        """g = sum_i g^i. With EF21 (D-/B-ELF) the server adds the answers' corrections to its mirror of
+        the memories, so a faulty client counts with its stale memory; without (LMC, P-ELF) the sum of
+        the answers' gradients is scaled by expected / answered (unbiased under random faults)."""
+        total = jnp.sum(uploads.payload, 0)  # faulty and inactive members' uploads arrive zeroed
+        g = state.g + total if self.cfg.uplink_ef else total * fault_weight(info, total.dtype)
         sample = state.x  # x_{k+1}, the point the clients just used (through w for P-/B-ELF)
         new, broadcast = self._move(key, ServerState(state.x, state.w, g))
         return new, broadcast, {"_sample": sample}

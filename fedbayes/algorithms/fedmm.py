@@ -37,6 +37,7 @@ from ..compress import Compressor, identity, require_unbiased
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
 from ..errors import ConfigError, require_int
 from ..expfam import CustomStatistics, Derived, derive
+from ..faults import fault_weight
 from ..kernels import curvature, ula_chain
 from ..model import FedModel, Params
 from ..optim import as_schedule
@@ -283,10 +284,14 @@ class FedMMRun:
         return ClientState(state.v + (self.alpha / self._p) * q, z, state.step), Message(q, bits)
 
     def server_step(self, key: jax.Array, state: ServerState, uploads: Message, info: RoundInfo):
-        """H = V + (1/p) sum mu_i Q_i;  S <- Proj(S + gamma H);  V += (alpha/p) sum mu_i Q_i;  theta = T(S)."""
+        """H = V + (1/p) sum mu_i Q_i;  S <- Proj(S + gamma H);  V += (alpha/p) sum mu_i Q_i;  theta = T(S).
+
+        Under faults the sums run over the clients that answered; H's is scaled by expected / answered
+        (unbiased under random faults) while V's is not, so V = sum_i mu_i V_i stays exact (a faulty
+        client's V_i is rolled back)."""
         mu = self._mu[info.cohort] * info.active
         total = jnp.tensordot(mu, uploads.payload, 1) / self._p
-        h = state.v + total
+        h = state.v + total * fault_weight(info, total.dtype)
         gamma = self._gamma(info.round)
         s_new = state.s + gamma * h
         if self.cfg.projection:

@@ -42,6 +42,7 @@ from .. import optim
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
 from ..errors import ConfigError, require_int
+from ..faults import as_aggregation
 from ..kernels import curvature, ula_chain, ula_step
 from ..model import FedModel, Params
 from .tamuna import check_init, resolve_init
@@ -109,6 +110,10 @@ class FedSOUL:
         ``num_samples * thinning`` steps at the averaged theta, keeping every ``thinning``-th state:
         its local posterior in ``res.idata`` (chain, draw). The first chain continues the client's
         training chain; the others start from prior draws, so R-hat compares independent starts.
+    aggregation:
+        ``"mean"`` (the algorithm: b / |A| times the sum of the answers), or ``"median"`` /
+        ``"trimmed"`` / a trim fraction: b times a coordinate-wise robust centre of the answers, for
+        Byzantine clients (``fb.faults.Aggregation`` states the statistical cost).
     """
 
     local_steps: int = 10
@@ -128,6 +133,7 @@ class FedSOUL:
     warmup: int = 200
     thinning: int = 5
     num_chains: int = 2
+    aggregation: Any = "mean"
     name: str = "FedSOUL"
 
     def __post_init__(self):
@@ -152,6 +158,7 @@ class FedSOUL:
         optim.as_schedule(self.server_lr, "FedSOUL server_lr")
         optim.resolve(self.server_optimizer, self.server_lr)
         require_unbiased(self.compressor, "FedSOUL")
+        as_aggregation(self.aggregation)
         for site, box in (self.bounds or {}).items():
             if len(box) != 2 or not box[0] < box[1]:
                 raise ConfigError(f"FedSOUL bounds for '{site}' must be (low, high) with low < high, got {box!r}")
@@ -277,7 +284,11 @@ class FedSOULRun:
         n_active = jnp.sum(info.active)
         weight = info.num_clients / jnp.maximum(n_active, 1)  # b / |A|: unbiased for uniform cohorts
         w = jnp.where(info.active, weight, 0.0)
-        agg = jax.tree_util.tree_map(lambda g: jnp.tensordot(w, g, axes=1), uploads.payload.grad)
+        rule = as_aggregation(self.cfg.aggregation)
+        if rule.robust:
+            agg = jax.tree_util.tree_map(lambda g: info.num_clients * rule(g, info.active), uploads.payload.grad)
+        else:
+            agg = jax.tree_util.tree_map(lambda g: jnp.tensordot(w, g, axes=1), uploads.payload.grad)
         prior_lp, prior_grad = jax.value_and_grad(fm.log_prior)(theta)
         grad = jax.tree_util.tree_map(jnp.add, prior_grad, agg)
         updates, opt_state = self._opt.update(jax.tree_util.tree_map(jnp.negative, grad), state.opt_state, theta)

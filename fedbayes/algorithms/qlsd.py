@@ -102,9 +102,9 @@ class QLSDRun(LangevinRun):
         return QLSDClient(state.h + self.alpha * q), Message(q, bits)
 
     def gradient_estimate(self, h: jax.Array, payload: jax.Array, info: RoundInfo) -> tuple[jax.Array, jax.Array]:
-        """(G, H_new) = (H + (b/|A|) sum_{i in A} Q_i, H + alpha sum_{i in A} Q_i) over the active clients."""
-        active = info.active[:, None, None]
-        total = jnp.sum(jnp.where(active, payload, 0.0), 0)
+        """(G, H_new) = (H + (b/|A|) sum_{i in A} Q_i, H + alpha sum_{i in A} Q_i) over the clients A that
+        answered: a faulty client is left out of both (its memory h_i is rolled back with it)."""
+        total = jnp.sum(payload, 0)  # faulty and inactive members' uploads arrive zeroed
         weight = info.num_clients / jnp.maximum(jnp.sum(info.active), 1)
         return h + weight * total, h + self.alpha * total
 

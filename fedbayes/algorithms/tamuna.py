@@ -53,6 +53,7 @@ from jax.flatten_util import ravel_pytree
 
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, run_rounds, stack_clients
 from ..errors import ConfigError, ModelError, require_int
+from ..faults import as_aggregation
 from ..kernels import power_iteration
 from ..model import FedModel
 
@@ -207,6 +208,11 @@ class TAMUNA:
         Langevin sampler targets) instead of the MAP in the model's own parametrisation.
     init:
         Initial constrained values of global sites (a dict, or a previous ``Result``).
+    aggregation:
+        How the server averages each coordinate over its holders that answered: ``"mean"`` (the
+        algorithm), or ``"median"`` / ``"trimmed"`` / a trim fraction for a coordinate-wise robust
+        centre against Byzantine clients (``fb.faults.Aggregation``; a robust centre breaks
+        sum_i h_i = 0 and moves the fixed point on heterogeneous clients: see its docstring).
     """
 
     step_size: float | None = None
@@ -219,6 +225,7 @@ class TAMUNA:
     local_latents: str | None = None
     jacobian: bool = False
     init: Any = None
+    aggregation: Any = "mean"
 
     name = "TAMUNA"
     control_variates = True
@@ -255,6 +262,7 @@ class TAMUNA:
             raise ConfigError(f"{n} computes the MAP itself; init='map' is for the samplers and FedSOUL")
         if self.local_latents not in (None, POPULATION_MEAN):
             raise ConfigError(f"{n} local_latents must be None or '{POPULATION_MEAN}', got {self.local_latents!r}")
+        as_aggregation(self.aggregation)
 
     def build(self, problem: Problem) -> "TAMUNARun":
         fm: FedModel = problem.model
@@ -339,6 +347,7 @@ class TAMUNARun:
 
     def __init__(self, cfg: TAMUNA, fm: FedModel, problem: Problem):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
+        self._aggregate = as_aggregation(cfg.aggregation)
         self.n = problem.data.num_clients
         self.c = problem.cohort_size or self.n
         init = resolve_init(cfg.init, problem)
@@ -443,7 +452,15 @@ class TAMUNARun:
         return h, Message(jnp.where(q, x, 0.0), FLOAT_BITS * jnp.sum(q))
 
     def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
-        x = jnp.sum(uploads.payload, axis=0) / self.s
+        """x_bar: each coordinate's mean over its holders that answered (all s of them without faults);
+        a coordinate none of whose holders answered keeps its value. Faulty members get no reply and
+        keep their h_i, so sum_i h_i = 0 still holds."""
+        if info.faulty is None and not self._aggregate.robust:
+            x = jnp.sum(uploads.payload, axis=0) / self.s
+        else:
+            q = jax.vmap(self.column, in_axes=(None, 0))(info.shared_key, jnp.arange(self.c)) & info.active[:, None]
+            holders = jnp.sum(q, axis=0)
+            x = jnp.where(holders > 0, self._aggregate(uploads.payload, q), state.x)
         diag = {f"theta/{k}": v for k, v in self._fm.constrain(self._unravel(x)).items()}
         diag["local_steps"] = self.num_local_steps(info.shared_key)
         return ServerState(x), self._broadcast(x), diag

@@ -1,0 +1,160 @@
+"""Checkpoints of a federated fit: one file, written atomically, verified when read.
+
+A checkpoint holds everything a fit needs to continue: the specification of the fit (model,
+data, algorithm, options, seed), the round reached, the full round state (server state, every
+client's state, the last broadcast), and the history (ledger included) of the rounds done. Round
+keys are a function of the seed and the round, so no random state needs saving.
+
+Format: an uncompressed ``.npz`` (a zip of ``.npy`` arrays, readable without pickle) with
+
+* ``meta``: JSON (format version, library / JAX / NumPy versions, float width, round, the fit's
+  fingerprints: model structure, data digest, options, and a digest of the initial round state);
+* ``spec``: the pickled fit specification (model function, data, algorithm, options) when it pickles,
+  so that ``fb.resume(path)`` needs nothing else; otherwise empty, and ``fb.resume`` asks for them;
+* ``carry/NNNN`` and ``history/<name>``: the arrays;
+* ``digest``: SHA-256 of all the above, so a truncated or altered file is refused.
+
+The file is written to a temporary name in the same directory, flushed to disk and renamed over the
+previous checkpoint (``os.replace`` is atomic), so a crash at any moment leaves either the old
+checkpoint or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import zipfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .errors import CheckpointError
+
+FORMAT = 1
+
+
+def _weak_array(value: np.ndarray, dtype: Any) -> jax.Array:
+    """A weakly-typed array (as a Python scalar would give), so a restored carry traces like the saved one."""
+    try:
+        from jax._src.lax.lax import _convert_element_type  # no public API makes a weak-typed array
+    except ImportError:  # pragma: no cover - a JAX without it: a 0-d weak value, as a Python scalar gives
+        return jnp.asarray(value.item()) if value.ndim == 0 else jnp.asarray(value)
+    return _convert_element_type(jnp.asarray(value), np.dtype(dtype), weak_type=True)
+
+
+def tree_digest(tree: Any) -> str:
+    """SHA-256 of a pytree's leaves (dtype, shape and bytes, in order)."""
+    h = hashlib.sha256()
+    for leaf in jax.tree_util.tree_leaves(tree):
+        a = np.asarray(leaf)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def _entries_digest(entries: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(entries):
+        a = entries[name]
+        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def save(path: str | os.PathLike, meta: dict[str, Any], spec: bytes, carry: Any, history: dict[str, np.ndarray]) -> None:
+    """Write a checkpoint atomically (temporary file in the same directory, fsync, rename)."""
+    path = os.fspath(path)
+    leaves = jax.tree_util.tree_leaves(carry)
+    meta = dict(meta, format=FORMAT, weak=[bool(getattr(x, "weak_type", False)) for x in leaves])
+    entries = {"meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8),
+               "spec": np.frombuffer(spec, np.uint8)}
+    entries.update({f"carry/{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})
+    entries.update({f"history/{k}": np.asarray(v) for k, v in history.items()})
+    entries["digest"] = np.frombuffer(_entries_digest(entries).encode(), np.uint8)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, **entries)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    try:  # make the rename itself durable
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+class Checkpoint:
+    """A verified checkpoint: ``meta`` (dict), ``spec`` (pickled bytes, possibly empty), ``leaves``
+    (the carry's arrays in order), ``history`` (dict of arrays)."""
+
+    def __init__(self, meta: dict[str, Any], spec: bytes, leaves: list[np.ndarray], history: dict[str, np.ndarray]):
+        self.meta, self.spec, self.leaves, self.history = meta, spec, leaves, history
+
+    @property
+    def round(self) -> int:
+        return int(self.meta["round"])
+
+    def unpickle_spec(self) -> dict[str, Any] | None:
+        if not self.spec:
+            return None
+        return pickle.loads(self.spec)
+
+    def restore_carry(self, template: Any) -> Any:
+        """The saved carry in the structure of ``template`` (a freshly initialised carry of the same fit)."""
+        leaves, treedef = jax.tree_util.tree_flatten(template)
+        if len(leaves) != len(self.leaves):
+            raise CheckpointError(f"checkpoint has {len(self.leaves)} state arrays, the fit has {len(leaves)}: "
+                                  "it was written by a different model, algorithm or version")
+        out = []
+        for i, (fresh, saved, weak) in enumerate(zip(leaves, self.leaves, self.meta["weak"])):
+            fresh = np.asarray(fresh)
+            if fresh.shape != saved.shape or fresh.dtype != saved.dtype:
+                raise CheckpointError(f"checkpoint state array {i} is {saved.dtype}{list(saved.shape)}, the fit's is "
+                                      f"{fresh.dtype}{list(fresh.shape)}: it was written by a different fit")
+            out.append(_weak_array(saved, saved.dtype) if weak else jnp.asarray(saved))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def load(path: str | os.PathLike) -> Checkpoint:
+    """Read and verify a checkpoint; :class:`CheckpointError` if it is missing, truncated or altered."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint at {path!r}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+            entries = {name: z[name] for name in z.files}
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, KeyError) as err:
+        raise CheckpointError(f"checkpoint {path!r} is corrupted or incomplete ({type(err).__name__}: {err}); "
+                              "it cannot be used") from None
+    digest = entries.pop("digest", None)
+    if digest is None or "meta" not in entries or bytes(digest).decode(errors="replace") != _entries_digest(entries):
+        raise CheckpointError(f"checkpoint {path!r} fails its integrity check (altered or corrupted); it cannot be used")
+    meta = json.loads(bytes(entries.pop("meta")).decode())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path!r} has format {meta.get('format')}, this version reads {FORMAT}")
+    spec = bytes(entries.pop("spec", np.zeros(0, np.uint8)))
+    leaves = [entries[k] for k in sorted(k for k in entries if k.startswith("carry/"))]
+    history = {k[len("history/"):]: v for k, v in entries.items() if k.startswith("history/")}
+    return Checkpoint(meta, spec, leaves, history)
+
+
+def info(path: str | os.PathLike) -> dict[str, Any]:
+    """What a checkpoint holds: round reached, planned rounds, algorithm, seed, versions (verified)."""
+    meta = load(path).meta
+    return {k: meta[k] for k in ("round", "num_rounds", "algorithm", "seed", "versions") if k in meta}
