@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from fedbayes.errors import ConfigError
@@ -142,7 +143,11 @@ class Compressor(abc.ABC):
 
         Every encoding here has a fixed length, so bits == self.bits(d).
         """
-        x = jnp.asarray(x)
+        if not (hasattr(x, "dtype") and hasattr(x, "ndim")):  # a list, a string, ...: look at it as numpy does
+            try:
+                x = np.asarray(x)
+            except (TypeError, ValueError) as err:
+                raise ConfigError(f"{self.name} compresses 1-D floating vectors, got {type(x).__name__}: {err}") from None
         if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.floating):
             raise ConfigError(
                 f"{self.name} compresses 1-D floating vectors, got shape {x.shape} and dtype "
@@ -153,7 +158,7 @@ class Compressor(abc.ABC):
             raise ConfigError(
                 f"a {self.name} message of {bits} bits overflows int32; compress smaller blocks"
             )
-        return self._compress(key, x), jnp.asarray(bits, dtype=jnp.int32)
+        return self._compress(key, jnp.asarray(x)), jnp.asarray(bits, dtype=jnp.int32)
 
     def __repr__(self) -> str:
         return self.name
@@ -216,6 +221,7 @@ class _Sparsifier(Compressor):
         return self.k
 
     def bits(self, d: int) -> int:
+        d = _dimension(d)
         return self.kept(d) * (self.float_bits + _index_bits(d))
 
 

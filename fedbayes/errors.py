@@ -53,3 +53,26 @@ def require_int(value: object, what: str, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+def is_real(value: object) -> bool:
+    """A real scalar (Python or NumPy), not a bool, not an array."""
+    import numbers
+
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def require_fraction(value: object, what: str, *, closed_high: bool = False, allow_none: bool = False) -> object:
+    """``value`` in [0, 1) (or [0, 1]), or ConfigError."""
+    if allow_none and value is None:
+        return value
+    if not is_real(value) or not (0 <= value <= 1 if closed_high else 0 <= value < 1):
+        raise ConfigError(f"{what} must be a number in [0, 1{']' if closed_high else ')'}, got {value!r}")
+    return value
+
+
+def require_choice(value: object, what: str, choices: tuple) -> object:
+    """``value`` one of ``choices`` (strings / None / bools), compared without NumPy broadcasting."""
+    if not any(type(value) is type(c) and value == c for c in choices):
+        raise ConfigError(f"{what} must be one of {list(choices)}, got {value!r}")
+    return value

@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .errors import ConfigError
+from .errors import ConfigError, require_choice
 
 OK, DROPPED, NONFINITE, TOO_LARGE = 0, 1, 2, 3
 KIND_NAMES = {DROPPED: "dropped", NONFINITE: "nonfinite", TOO_LARGE: "too_large"}
@@ -166,8 +166,7 @@ class Aggregation:
     trim: float = 0.1
 
     def __post_init__(self):
-        if self.rule not in ("mean", "median", "trimmed"):
-            raise ConfigError(f"aggregation rule must be 'mean', 'median' or 'trimmed', got {self.rule!r}")
+        require_choice(self.rule, "aggregation rule", ("mean", "median", "trimmed"))
         if isinstance(self.trim, bool) or not isinstance(self.trim, numbers.Real) or not 0.0 <= self.trim < 0.5:
             raise ConfigError(f"trimmed-mean trim must lie in [0, 0.5), got {self.trim!r}")
 

@@ -80,9 +80,9 @@ def adam(lr: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 
 
 def resolve(optimizer: str | Any, lr: float | Schedule) -> Any:
     """``"sgd"``, ``"adam"`` or any object with optax's ``init`` / ``update``."""
-    if optimizer == "sgd":
+    if isinstance(optimizer, str) and optimizer == "sgd":
         return sgd(lr)
-    if optimizer == "adam":
+    if isinstance(optimizer, str) and optimizer == "adam":
         return adam(lr)
     if hasattr(optimizer, "init") and hasattr(optimizer, "update"):
         return optimizer

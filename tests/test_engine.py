@@ -7,7 +7,7 @@ import pytest
 
 import fedbayes as fb
 from fedbayes import optim
-from fedbayes.engine import Progress, resolve_cohort_size, sample_cohort
+from fedbayes.engine import Problem, Progress, resolve_cohort_size, run_rounds, sample_cohort
 from fedbayes.errors import ConfigError
 
 
@@ -40,9 +40,8 @@ def test_progress_line_is_written_only_when_enabled(capsys):
 
 
 def test_fit_reports_progress_between_chunks(capsys):
-    data = fb.models.make_fedpop_synthetic(6, seed=0)[0]
-    fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(num_samples=2, warmup=0), num_rounds=20,
-               chunk_size=10, progress=True, seed=0)
+    data = fb.models.make_glm_clients(4, 3, 20, family="linear", seed=0)[0]
+    fb.fed_fit(fb.models.linear_regression(), data, fb.GD(), num_rounds=20, chunk_size=10, progress=True, seed=0)
     err = capsys.readouterr().err
     assert "round 10/20" in err and "round 20/20" in err
 
@@ -66,13 +65,14 @@ def test_builtin_optimisers_match_their_formulas():
 def test_an_optax_optimiser_plugs_in_as_the_server_optimiser():
     optax = pytest.importorskip("optax")
     data = fb.models.make_fedpop_synthetic(6, seed=0)[0]
-    algo = dict(num_samples=2, warmup=0, local_steps=2)
-    ours = fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(server_optimizer="sgd", server_lr=1e-4, **algo),
-                      num_rounds=15, seed=0)
-    theirs = fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(server_optimizer=optax.sgd(1e-4), **algo),
-                        num_rounds=15, seed=0)
+    problem = Problem(fb.FedModel(fb.models.fedpop_synthetic, data), data, 15)
+    trajectories = []
+    for opt, lr in (("sgd", 1e-4), (optax.sgd(1e-4), 0.05)):
+        run = fb.FedSOUL(server_optimizer=opt, server_lr=lr, local_steps=2).build(problem)
+        carry = run.init(jax.random.PRNGKey(0), problem)
+        trajectories.append(run_rounds(run, problem, carry, base_key=jax.random.PRNGKey(1), cohort_size=6)[1])
     # the same arithmetic: identical trajectories up to float rounding
-    np.testing.assert_allclose(theirs.history["theta/phi"], ours.history["theta/phi"], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(trajectories[1]["theta/phi"], trajectories[0]["theta/phi"], rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("start, end, size", [(0, 500, 50), (0, 7, 50), (0, 101, 50), (30, 97, 20), (0, 1, 1), (5, 5, 10)])

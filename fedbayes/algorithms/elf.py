@@ -40,7 +40,7 @@ from jax.flatten_util import ravel_pytree
 
 from ..compress import Compressor, identity, require_contractive, scale_to_contractive
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
-from ..errors import ConfigError, ModelError, require_int
+from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import fault_weight
 from ..kernels import curvature
 from ..model import FedModel
@@ -182,6 +182,7 @@ def curvature_step_size(model, data, at: Mapping[str, Any] | None = None, *, sca
 
 
 def _ef_compressor(c: Compressor, rescale: bool, who: str) -> Compressor:
+    require_choice(rescale, f"{who} rescale", (True, False))
     return scale_to_contractive(c) if rescale else require_contractive(c, who)
 
 

@@ -35,7 +35,7 @@ from jax.flatten_util import ravel_pytree
 
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
-from ..errors import ConfigError, require_int
+from ..errors import ConfigError, require_choice, require_fraction, require_int
 from ..expfam import CustomStatistics, Derived, derive
 from ..faults import fault_weight
 from ..kernels import curvature, ula_chain
@@ -133,14 +133,14 @@ class FedMM:
         if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real)
                                        or not 0 <= self.alpha <= 1):
             raise ConfigError(f"{self.name} alpha must lie in [0, 1], got {self.alpha!r}")
-        if self.control_variates not in ("e_step", "zero"):
-            raise ConfigError(f"{self.name} control_variates must be 'e_step' or 'zero', got {self.control_variates!r}")
+        require_choice(self.control_variates, f"{self.name} control_variates", ("e_step", "zero"))
+        require_choice(self.projection, f"{self.name} projection", (True, False))
+        require_choice(self.uncertainty, f"{self.name} uncertainty", (True, False))
         require_int(self.langevin_steps, f"{self.name} langevin_steps", 1)
         require_int(self.burn_in, f"{self.name} burn_in", 0)
         if self.burn_in >= self.langevin_steps:
             raise ConfigError(f"{self.name} burn_in ({self.burn_in}) must be < langevin_steps ({self.langevin_steps})")
-        if self.average_from is not None and not 0 <= self.average_from < 1:
-            raise ConfigError(f"{self.name} average_from must lie in [0, 1), got {self.average_from!r}")
+        require_fraction(self.average_from, f"{self.name} average_from", allow_none=True)
         require_int(self.m_step_iters, f"{self.name} m_step_iters", 1)
         require_int(self.louis_draws, f"{self.name} louis_draws", 2)
 

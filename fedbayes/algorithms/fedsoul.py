@@ -41,7 +41,7 @@ from jax.flatten_util import ravel_pytree
 from .. import optim
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
-from ..errors import ConfigError, require_int
+from ..errors import ConfigError, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
 from ..kernels import curvature, ula_chain, ula_step
 from ..model import FedModel, Params
@@ -149,18 +149,24 @@ class FedSOUL:
         if isinstance(self.step_scale, bool) or not isinstance(self.step_scale, numbers.Real) or not 0 < self.step_scale < 2:
             raise ConfigError(f"FedSOUL step_scale must lie in (0, 2) (ULA is unstable beyond 2), got {self.step_scale!r}")
         if self.step_size is not None:
-            steps = np.asarray(self.step_size, dtype=float)
+            try:
+                steps = np.asarray(self.step_size, dtype=float)
+            except (TypeError, ValueError):
+                steps = np.asarray([np.nan])
             if steps.ndim > 1 or not np.all(np.isfinite(steps)) or np.any(steps <= 0):
                 raise ConfigError("FedSOUL step_size must be a positive float or a 1-d sequence of them (one per client)")
-        if not 0.0 <= self.average_from < 1.0:
-            raise ConfigError(f"FedSOUL average_from must lie in [0, 1), got {self.average_from!r}")
+        require_fraction(self.average_from, "FedSOUL average_from")
+        require_choice(self.stateful, "FedSOUL stateful", (True, False))
         check_init(self.init, "FedSOUL")
         optim.as_schedule(self.server_lr, "FedSOUL server_lr")
         optim.resolve(self.server_optimizer, self.server_lr)
         require_unbiased(self.compressor, "FedSOUL")
         as_aggregation(self.aggregation)
+        if self.bounds is not None and not isinstance(self.bounds, Mapping):
+            raise ConfigError(f"FedSOUL bounds must be a dict {{site: (low, high)}}, got {self.bounds!r}")
         for site, box in (self.bounds or {}).items():
-            if len(box) != 2 or not box[0] < box[1]:
+            if (not isinstance(box, (tuple, list)) or len(box) != 2 or not all(is_real(b) for b in box)
+                    or not box[0] < box[1]):
                 raise ConfigError(f"FedSOUL bounds for '{site}' must be (low, high) with low < high, got {box!r}")
 
     def build(self, problem: Problem) -> "FedSOULRun":

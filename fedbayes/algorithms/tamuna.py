@@ -52,7 +52,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, run_rounds, stack_clients
-from ..errors import ConfigError, ModelError, require_int
+from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
 from ..kernels import power_iteration
 from ..model import FedModel
@@ -260,8 +260,8 @@ class TAMUNA:
         check_init(self.init, n)
         if self.init == "map":
             raise ConfigError(f"{n} computes the MAP itself; init='map' is for the samplers and FedSOUL")
-        if self.local_latents not in (None, POPULATION_MEAN):
-            raise ConfigError(f"{n} local_latents must be None or '{POPULATION_MEAN}', got {self.local_latents!r}")
+        require_choice(self.local_latents, f"{n} local_latents", (None, POPULATION_MEAN))
+        require_choice(self.jacobian, f"{n} jacobian", (True, False))
         as_aggregation(self.aggregation)
 
     def build(self, problem: Problem) -> "TAMUNARun":
