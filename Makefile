@@ -16,8 +16,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	MPLBACKEND=Agg $(PY) examples/fedpop_synthetic.py --quick
 
+# The longest test files are listed first so that the two processes finish together (pytest collects
+# each file once; the rest of tests/ follows in name order).
+SLOW_TESTS := tests/test_fedmm.py tests/test_fedsoul.py tests/test_expfam.py tests/test_elf.py tests/test_faults.py \
+	tests/test_tamuna.py
+
 test: $(STAMP)
-	MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(SLOW_TESTS) tests
 
 # The ArviZ 1.x line (DataTree) needs Python >= 3.12: run the ArviZ-facing tests there.
 # Usage: make test-arviz1 PYTHON=python3.12

@@ -236,7 +236,10 @@ def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, res
             history = past[0]
     except Stopped as err:
         full = _concat(past + [err.history]) if err.history else _concat(past)
-        raise _stopped(err, run, problem, fm, data, fit.seed, k_final, full) from None
+        stopped = _stopped(err, run, problem, fm, data, fit.seed, k_final, full)
+        if stopped.result is not None:
+            stopped.result.faults = _fault_table(full, k_rounds, data.num_clients, cohort)
+        raise stopped from None
     parts = run.finalize(k_final, carry, problem, history=history)
     result = Result(model=fm, data=data, run=run, algorithm=run.name, seed=fit.seed, parts=parts,
                     history=_public(history))

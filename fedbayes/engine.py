@@ -18,7 +18,9 @@ the server sees who answered in ``RoundInfo.active``. Each member also gets its 
 and the round's public key (``ClientData.slot``, ``ClientData.shared_key``) for randomness the
 cohort must share. An algorithm with a ``client_finish`` method gets a second half-round: after the
 server step, each member receives the server's reply (the new broadcast, of which it is charged
-only the bits ``client_finish`` reports) and updates its state. Rounds run inside ``jax.lax.scan`` in
+only the bits ``client_finish`` reports) and updates its state. Every upload is screened for
+faults (dropped, non-finite, absurdly large: :mod:`fedbayes.faults`); a faulty member is left out of
+the server step (``RoundInfo.faulty``) and its round rolled back. Rounds run inside ``jax.lax.scan`` in
 chunks compiled once; between chunks the host records the ledger and updates the progress bar.
 Randomness is a pure function of ``(seed, round, client id)``, so a fit is reproducible.
 """
@@ -259,12 +261,14 @@ def fault_events(records: dict[str, np.ndarray], base_key: jax.Array, num_client
     """``(round, client, kind)`` of every fault in the records of rounds ``start, start + 1, ...``
     (the cohort of a round is a function of the seed and the round, so it is recomputed here)."""
     kinds = np.asarray(records.get("_fault_kind", np.zeros((0, 0))))
-    events = []
-    for r in np.flatnonzero(kinds.any(axis=1)) if kinds.size else []:
-        k_cohort = jax.random.split(jax.random.fold_in(base_key, start + int(r)), 3)[0]
-        cohort = np.asarray(sample_cohort(k_cohort, num_clients, cohort_size))
-        events += [(start + int(r), int(cohort[j]), KIND_NAMES[int(kinds[r, j])]) for j in np.flatnonzero(kinds[r])]
-    return events
+    rows = np.flatnonzero(kinds.any(axis=1)) if kinds.size else np.zeros(0, int)
+    if not len(rows):
+        return []
+    cohort_of = jax.vmap(lambda r: sample_cohort(jax.random.split(jax.random.fold_in(base_key, r), 3)[0],
+                                                 num_clients, cohort_size))
+    cohorts = np.asarray(jax.jit(cohort_of)(jnp.asarray(start + rows)))
+    return [(start + int(r), int(cohort[j]), KIND_NAMES[int(kinds[r, j])])
+            for r, cohort in zip(rows, cohorts) for j in np.flatnonzero(kinds[r])]
 
 
 def chunk_plan(start: int, end: int, size: int) -> list[tuple[int, int]]:

@@ -150,6 +150,7 @@ def test_too_few_answers_stop_the_fit_with_everything_up_to_the_last_good_round(
     clean = fb.fed_fit(model, data, fb.GD(), num_rounds=err.round, seed=0, chunk_size=7, faults=faults,
                        fault_policy=policy)
     np.testing.assert_array_equal(err.result.params["w"], clean.params["w"])
+    assert err.result.faults.equals(clean.faults) and len(clean.faults) == clean.history["dropped"].sum() > 0
     with pytest.raises(ConfigError, match="fb.Faults"):
         fb.fed_fit(model, data, fb.GD(), num_rounds=5, faults={"drop": 0.1})
 

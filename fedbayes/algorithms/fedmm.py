@@ -229,7 +229,11 @@ class FedMMRun:
         theta0 = fm.init_globals(k_theta, cfg.init)
         clients = stack_clients(problem.data)
         n = problem.data.num_clients
-        template = self._template(theta0, self._client(clients, 0))
+        if self._custom:  # a user's statistics may not be traceable: evaluate them
+            template = self._template(theta0, self._client(clients, 0))
+        else:  # only the structure is needed: trace it (evaluating op by op compiles every operation)
+            shapes = jax.eval_shape(self._template, theta0, self._client(clients, 0))
+            template = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
         flat, self._unravel = ravel_pytree(template)
         self.q = int(flat.size)
         self.dim = int(ravel_pytree(theta0)[0].size)
