@@ -13,7 +13,7 @@ import numpy as np
 from . import checkpoint as checkpoint_io
 from .algorithms import ALGORITHMS
 from .data import FederatedData
-from .engine import Problem, Stopped, _concat, fault_events, resolve_cohort_size, run_rounds
+from .engine import Problem, Stopped, concat_records, fault_events, resolve_cohort_size, run_rounds
 from .errors import CheckpointError, ConfigError, DataError, DivergenceError, ModelError, TooFewClientsError, require_int
 from .faults import FaultPolicy, Faults
 from .model import FedModel
@@ -221,7 +221,7 @@ def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, res
 
     def on_chunk(done: int, state: Any, records: list[dict[str, np.ndarray]]) -> None:
         if checkpoint is not None and done < fit.num_rounds and done - last_saved[0] >= every:
-            checkpoint_io.save(checkpoint, dict(meta, round=done), spec, state, _concat(past + records))
+            checkpoint_io.save(checkpoint, dict(meta, round=done), spec, state, concat_records(past + records))
             last_saved[0] = done
         if callback is not None:
             callback(done, _public(records[-1]))
@@ -231,11 +231,11 @@ def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, res
             carry, history = run_rounds(run, problem, carry, base_key=k_rounds, cohort_size=cohort, start=start,
                                         chunk_size=fit.chunk_size, progress=progress, stop_on_divergence=True,
                                         faults=fit.faults, policy=fit.fault_policy, on_chunk=on_chunk)
-            history = _concat(past + [history])
+            history = concat_records(past + [history])
         else:
             history = past[0]
     except Stopped as err:
-        full = _concat(past + [err.history]) if err.history else _concat(past)
+        full = concat_records(past + [err.history]) if err.history else concat_records(past)
         stopped = _stopped(err, run, problem, fm, data, fit.seed, k_final, full)
         if stopped.result is not None:
             stopped.result.faults = _fault_table(full, k_rounds, data.num_clients, cohort)

@@ -347,7 +347,7 @@ def _host_records(rec: dict[str, Any], seconds: float) -> dict[str, np.ndarray]:
     return rec
 
 
-def _concat(records: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def concat_records(records: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {name: np.concatenate([r[name] for r in records]) for name in records[0]} if records else {}
 
 
@@ -412,9 +412,9 @@ def run_rounds(
             bad, reason = min(checks)
             records.append({name: v[:bad] for name, v in rec.items()})
             good = run_chunk(before, jnp.arange(first, first + bad), clients, base_key)[0] if bad else before
-            raise Stopped(reason, first + bad, good, _concat(records))
+            raise Stopped(reason, first + bad, good, concat_records(records))
         records.append(rec)
         bar.update(first + length)
         if on_chunk is not None:
             on_chunk(first + length, carry, records)
-    return carry, _concat(records)
+    return carry, concat_records(records)

@@ -68,7 +68,8 @@ VALID = {
 def test_valid_options_never_raise(data):
     name = data.draw(st.sampled_from(sorted(VALID)))
     kwargs = {k: data.draw(v) for k, v in VALID[name].items() if data.draw(st.booleans())}
-    getattr(fb, name)(**kwargs)
+    config = getattr(fb, name)(**kwargs)
+    assert {k: getattr(config, k) for k in kwargs} == kwargs  # kept as given
 
 
 COMPRESSORS = {"identity": fb.compress.identity, "rand_k": fb.compress.rand_k, "top_k": fb.compress.top_k,
