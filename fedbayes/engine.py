@@ -397,6 +397,7 @@ def run_rounds(
         t0 = time.perf_counter()
         before = carry
         carry, rec = run_chunk(carry, jnp.arange(first, first + length), clients, base_key)
+        rec = jax.block_until_ready(rec)  # dispatch is asynchronous: time the computation, not its launch
         rec = _host_records(rec, time.perf_counter() - t0)
         short = first_short_round(rec, min_clients)
         reason = "too_few_clients"
