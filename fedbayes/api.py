@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import re
+import sys
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
@@ -162,14 +164,27 @@ def fed_fit(
     """
     fit = _validated(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults,
                      fault_policy)
+    _check_run_options(checkpoint, checkpoint_every, callback)
+    return _execute(fit, progress=progress, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+                    callback=callback)
+
+
+def _check_run_options(checkpoint: Any, checkpoint_every: Any, callback: Any) -> None:
+    """Refuse bad checkpoint / callback arguments before any computation."""
+    if checkpoint is not None:
+        try:
+            path = os.fspath(checkpoint)
+        except TypeError:
+            raise ConfigError(f"checkpoint must be a file path or None, got {checkpoint!r}") from None
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+            raise ConfigError(f"checkpoint {path!r}: the directory {directory!r} does not exist or is not writable")
     if checkpoint is None and checkpoint_every is not None:
         raise ConfigError("checkpoint_every needs checkpoint='path' (the file to write)")
     if checkpoint_every is not None:
         require_int(checkpoint_every, "checkpoint_every")
     if callback is not None and not callable(callback):
         raise ConfigError(f"callback must be callable, got {type(callback).__name__}")
-    return _execute(fit, progress=progress, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-                    callback=callback)
 
 
 def _fingerprints(fit: _Fit, fm: FedModel, cohort: int) -> dict[str, Any]:
@@ -177,8 +192,10 @@ def _fingerprints(fit: _Fit, fm: FedModel, cohort: int) -> dict[str, Any]:
     data = fit.data
     model = ";".join(f"{n}:{s.role}:{list(s.shape)}" for n, s in sorted(fm.sites.items()))
     data_digest = checkpoint_io.tree_digest((data.padded, data.mask, np.asarray(data.sizes)))
-    options = repr((fit.algorithm, fit.num_rounds, cohort, fit.seed, fit.chunk_size, fit.faults, fit.fault_policy,
-                    sorted((fit.model_kwargs or {}).items())))
+    with np.printoptions(threshold=sys.maxsize):  # whole arrays, not "..." summaries
+        options = repr((fit.algorithm, fit.num_rounds, cohort, fit.seed, fit.chunk_size, fit.faults, fit.fault_policy,
+                        sorted((fit.model_kwargs or {}).items())))
+    options = re.sub(r" at 0x[0-9a-fA-F]+", "", options)  # a function's address changes from process to process
     return {"model": model, "data": data_digest, "options": options}
 
 
@@ -216,7 +233,7 @@ def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, res
         carry, start = resumed.restore_carry(carry), resumed.round
         past = [resumed.history] if start else []
     spec = _spec_bytes(fit) if checkpoint is not None else b""
-    every = fit.chunk_size if checkpoint_every is None else checkpoint_every
+    every = 1 if checkpoint_every is None else checkpoint_every  # default: after every chunk
     last_saved = [start]
 
     def on_chunk(done: int, state: Any, records: list[dict[str, np.ndarray]]) -> None:
@@ -315,5 +332,6 @@ def resume(
                               f"pass them to fb.resume({', '.join(m + '=...' for m in missing)})")
     fit = _validated(**fields)
     target = path if checkpoint is True else (None if checkpoint is False else checkpoint)
+    _check_run_options(target, checkpoint_every, callback)
     return _execute(fit, progress=progress, checkpoint=target, checkpoint_every=checkpoint_every, callback=callback,
                     resumed=ck)

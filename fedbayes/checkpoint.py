@@ -47,6 +47,13 @@ def _weak_array(value: np.ndarray, dtype: Any) -> jax.Array:
     return _convert_element_type(jnp.asarray(value), np.dtype(dtype), weak_type=True)
 
 
+def _plain(value: Any) -> Any:
+    """NumPy scalars (accepted wherever a number is) as Python numbers for JSON."""
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
 def tree_digest(tree: Any) -> str:
     """SHA-256 of a pytree's leaves (dtype, shape and bytes, in order)."""
     h = hashlib.sha256()
@@ -71,7 +78,7 @@ def save(path: str | os.PathLike, meta: dict[str, Any], spec: bytes, carry: Any,
     path = os.fspath(path)
     leaves = jax.tree_util.tree_leaves(carry)
     meta = dict(meta, format=FORMAT, weak=[bool(getattr(x, "weak_type", False)) for x in leaves])
-    entries = {"meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8),
+    entries = {"meta": np.frombuffer(json.dumps(meta, sort_keys=True, default=_plain).encode(), np.uint8),
                "spec": np.frombuffer(spec, np.uint8)}
     entries.update({f"carry/{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})
     entries.update({f"history/{k}": np.asarray(v) for k, v in history.items()})

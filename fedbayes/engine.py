@@ -409,8 +409,8 @@ def run_rounds(
         if stop_on_divergence:
             checks.append(("diverged", first_nonfinite_round(rec)))
         checks = [(bad, reason) for reason, bad in checks if bad is not None]
-        if checks:
-            bad, reason = min(checks)
+        if checks:  # the earliest bad round; on a tie, the fault count's verdict (it explains the other)
+            bad, reason = min(checks, key=lambda c: (c[0], c[1] == "diverged"))
             records.append({name: v[:bad] for name, v in rec.items()})
             good = run_chunk(before, jnp.arange(first, first + bad), clients, base_key)[0] if bad else before
             raise Stopped(reason, first + bad, good, concat_records(records))

@@ -153,3 +153,21 @@ def test_a_model_that_does_not_pickle_must_be_passed_again(tmp_path):
     np.testing.assert_array_equal(res.params["w"], ref.params["w"])
     with pytest.raises(fb.ConfigError, match="checkpoint_every needs"):
         fb.fed_fit(model, data, fb.GD(), num_rounds=30, checkpoint_every=5)
+
+
+def test_checkpoint_options_are_checked_and_every_chunk_is_saved_by_default(tmp_path):
+    model = fb.models.linear_regression(1.0, 1.0)
+    data, _ = fb.models.make_glm_clients(4, 3, 20, family="linear", seed=0)
+    for bad in (True, 123, tmp_path / "missing-dir" / "fit.ckpt"):
+        with pytest.raises(fb.ConfigError, match="checkpoint"):
+            fb.fed_fit(model, data, fb.GD(), num_rounds=5, checkpoint=bad)
+    path = tmp_path / "fit.ckpt"
+    saved = []
+    # 90 rounds in chunks of "50" run as two chunks of 45: the default saves after each (not after 50 rounds),
+    # and NumPy scalars among the options are written as plain numbers
+    fb.fed_fit(model, data, fb.GD(), num_rounds=90, chunk_size=50, checkpoint=path, clients_per_round=np.int64(4),
+               fault_policy=fb.FaultPolicy(min_clients=np.int64(1)),
+               callback=lambda done, hist: saved.append(fb.checkpoint.info(path)["round"]))
+    assert saved == [45, 45]  # the last chunk ends the fit: nothing is left to resume
+    with pytest.raises(fb.ConfigError, match="checkpoint_every"):
+        fb.resume(path, model=model, data=data, algorithm=fb.GD(), checkpoint_every="5")

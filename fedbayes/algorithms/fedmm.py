@@ -386,9 +386,10 @@ class ParamAveragingRun(FedMMRun):
 
     def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
         mu = self._mu[info.cohort] * info.active
-        avg = jnp.tensordot(mu / jnp.sum(mu), uploads.payload, 1)
+        avg = jnp.tensordot(mu / jnp.maximum(jnp.sum(mu), jnp.finfo(mu.dtype).tiny), uploads.payload, 1)
         _, unravel = ravel_pytree(self._fm.constrain(state.theta))
         theta = self._fm.unconstrain(unravel(avg))
+        theta = jax.tree_util.tree_map(lambda new, old: jnp.where(jnp.sum(mu) > 0, new, old), theta, state.theta)
         new = state._replace(theta=theta)
         diag = {f"theta/{k}": v for k, v in self._fm.constrain(theta).items()}
         diag["participants"] = jnp.sum(info.active)
