@@ -34,23 +34,16 @@ the fit with :class:`fedbayes.TooFewClientsError`.
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .errors import ConfigError, require_choice
+from .errors import ConfigError, is_real, require_choice, require_fraction, require_int
 
 OK, DROPPED, NONFINITE, TOO_LARGE = 0, 1, 2, 3
 KIND_NAMES = {DROPPED: "dropped", NONFINITE: "nonfinite", TOO_LARGE: "too_large"}
-
-
-def _probability(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
-        raise ConfigError(f"{what} must be a probability in [0, 1], got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -70,10 +63,11 @@ class Faults:
     large_scale: float = 1e20
 
     def __post_init__(self):
-        total = sum(_probability(getattr(self, n), f"Faults.{n}") for n in ("drop", "nan", "large"))
+        total = sum(float(require_fraction(getattr(self, n), f"Faults.{n} (a probability)", closed_high=True))
+                    for n in ("drop", "nan", "large"))
         if total > 1.0:
             raise ConfigError(f"Faults probabilities sum to {total:g} > 1; each member has one fault at most")
-        if isinstance(self.large_scale, bool) or not isinstance(self.large_scale, numbers.Real) or not abs(self.large_scale) > 1:
+        if not is_real(self.large_scale) or not abs(self.large_scale) > 1:
             raise ConfigError(f"Faults.large_scale must be a number with |large_scale| > 1, got {self.large_scale!r}")
 
     def draw(self, key: jax.Array, size: int) -> jax.Array:
@@ -118,11 +112,10 @@ class FaultPolicy:
     relative: float | None = 1e6
 
     def __post_init__(self):
-        if isinstance(self.min_clients, bool) or not isinstance(self.min_clients, numbers.Integral) or self.min_clients < 0:
-            raise ConfigError(f"FaultPolicy.min_clients must be an integer >= 0, got {self.min_clients!r}")
+        require_int(self.min_clients, "FaultPolicy.min_clients", 0)
         for name in ("max_abs", "relative"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real) or not v > 0):
+            if v is not None and (not is_real(v) or not v > 0):
                 raise ConfigError(f"FaultPolicy.{name} must be a positive number or None, got {v!r}")
         if self.relative is not None and self.relative <= 1:
             raise ConfigError(f"FaultPolicy.relative must exceed 1 (it multiplies the median), got {self.relative!r}")
@@ -167,7 +160,7 @@ class Aggregation:
 
     def __post_init__(self):
         require_choice(self.rule, "aggregation rule", ("mean", "median", "trimmed"))
-        if isinstance(self.trim, bool) or not isinstance(self.trim, numbers.Real) or not 0.0 <= self.trim < 0.5:
+        if not is_real(self.trim) or not 0.0 <= self.trim < 0.5:
             raise ConfigError(f"trimmed-mean trim must lie in [0, 0.5), got {self.trim!r}")
 
     @property
@@ -198,7 +191,7 @@ def as_aggregation(value: Any) -> Aggregation:
         return value
     if isinstance(value, str):
         return Aggregation(value)
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    if is_real(value):
         return Aggregation("trimmed", float(value))
     raise ConfigError(f"aggregation must be 'mean', 'median', 'trimmed', a trim fraction or fb.Aggregation, got {value!r}")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, DataError
+from ..errors import DataError
 
 
 # ------------------------------------------------------------------------------ posterior quality
