@@ -12,6 +12,16 @@ scale_to_contractive(c) = C / (1 + omega) for any unbiased c.
 
 Compressors are frozen dataclasses, hence hashable and usable as static arguments of `jax.jit`.
 Calling one is pure JAX (the vector length d is static) and works under `jit` and `vmap`.
+
+Wire format. Every built-in compressor is an encoder and a decoder: ``encode(key, x)`` gives the
+codes that are sent (indices and values, a norm and signed levels, ...), ``decode(codes, d)`` the
+vector the receiver reconstructs, and C(x) = decode(encode(key, x)). ``pack`` / ``unpack`` turn codes
+into the message's bits and back (exactly ``bits(d)`` of them, so a message is ceil(bits / 8) bytes),
+which is what :mod:`fedbayes.flower` puts on the network. Floats are sent at ``float_bits``: with
+``float_bits=16`` the sent values are rounded to float16 in the simulation as on the wire (values
+beyond float16's range become +-inf). With the default 32 bits and float32 arithmetic the wire is
+exact; a float64 fit (``jax_enable_x64``) keeps float64 values in simulation while charging 32 bits
+per float, and the network carries them as float32.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from jax.flatten_util import ravel_pytree
 from fedbayes.errors import ConfigError
 
 __all__ = [
+    "Coded",
     "Compressor",
     "compress_tree",
     "identity",
@@ -163,6 +174,143 @@ class Compressor(abc.ABC):
     def __repr__(self) -> str:
         return self.name
 
+    # ------------------------------------------------------------------ wire format
+    has_wire_format: ClassVar[bool] = False
+    """True when ``pack`` / ``unpack`` implement the encoding whose length ``bits`` reports."""
+
+    def encode(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
+        """The codes of C(x) for a 1-D floating x. Default (a compressor with only ``_compress``): the
+        decoded vector itself, which has no packed form (``has_wire_format`` is False)."""
+        return (self._compress(key, x),)
+
+    def decode(self, codes: tuple[jax.Array, ...], d: int) -> jax.Array:
+        """The vector C(x) that ``codes`` encode (d coordinates)."""
+        return codes[0]
+
+    def pack(self, writer: BitWriter, codes: tuple[np.ndarray, ...], d: int) -> None:
+        """Append the message of ``codes`` (host numpy arrays) to ``writer``: ``bits(d)`` bits."""
+        raise ConfigError(
+            f"{self.name} has no wire format (only _compress): define encode, decode, pack and unpack to send it "
+            "over a network")
+
+    def unpack(self, reader: BitReader, d: int, dtype: Any) -> tuple[np.ndarray, ...]:
+        """Read the codes of one message of a d-vector of ``dtype`` from ``reader`` (inverse of ``pack``)."""
+        raise ConfigError(f"{self.name} has no wire format")
+
+    def coded(self, key: jax.Array, x: jax.Array) -> tuple[Coded, jax.Array, jax.Array]:
+        """``(message, C(x), bits)``: the message as a :class:`Coded` payload (its codes, what crosses the
+        network), the decoded vector the sender keeps, and the bit length (as from ``__call__``)."""
+        self(key, x)  # the checks of __call__ (shape, dtype, bit length); traced only, so free under jit
+        codes = self.encode(key, jnp.asarray(x))
+        return Coded(codes, self, x.shape[0], x.dtype), self.decode(codes, x.shape[0]), jnp.asarray(self.bits(x.shape[0]), jnp.int32)
+
+
+class BitWriter:
+    """Fields of fixed bit widths appended to one bit string (most significant bit first)."""
+
+    def __init__(self) -> None:
+        self._parts: list[np.ndarray] = []
+        self.bits = 0
+
+    def put(self, values: np.ndarray, width: int) -> None:
+        """Append each of ``values`` (unsigned integers below 2**width) in ``width`` bits."""
+        v = np.asarray(values).astype(np.uint64).reshape(-1)
+        shifts = np.arange(width - 1, -1, -1, dtype=np.uint64)
+        self._parts.append(((v[:, None] >> shifts) & np.uint64(1)).astype(np.uint8).reshape(-1))
+        self.bits += v.size * width
+
+    def put_floats(self, values: np.ndarray, width: int) -> None:
+        """Append floats as IEEE numbers of ``width`` (16, 32, 64) bits."""
+        self.put(np.asarray(values).astype(f"float{width}").view(f"uint{width}"), width)
+
+    def tobytes(self) -> bytes:
+        """The bit string padded with zeros to whole bytes: ceil(bits / 8) bytes."""
+        return np.packbits(np.concatenate(self._parts) if self._parts else np.zeros(0, np.uint8)).tobytes()
+
+
+class BitReader:
+    """Reads the fields a :class:`BitWriter` wrote, in the same order."""
+
+    def __init__(self, data: bytes) -> None:
+        self._bits = np.unpackbits(np.frombuffer(data, np.uint8))
+        self.pos = 0
+
+    def take(self, count: int, width: int) -> np.ndarray:
+        """The next ``count`` unsigned integers of ``width`` bits each (uint64)."""
+        end = self.pos + count * width
+        if end > self._bits.size:
+            raise ValueError(f"message too short: needs {end} bits, has {self._bits.size}")
+        chunk = self._bits[self.pos:end].reshape(count, width).astype(np.uint64)
+        self.pos = end
+        return (chunk << np.arange(width - 1, -1, -1, dtype=np.uint64)).sum(axis=1, dtype=np.uint64)
+
+    def take_floats(self, count: int, width: int) -> np.ndarray:
+        return self.take(count, width).astype(f"uint{width}").view(f"float{width}")
+
+
+def _wire_round(v: jax.Array, float_bits: int) -> jax.Array:
+    """A value as the receiver gets it: rounded to float16 for 16-bit floats; wider floats are left as
+    computed (exact for float32 arithmetic; see the module notes on float64 fits)."""
+    return v.astype(jnp.float16).astype(v.dtype) if float_bits < 32 else v
+
+
+class Coded:
+    """A compressed message in a payload: the compressor's codes (what is sent) and what the receiver
+    needs to decode them (the compressor and the vector length, fixed by the protocol).
+
+    A pytree whose leaves are the codes, so it passes through ``jit``, ``vmap`` and ``scan``; the codes
+    may carry leading batch axes (one message per chain, per cohort member). ``decoded()`` is C(x),
+    with the same batch axes. Optionally ``layout = (treedef, shapes)`` unflattens the decoded vector
+    into a pytree (a compressed gradient of several sites).
+    """
+
+    def __init__(self, codes: tuple[Any, ...], compressor: Compressor, d: int, dtype: Any, layout: Any = None):
+        self.codes, self.compressor, self.d, self.layout = tuple(codes), compressor, int(d), layout
+        self.dtype = np.dtype(dtype)
+
+    def tree_flatten(self):
+        return self.codes, (self.compressor, self.d, self.dtype, self.layout)
+
+    @classmethod
+    def tree_unflatten(cls, aux, codes):
+        return cls(tuple(codes), *aux)
+
+    def code_shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The shapes and dtypes of one message's codes (no batch axes)."""
+        x = jax.ShapeDtypeStruct((self.d,), self.dtype)
+        return tuple(jax.eval_shape(self.compressor.encode, jax.random.key(0), x))
+
+    def batch_shape(self) -> tuple[int, ...]:
+        one = self.code_shapes()[0]
+        first = self.codes[0]
+        return tuple(first.shape[: first.ndim - len(one.shape)])
+
+    def decoded(self) -> Any:
+        batch = self.batch_shape()
+        flat = [jnp.reshape(c, (-1,) + c.shape[len(batch):]) for c in self.codes]
+        out = jax.vmap(lambda *cs: self.compressor.decode(tuple(cs), self.d))(*flat)
+        out = jnp.reshape(out, batch + (self.d,))
+        if self.layout is None:
+            return out
+        treedef, shapes = self.layout
+        leaves, start = [], 0
+        for shape in shapes:
+            size = math.prod(shape)
+            leaves.append(jnp.reshape(out[..., start:start + size], batch + tuple(shape)))
+            start += size
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def __repr__(self) -> str:
+        return f"Coded({self.compressor.name}, d={self.d})"
+
+    def with_layout(self, tree: Any) -> Coded:
+        """This message, decoding to a pytree shaped like ``tree`` (whose leaves hold d values in all)."""
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        return Coded(self.codes, self.compressor, self.d, self.dtype, (treedef, tuple(tuple(np.shape(x)) for x in leaves)))
+
+
+jax.tree_util.register_pytree_node(Coded, Coded.tree_flatten, Coded.tree_unflatten)
+
 
 @dataclass(frozen=True, repr=False)
 class _Identity(Compressor):
@@ -187,8 +335,19 @@ class _Identity(Compressor):
         _dimension(d)
         return 1.0
 
+    has_wire_format: ClassVar[bool] = True
+
     def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
-        return x
+        return self.decode(self.encode(key, x), x.shape[0])
+
+    def encode(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
+        return (_wire_round(x, self.float_bits),)
+
+    def pack(self, writer: BitWriter, codes: tuple[np.ndarray, ...], d: int) -> None:
+        writer.put_floats(codes[0], self.float_bits)
+
+    def unpack(self, reader: BitReader, d: int, dtype: Any) -> tuple[np.ndarray, ...]:
+        return (reader.take_floats(d, self.float_bits).astype(dtype),)
 
 
 @dataclass(frozen=True, repr=False)
@@ -224,6 +383,33 @@ class _Sparsifier(Compressor):
         d = _dimension(d)
         return self.kept(d) * (self.float_bits + _index_bits(d))
 
+    # The message: the k chosen indices and their (scaled) values.
+    has_wire_format: ClassVar[bool] = True
+
+    def _chosen(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(indices, values) of the kept coordinates, values as computed before rounding."""
+        raise NotImplementedError
+
+    def encode(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
+        idx, values = self._chosen(key, x)
+        return idx.astype(jnp.int32), _wire_round(values, self.float_bits)
+
+    def decode(self, codes: tuple[jax.Array, ...], d: int) -> jax.Array:
+        idx, values = codes
+        return jnp.zeros((d,), values.dtype).at[idx].set(values)
+
+    def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
+        return self.decode(self.encode(key, x), x.shape[0])
+
+    def pack(self, writer: BitWriter, codes: tuple[np.ndarray, ...], d: int) -> None:
+        writer.put(codes[0], _index_bits(d))
+        writer.put_floats(codes[1], self.float_bits)
+
+    def unpack(self, reader: BitReader, d: int, dtype: Any) -> tuple[np.ndarray, ...]:
+        k = self.kept(d)
+        idx = reader.take(k, _index_bits(d)).astype(np.int32)
+        return idx, reader.take_floats(k, self.float_bits).astype(dtype)
+
 
 def _uniform_subset(key: jax.Array, d: int, k: int) -> jax.Array:
     """k distinct indices of [0, d), uniform over the k-subsets."""
@@ -250,11 +436,11 @@ class _RandK(_Sparsifier):
         self.kept(d)
         return None
 
-    def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
+    def _chosen(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         d = x.shape[0]
         k = self.kept(d)
         chosen = _uniform_subset(key, d, k)
-        return jnp.zeros_like(x).at[chosen].set(x[chosen] * (d / k))
+        return chosen, x[chosen] * (d / k)
 
 
 class _UnscaledSparsifier(_Sparsifier):
@@ -283,9 +469,9 @@ class _RandKUnscaled(_UnscaledSparsifier):
 
     func: ClassVar[str] = "rand_k_unscaled"
 
-    def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
+    def _chosen(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         chosen = _uniform_subset(key, x.shape[0], self.kept(x.shape[0]))
-        return jnp.zeros_like(x).at[chosen].set(x[chosen])
+        return chosen, x[chosen]
 
 
 @dataclass(frozen=True, repr=False)
@@ -301,9 +487,9 @@ class _TopK(_UnscaledSparsifier):
 
     func: ClassVar[str] = "top_k"
 
-    def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
+    def _chosen(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         _, largest = jax.lax.top_k(jnp.abs(x), self.kept(x.shape[0]))
-        return jnp.zeros_like(x).at[largest].set(x[largest])
+        return largest, x[largest]
 
 
 @dataclass(frozen=True, repr=False)
@@ -340,15 +526,37 @@ class _QSGD(Compressor):
         _dimension(d)
         return None
 
-    def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
+    has_wire_format: ClassVar[bool] = True
+
+    def encode(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
+        """(||x||_2 as sent, sign(x_j) xi_j as int32)."""
         s = self.levels
         norm = jnp.linalg.norm(x)
         scaled = s * jnp.abs(x) / jnp.where(norm > 0, norm, 1)
         low = jnp.floor(scaled)
         up = jax.random.uniform(key, x.shape, x.dtype) < scaled - low
         # Rounding can push s|x_j|/||x|| a hair above s; clipping keeps xi_j on the grid {0..s}.
-        level = jnp.minimum(low + up, s)
-        return norm * jnp.sign(x) * level / s
+        level = jnp.nan_to_num(jnp.minimum(low + up, s))  # a non-finite x: the norm carries the NaN
+        return _wire_round(norm, self.float_bits), (jnp.sign(x) * level).astype(jnp.int32)
+
+    def decode(self, codes: tuple[jax.Array, ...], d: int) -> jax.Array:
+        norm, signed = codes
+        return norm * jnp.sign(signed).astype(norm.dtype) * jnp.abs(signed).astype(norm.dtype) / self.levels
+
+    def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
+        return self.decode(self.encode(key, x), x.shape[0])
+
+    def pack(self, writer: BitWriter, codes: tuple[np.ndarray, ...], d: int) -> None:
+        norm, signed = codes
+        writer.put_floats(np.reshape(norm, (1,)), self.float_bits)
+        writer.put(np.asarray(signed) < 0, 1)
+        writer.put(np.minimum(np.abs(signed), self.levels), self.levels.bit_length())
+
+    def unpack(self, reader: BitReader, d: int, dtype: Any) -> tuple[np.ndarray, ...]:
+        norm = reader.take_floats(1, self.float_bits).astype(dtype)[0]
+        negative = reader.take(d, 1).astype(bool)
+        level = reader.take(d, self.levels.bit_length()).astype(np.int32)
+        return norm, np.where(negative, -level, level).astype(np.int32)
 
 
 @dataclass(frozen=True, repr=False)
@@ -416,6 +624,27 @@ class _Natural(Compressor):
         up = jax.random.uniform(key, x.shape, x.dtype) < p
         return jnp.where(jnp.isinf(x), x, jnp.sign(x) * jnp.where(up, high, low))
 
+    # The codes are the rounded values themselves (signed powers of two, 0 or +-inf); the message holds
+    # each one's sign bit and IEEE exponent field at float_bits (its mantissa is zero). NaN goes as inf.
+    has_wire_format: ClassVar[bool] = True
+
+    def encode(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
+        return (self._compress(key, x),)
+
+    def pack(self, writer: BitWriter, codes: tuple[np.ndarray, ...], d: int) -> None:
+        width, (exp_bits, _, _) = self.float_bits, _IEEE_EXPONENTS[self.float_bits]
+        u = np.asarray(codes[0]).astype(f"float{width}").view(f"uint{width}").astype(np.uint64)
+        mant = width - 1 - exp_bits
+        writer.put(u >> np.uint64(width - 1), 1)
+        writer.put((u >> np.uint64(mant)) & np.uint64(2**exp_bits - 1), exp_bits)
+
+    def unpack(self, reader: BitReader, d: int, dtype: Any) -> tuple[np.ndarray, ...]:
+        width, (exp_bits, _, _) = self.float_bits, _IEEE_EXPONENTS[self.float_bits]
+        sign = reader.take(d, 1)
+        exponent = reader.take(d, exp_bits)
+        u = (sign << np.uint64(width - 1)) | (exponent << np.uint64(width - 1 - exp_bits))
+        return (u.astype(f"uint{width}").view(f"float{width}").astype(dtype),)
+
 
 @dataclass(frozen=True, repr=False)
 class _Scaled(Compressor):
@@ -456,6 +685,22 @@ class _Scaled(Compressor):
         """C's message and bits (its own encoding, fixed-length or not), decoded and rescaled."""
         x_hat, bits = self.base(key, x)
         return x_hat / (1.0 + self.base.omega(x_hat.shape[0])), bits
+
+    @property
+    def has_wire_format(self) -> bool:  # type: ignore[override]
+        return self.base.has_wire_format
+
+    def encode(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
+        return self.base.encode(key, x)
+
+    def decode(self, codes: tuple[jax.Array, ...], d: int) -> jax.Array:
+        return self.base.decode(codes, d) / (1.0 + self.base.omega(d))
+
+    def pack(self, writer: BitWriter, codes: tuple[np.ndarray, ...], d: int) -> None:
+        self.base.pack(writer, codes, d)
+
+    def unpack(self, reader: BitReader, d: int, dtype: Any) -> tuple[np.ndarray, ...]:
+        return self.base.unpack(reader, d, dtype)
 
 
 def identity(float_bits: int = 32) -> Compressor:

@@ -70,6 +70,10 @@ UNSCALED = CONTRACTIVE[3:5]
 ALL = UNBIASED + CONTRACTIVE
 
 
+def _float_bits(c: Compressor) -> int:
+    return getattr(getattr(c, "base", c), "float_bits", 32)
+
+
 def _vector(d: int) -> jax.Array:
     return jnp.asarray(np.random.default_rng(d).normal(size=d))
 
@@ -455,8 +459,10 @@ def test_message_bits_equal_bits(d: int) -> None:
             # Every other unbiased compressor is exact on one coordinate (k = d, s|x_1|/||x|| = s)
             # and every other contractive one returns alpha(1) x: alpha = k/d = 1 for the
             # sparsifiers, 1 / (1 + omega(1)) for the rescaled ones.
+            # A 16-bit wire sends x rounded to float16 (then scaled by the receiver).
             scale = 1.0 if c.unbiased else c.alpha(1)
-            np.testing.assert_allclose(x_hat, scale * x, rtol=1e-15, err_msg=repr(c))
+            sent = np.asarray(x).astype(np.float16).astype(np.float64) if _float_bits(c) == 16 else np.asarray(x)
+            np.testing.assert_allclose(x_hat, scale * sent, rtol=1e-15, err_msg=repr(c))
 
 
 @given(d=st.integers(1, 10**6), k=st.integers(1, 10**6), s=st.integers(1, 10**4))
@@ -620,3 +626,42 @@ def test_compressors_are_odd(comp):
     plus = jax.vmap(lambda k: comp(k, x)[0])(keys)
     minus = jax.vmap(lambda k: comp(k, -x)[0])(keys)
     np.testing.assert_array_equal(minus, -plus)
+
+
+WIRE = ALL + (identity(16), identity(64), rand_k(3, float_bits=16), top_k(2, float_bits=64), qsgd(16, float_bits=16),
+              natural(16), natural(64), scale_to_contractive(rand_k(2)))
+
+
+@pytest.mark.parametrize("d", [1, 7, 1025])
+def test_wire_format_round_trip(d: int) -> None:
+    """pack writes exactly bits(d) bits (ceil(bits / 8) bytes), and unpack + decode gives C(x) bit for bit
+    (float32 arithmetic: the exact case of the wire)."""
+    from fedbayes.compress import BitReader, BitWriter
+
+    x = _vector(d).astype(jnp.float32) * 3.0
+    x = x.at[0].set(0.0) if d > 1 else x  # a zero coordinate (QSGD level 0, natural's code 0)
+    for c in WIRE:
+        if d == 1 and getattr(getattr(c, "base", c), "k", None) not in (None, 1):
+            continue  # keeps more coordinates than there are
+        assert c.has_wire_format, c
+        key = jax.random.key(d)
+        message, x_hat, bits = c.coded(key, x)
+        np.testing.assert_array_equal(x_hat, c(key, x)[0], err_msg=repr(c))
+        writer = BitWriter()
+        c.pack(writer, tuple(np.asarray(v) for v in message.codes), d)
+        data = writer.tobytes()
+        assert writer.bits == int(bits) == c.bits(d), c
+        assert len(data) == -(-c.bits(d) // 8), c
+        codes = c.unpack(BitReader(data), d, np.float32)
+        np.testing.assert_array_equal(np.asarray(c.decode(tuple(jnp.asarray(v) for v in codes), d)), np.asarray(x_hat),
+                                      err_msg=repr(c))
+
+
+def test_wire_format_of_a_compressor_without_one() -> None:
+    from fedbayes.compress import BitWriter
+
+    c = _TopOne()
+    assert not c.has_wire_format
+    message, _, _ = c.coded(jax.random.key(0), jnp.ones(3))
+    with pytest.raises(ConfigError, match="no wire format"):
+        c.pack(BitWriter(), message.codes, 3)
