@@ -7,7 +7,10 @@ An algorithm is a set of pure functions over pytrees (see :class:`Algorithm`):
     server_step(key, server_state, uploads, round_info)  -> server_state, broadcast, diagnostics
 
 ``upload`` and ``broadcast`` are :class:`Message` objects: exactly what crosses the network, already
-compressed, with their exact size in bits. Nothing else passes between clients and server.
+compressed, with their exact size in bits. Nothing else passes between clients and server. A payload
+may hold compressed parts as their codes (:class:`fedbayes.compress.Coded`, :class:`fedbayes.wire.Masked`);
+the engine hands the receiver the decoded payload (:func:`fedbayes.wire.decode_tree`), as a network
+receiver would reconstruct it from the bytes of :func:`fedbayes.wire.pack`.
 
 One round: the server's broadcast goes to a cohort of ``cohort_size`` clients drawn uniformly
 without replacement (a fixed size keeps shapes static); the cohort's client steps run under
@@ -38,10 +41,12 @@ import numpy as np
 from .data import FederatedData
 from .errors import ConfigError, FedbayesError
 from .faults import DROPPED, KIND_NAMES, NONFINITE, OK, TOO_LARGE, FaultPolicy, Faults, screen
+from .wire import FLOAT_BITS as WIRE_FLOAT_BITS
+from .wire import decode_tree
 
 PyTree = Any
 
-FLOAT_BITS = 32
+FLOAT_BITS = WIRE_FLOAT_BITS
 """Bits of one uncompressed float on the wire (float32), used by every ledger entry."""
 
 
@@ -185,6 +190,54 @@ class Progress:
         sys.stderr.flush()
 
 
+def round_plan(base_key: jax.Array, k: jax.Array, num_clients: int, cohort_size: int, participation: float = 1.0):
+    """The public randomness of round ``k``: ``(round key, cohort, client keys, server key, shared key,
+    expected)``; ``expected`` marks the cohort members that take part (all, unless ``participation`` < 1)."""
+    rk = jax.random.fold_in(base_key, k)
+    k_cohort, k_clients, k_server = jax.random.split(rk, 3)
+    k_shared = jax.random.fold_in(rk, _SHARED_STREAM)
+    cohort = sample_cohort(k_cohort, num_clients, cohort_size)
+    keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(cohort)
+    if participation < 1.0:  # each cohort member takes part independently with probability p
+        expected = jax.random.bernoulli(jax.random.fold_in(rk, _PARTICIPATION_STREAM), participation, (cohort_size,))
+    else:
+        expected = jnp.ones((cohort_size,), bool)
+    return rk, cohort, keys, k_server, k_shared, expected
+
+
+def server_half(algorithm: Algorithm, server_state: PyTree, payload: PyTree, upload_bits: jax.Array,
+                broadcast_bits: jax.Array, expected: jax.Array, received: jax.Array, policy: FaultPolicy | None,
+                k: jax.Array, cohort: jax.Array, num_clients: int, k_server: jax.Array, k_shared: jax.Array):
+    """The server's half of a round, from the decoded uploads (stacked over the cohort; rows not
+    ``received`` are ignored): screen, zero the faulty rows, ``server_step``. Returns
+    ``(server_state, new_broadcast, zeroed payload, record)``; the record holds the round's ledger and
+    fault counts, and ``_active`` / ``_faulty`` for the caller to pop."""
+    policy = FaultPolicy() if policy is None else policy
+    kind = jnp.where(expected & ~received, DROPPED, screen(payload, received, policy))
+    kind = jnp.where(expected, kind, OK)
+    faulty = kind != OK
+    active = expected & ~faulty
+    payload = jax.tree_util.tree_map(
+        lambda p: jnp.where(jnp.reshape(active, (-1,) + (1,) * (p.ndim - 1)), p, jnp.zeros_like(p)), payload)
+    info = RoundInfo(k, cohort, active, num_clients, k_shared, faulty)
+    server_state, new_broadcast, diag = algorithm.server_step(k_server, server_state, Message(payload, upload_bits), info)
+    sent = expected & (kind != DROPPED)  # rejected uploads crossed the network all the same
+    record = {
+        "bits_up": jnp.where(sent, upload_bits, 0),
+        "bits_down": jnp.where(expected, broadcast_bits, 0),
+        "active": jnp.sum(active),
+        "dropped": jnp.sum(kind == DROPPED),
+        "nonfinite": jnp.sum(kind == NONFINITE),
+        "too_large": jnp.sum(kind == TOO_LARGE),
+        "bits_up_rejected": jnp.where(sent & faulty, upload_bits, 0),
+        "_fault_kind": kind.astype(jnp.int8),
+        **diag,
+        "_active": active,
+        "_faulty": faulty,
+    }
+    return server_state, new_broadcast, payload, record
+
+
 def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, cohort_size: int, base_key: jax.Array,
                faults: Faults | None = None, policy: FaultPolicy | None = None):
     """The pure function of one round: ``(carry, k) -> (carry, record)``.
@@ -196,42 +249,28 @@ def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, coho
     """
 
     participation = float(getattr(algorithm, "participation", 1.0))
-    policy = FaultPolicy() if policy is None else policy
 
     def round_fn(carry, k):
         server_state, client_states, broadcast = carry
-        rk = jax.random.fold_in(base_key, k)
-        k_cohort, k_clients, k_server = jax.random.split(rk, 3)
-        k_shared = jax.random.fold_in(rk, _SHARED_STREAM)
-        cohort = sample_cohort(k_cohort, num_clients, cohort_size)
-        keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(cohort)
+        rk, cohort, keys, k_server, k_shared, expected = round_plan(base_key, k, num_clients, cohort_size, participation)
         members = _take(clients, cohort)._replace(slot=jnp.arange(cohort_size), shared_key=k_shared)
         step = jax.vmap(algorithm.client_step, in_axes=(0, None, 0, _CLIENT_AXES))
         old_states = _take(client_states, cohort)
-        new_states, uploads = step(keys, broadcast.payload, old_states, members)
-        if participation < 1.0:  # each cohort member takes part independently with probability p
-            expected = jax.random.bernoulli(jax.random.fold_in(rk, _PARTICIPATION_STREAM), participation, (cohort_size,))
-        else:
-            expected = jnp.ones((cohort_size,), bool)
-        payload = uploads.payload
+        new_states, uploads = step(keys, decode_tree(broadcast.payload), old_states, members)
+        payload = decode_tree(uploads.payload)  # what the server reconstructs from the messages
         injected = jnp.zeros((cohort_size,), jnp.int32)
         if faults is not None:
             injected = faults.draw(jax.random.fold_in(rk, _FAULT_STREAM), cohort_size)
             payload = faults.corrupt(payload, injected)
         received = expected & (injected != DROPPED)
-        kind = jnp.where(injected == DROPPED, DROPPED, screen(payload, received, policy))
-        kind = jnp.where(expected, kind, OK)
-        faulty = kind != OK
-        active = expected & ~faulty
-        payload = jax.tree_util.tree_map(
-            lambda p: jnp.where(jnp.reshape(active, (-1,) + (1,) * (p.ndim - 1)), p, jnp.zeros_like(p)), payload)
-        uploads = Message(payload, uploads.bits)
-        info = RoundInfo(k, cohort, active, num_clients, k_shared, faulty)
-        server_state, new_broadcast, diag = algorithm.server_step(k_server, server_state, uploads, info)
+        server_state, new_broadcast, payload, record = server_half(
+            algorithm, server_state, payload, uploads.bits, broadcast.bits, expected, received, policy, k, cohort,
+            num_clients, k_server, k_shared)
+        active, faulty = record.pop("_active"), record.pop("_faulty")
         bits_down = broadcast.bits
         if hasattr(algorithm, "client_finish"):  # the server's reply to this round's answering members
             finish = jax.vmap(algorithm.client_finish, in_axes=(None, 0, _CLIENT_AXES, 0))
-            new_states, reply_bits = finish(new_broadcast.payload, new_states, members, uploads.payload)
+            new_states, reply_bits = finish(decode_tree(new_broadcast.payload), new_states, members, payload)
             bits_down = bits_down + jnp.where(active, reply_bits, 0)
         kept = _where_active(active, new_states, old_states)
         if hasattr(algorithm, "resync"):  # a faulty member's copy of server state is re-sent in full
@@ -239,18 +278,7 @@ def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, coho
             kept = _where_active(faulty, resynced, kept)
             bits_down = bits_down + jnp.where(faulty, resync_bits, 0)
         client_states = _put(client_states, cohort, kept)
-        sent = expected & (kind != DROPPED)  # rejected uploads crossed the network all the same
-        record = {
-            "bits_up": jnp.where(sent, uploads.bits, 0),
-            "bits_down": jnp.where(expected, bits_down, 0),
-            "active": jnp.sum(active),
-            "dropped": jnp.sum(kind == DROPPED),
-            "nonfinite": jnp.sum(kind == NONFINITE),
-            "too_large": jnp.sum(kind == TOO_LARGE),
-            "bits_up_rejected": jnp.where(sent & faulty, uploads.bits, 0),
-            "_fault_kind": kind.astype(jnp.int8),
-            **diag,
-        }
+        record["bits_down"] = jnp.where(expected, bits_down, 0)
         return (server_state, client_states, new_broadcast), record
 
     return round_fn

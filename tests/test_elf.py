@@ -8,6 +8,7 @@ import numpyro.distributions as dist
 import pytest
 
 import fedbayes as fb
+from fedbayes.wire import decode_tree
 from fedbayes.engine import Problem, RoundInfo, stack_clients
 from fedbayes.errors import ConfigError, ModelError
 
@@ -61,9 +62,10 @@ def test_error_feedback_invariants_hold_every_round():
     C = data.num_clients
     for k in range(30):
         keys = jax.random.split(jax.random.PRNGKey(k + 1), C)
-        states, up = jax.vmap(run.client_step, in_axes=(0, None, 0, 0))(keys, broadcast.payload, states, clients)
+        step = jax.vmap(run.client_step, in_axes=(0, None, 0, 0))
+        states, up = step(keys, decode_tree(broadcast.payload), states, clients)
         server_w = server.w
-        server, broadcast, _ = run.server_step(jax.random.PRNGKey(100 + k), server, up,
+        server, broadcast, _ = run.server_step(jax.random.PRNGKey(100 + k), server, up._replace(payload=decode_tree(up.payload)),
                                                RoundInfo(jnp.asarray(k), jnp.arange(C), jnp.ones(C, bool), C))
         # g = sum_i g^i (the paper's g = mean_i g^i with F_i = n U_i), and every client's copy of w is
         # bit-identical to the server's w_{k+1} (both computed as w_k + v_k)

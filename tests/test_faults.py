@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import fedbayes as fb
+from fedbayes.wire import decode_tree
 from fedbayes.engine import Problem, run_rounds
 from fedbayes.errors import ConfigError
 from fedbayes.faults import DROPPED, NONFINITE, OK, TOO_LARGE, Aggregation, screen
@@ -195,7 +196,7 @@ def test_langevin_memories_and_copies_stay_in_step_under_faults(algo="BELF"):
     np.testing.assert_allclose(server.g, states.g.sum(0), rtol=1e-10, atol=1e-10)
     if algo == "BELF":
         # the clients apply the last broadcast v at their next round: w_i + v is the server's w, bit for bit
-        np.testing.assert_array_equal(states.w + broadcast.payload, jnp.broadcast_to(server.w, states.w.shape))
+        np.testing.assert_array_equal(states.w + decode_tree(broadcast.payload), jnp.broadcast_to(server.w, states.w.shape))
         faulty = hist["dropped"] + hist["nonfinite"]
         # the downlink pays a full copy of w (2 chains x d floats) per faulty member on top of v
         resync = hist["bits_down"] - (hist["bits_down"][faulty == 0].min() if (faulty == 0).any() else 0)

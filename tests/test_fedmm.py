@@ -13,6 +13,7 @@ from numpyro.distributions import constraints
 
 import em_reference as R
 import fedbayes as fb
+from fedbayes.wire import decode_tree
 from fedbayes.engine import Problem, make_round, stack_clients
 from fedbayes.model import FedModel
 
@@ -139,7 +140,8 @@ def test_uploads_are_statistics_not_data(gmm):
     clients = stack_clients(data)
     for i in range(data.num_clients):
         one = jax.tree_util.tree_map(lambda a: a[i], (states, clients))
-        _, up = run.client_step(jax.random.PRNGKey(i), broadcast.payload, *one)
+        _, up = run.client_step(jax.random.PRNGKey(i), decode_tree(broadcast.payload), *one)
+        up = up._replace(payload=decode_tree(up.payload))
         assert up.payload.shape == (K * (2 + D + D * D),)  # counts, sums and second moments per component
         assert int(up.bits) == 32 * up.payload.size
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import fedbayes as fb
+from fedbayes.wire import decode_tree
 from fedbayes.algorithms.fedsoul import Upload
 from fedbayes.engine import Message, Problem, RoundInfo, sample_cohort
 from fedbayes.errors import ConfigError
@@ -101,7 +102,7 @@ def test_partial_participation_and_compression_keep_the_server_update_unbiased(c
         k1, k2, k3 = jax.random.split(key, 3)
         cohort = sample_cohort(k1, C, c)
         hat, bits = jax.vmap(run._compress)(jax.random.split(k2, c), jax.tree_util.tree_map(lambda g: g[cohort], grads))
-        up = Message(Upload(hat, jnp.zeros(c)), bits)
+        up = Message(decode_tree(Upload(hat, jnp.zeros(c))), bits)  # as the engine delivers it
         new, _, _ = run.server_step(k3, server, up, RoundInfo(jnp.asarray(5), cohort, jnp.ones(c, bool), C))
         return jax.tree_util.tree_map(jnp.subtract, new.theta, server.theta)
 

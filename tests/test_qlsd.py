@@ -7,6 +7,7 @@ import pytest
 from test_elf import D, gauss_model, gaussian_clients
 
 import fedbayes as fb
+from fedbayes.wire import decode_tree
 from fedbayes.algorithms.elf import ServerState
 from fedbayes.algorithms.qlsd import QLSD, QLSDClient
 from fedbayes.engine import (FLOAT_BITS, Message, Problem, RoundInfo, make_round, run_rounds, sample_cohort,
@@ -34,8 +35,9 @@ def test_gradient_estimate_is_unbiased_under_compression_and_partial_participati
         step = jax.vmap(run.client_step, in_axes=(0, None, 0, 0))
         _, up = step(jax.random.split(k_q, c), x, QLSDClient(h[cohort]),
                      jax.tree_util.tree_map(lambda a: a[cohort], clients))
-        g, _ = run.gradient_estimate(h.sum(0), up.payload, RoundInfo(jnp.asarray(0), cohort, jnp.ones(c, bool), b))
-        return g, up.payload.sum(0)
+        sent = decode_tree(up.payload)
+        g, _ = run.gradient_estimate(h.sum(0), sent, RoundInfo(jnp.asarray(0), cohort, jnp.ones(c, bool), b))
+        return g, sent.sum(0)
 
     g, q = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.PRNGKey(0), n))
     se = g.std(0) / np.sqrt(n)  # i.i.d. draws: the CLT error of the mean

@@ -297,9 +297,9 @@ class LangevinRun:
         return server, ClientState(g_i, jnp.broadcast_to(x0, g_i.shape)), broadcast
 
     def _compress(self, comp: Compressor, key, v):
-        """Compress each chain's row; returns (rows, total bits)."""
-        out, bits = jax.vmap(comp)(jax.random.split(key, v.shape[0]), v)
-        return out, jnp.sum(bits)
+        """Compress each chain's row; returns (the coded rows as sent, the decoded rows, total bits)."""
+        coded, out, bits = jax.vmap(comp.coded)(jax.random.split(key, v.shape[0]), v)
+        return coded, out, jnp.sum(bits)
 
     def _move(self, key, s: ServerState) -> tuple[ServerState, Message]:
         """Langevin step x -> x - gamma g + sqrt(2 gamma) Z; P-/B-ELF also move and send w."""
@@ -307,17 +307,17 @@ class LangevinRun:
         x = s.x - self._gamma * s.g + jnp.sqrt(2 * self._gamma) * jax.random.normal(k_noise, s.x.shape, s.x.dtype)
         if not self.cfg.downlink_ef:
             return ServerState(x, x, s.g), Message(x, jnp.asarray(FLOAT_BITS * x.size, jnp.int32))
-        v, bits = self._compress(self._down, k_comp, x - s.w)
-        return ServerState(x, s.w + v, s.g), Message(v, bits)
+        sent, v, bits = self._compress(self._down, k_comp, x - s.w)
+        return ServerState(x, s.w + v, s.g), Message(sent, bits)
 
     def client_step(self, key, payload, state: ClientState, client: ClientData):
         w = state.w + payload if self.cfg.downlink_ef else payload
         grad = self._grad(w, client)
         if self.cfg.uplink_ef:
-            c, bits = self._compress(self._up, key, grad - state.g)
-            return ClientState(state.g + c, w), Message(c, bits)
-        c, bits = self._compress(self._up, key, grad)
-        return ClientState(c, w), Message(c, bits)
+            sent, c, bits = self._compress(self._up, key, grad - state.g)
+            return ClientState(state.g + c, w), Message(sent, bits)
+        sent, c, bits = self._compress(self._up, key, grad)
+        return ClientState(c, w), Message(sent, bits)
 
     def resync(self, old: ClientState, new: ClientState) -> tuple[ClientState, jax.Array]:
         """A faulty client keeps its gradient memory (the server did not add its message) and, under

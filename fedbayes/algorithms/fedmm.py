@@ -284,8 +284,8 @@ class FedMMRun:
         k_e, k_q = jax.random.split(key)
         s_i, z = self._e_step(payload.theta, client, state.z, state.step, k_e)
         delta = s_i - payload.s - state.v
-        q, bits = self.cfg.compressor(k_q, delta)
-        return ClientState(state.v + (self.alpha / self._p) * q, z, state.step), Message(q, bits)
+        sent, q, bits = self.cfg.compressor.coded(k_q, delta)
+        return ClientState(state.v + (self.alpha / self._p) * q, z, state.step), Message(sent, bits)
 
     def server_step(self, key: jax.Array, state: ServerState, uploads: Message, info: RoundInfo):
         """H = V + (1/p) sum mu_i Q_i;  S <- Proj(S + gamma H);  V += (alpha/p) sum mu_i Q_i;  theta = T(S).

@@ -270,19 +270,26 @@ class FedSOULRun:
         z0 = state.z if self.cfg.stateful else fm.sample_local_prior(k_init, theta, client.data, client.mask)
         v, step = self._step_for(fm, theta, z0, state.v, state.step, client, self.cfg.power_iters)
         z, grad, objective = self._run_chain(fm, k_chain, theta, z0, step, client, self.cfg.local_steps, self.cfg.burn_in)
-        grad_hat, bits = self._compress(k_comp, grad)
-        return ClientState(z, v, step), Message(Upload(grad_hat, objective), bits + FLOAT_BITS)
+        sent, bits = self._compress(k_comp, grad)
+        return ClientState(z, v, step), Message(Upload(sent, objective), bits + FLOAT_BITS)
 
-    def _compress(self, key, grad: Params) -> tuple[Params, jax.Array]:
+    def _compress(self, key, grad: Params) -> tuple[tuple[Params, Any], jax.Array]:
+        """(exact sites, the other sites compressed as one vector) as sent, and the bits."""
         exact = {n: g for n, g in grad.items() if n in self.cfg.exact_sites}
         rest = {n: g for n, g in grad.items() if n not in self.cfg.exact_sites}
         bits = jnp.asarray(FLOAT_BITS * ravel_pytree(exact)[0].size, jnp.int32)
         if rest:
-            flat, unravel = ravel_pytree(rest)
-            flat_hat, rest_bits = self.cfg.compressor(key, flat)
-            rest = unravel(flat_hat)
+            flat, _ = ravel_pytree(rest)
+            coded, _, rest_bits = self.cfg.compressor.coded(key, flat)
+            rest = coded.with_layout(rest)
             bits = bits + rest_bits
-        return {**exact, **rest}, bits
+        return (exact, rest), bits
+
+    @staticmethod
+    def _gradients(grad: tuple[Params, Params]) -> Params:
+        """The uploaded gradients as one dict (the exact sites and the decoded compressed ones)."""
+        exact, rest = grad
+        return {**exact, **rest}
 
     def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
         fm: FedModel = self._fm
@@ -292,9 +299,10 @@ class FedSOULRun:
         w = jnp.where(info.active, weight, 0.0)
         rule = as_aggregation(self.cfg.aggregation)
         if rule.robust:
-            agg = jax.tree_util.tree_map(lambda g: info.num_clients * rule(g, info.active), uploads.payload.grad)
+            agg = jax.tree_util.tree_map(lambda g: info.num_clients * rule(g, info.active),
+                                         self._gradients(uploads.payload.grad))
         else:
-            agg = jax.tree_util.tree_map(lambda g: jnp.tensordot(w, g, axes=1), uploads.payload.grad)
+            agg = jax.tree_util.tree_map(lambda g: jnp.tensordot(w, g, axes=1), self._gradients(uploads.payload.grad))
         prior_lp, prior_grad = jax.value_and_grad(fm.log_prior)(theta)
         grad = jax.tree_util.tree_map(jnp.add, prior_grad, agg)
         updates, opt_state = self._opt.update(jax.tree_util.tree_map(jnp.negative, grad), state.opt_state, theta)

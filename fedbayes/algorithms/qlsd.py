@@ -98,8 +98,8 @@ class QLSDRun(LangevinRun):
         self, key: jax.Array, payload: jax.Array, state: QLSDClient, client: ClientData
     ) -> tuple[QLSDClient, Message]:
         """Send Q_i = Q(grad U_i(x) - h_i) and keep h_i + alpha Q_i."""
-        q, bits = self._compress(self._up, key, self._grad(payload, client) - state.h)
-        return QLSDClient(state.h + self.alpha * q), Message(q, bits)
+        sent, q, bits = self._compress(self._up, key, self._grad(payload, client) - state.h)
+        return QLSDClient(state.h + self.alpha * q), Message(sent, bits)
 
     def gradient_estimate(self, h: jax.Array, payload: jax.Array, info: RoundInfo) -> tuple[jax.Array, jax.Array]:
         """(G, H_new) = (H + (b/|A|) sum_{i in A} Q_i, H + alpha sum_{i in A} Q_i) over the clients A that

@@ -52,6 +52,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, run_rounds, stack_clients
+from ..wire import Masked
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
 from ..kernels import power_iteration
@@ -449,7 +450,7 @@ class TAMUNARun:
         steps = self.num_local_steps(client.shared_key)
         x = jax.lax.fori_loop(0, steps, lambda _, x: x - gamma * (self._grad(x, client) - h), x_bar)
         q = self.column(client.shared_key, client.slot)
-        return h, Message(jnp.where(q, x, 0.0), FLOAT_BITS * jnp.sum(q))
+        return h, Message(Masked(jnp.where(q, x, 0.0), self.column), FLOAT_BITS * jnp.sum(q))
 
     def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
         """x_bar: each coordinate's mean over its holders that answered (all s of them without faults);
@@ -464,6 +465,11 @@ class TAMUNARun:
         diag = {f"theta/{k}": v for k, v in self._fm.constrain(self._unravel(x)).items()}
         diag["local_steps"] = self.num_local_steps(info.shared_key)
         return ServerState(x), self._broadcast(x), diag
+
+    def finish_message(self, x_bar: jax.Array) -> Any:
+        """The server's reply to a cohort member on a network: x_bar on the member's own coordinates
+        (the ones ``client_finish`` is charged for); None without control variates (no reply)."""
+        return Masked(x_bar, self.column) if self.cfg.control_variates else None
 
     def client_finish(self, x_bar, h, client: ClientData, upload):
         """h_i += (eta / gamma) q_i * (x_bar_new - x_i): the client receives x_bar on its own q_i entries."""

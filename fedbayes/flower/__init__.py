@@ -1,0 +1,38 @@
+"""Run any fedbayes algorithm on Flower (``pip install "fedbayes[flower]"``).
+
+* :func:`server_app` / :func:`client_app`: a Flower ``ServerApp`` and ``ClientApp`` that run an algorithm's
+  ``client_step`` / ``server_step`` protocol: the server samples each round's cohort with its own PRNG key,
+  sends the broadcast, receives the uploads, screens them and steps; each client keeps its state
+  (chains, control variates, error-feedback memories) in Flower's ``context.state`` and its data
+  partition to itself. Messages carry the compressed encodings (:mod:`fedbayes.wire`), so the bytes
+  Flower moves are the ledger's bits, rounded up to whole bytes per message.
+* :func:`simulate`: the same apps under Flower's simulation engine in this process, returning the
+  :class:`fedbayes.Result` that :func:`fedbayes.fed_fit` returns for the same arguments.
+
+See the README section "Run on Flower" for the way from a notebook to ``flwr run`` on real nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["FlowerSpec", "client_app", "flwr_available", "server_app", "simulate", "LocalGrid"]
+
+
+def flwr_available() -> bool:
+    """Whether the ``flwr`` package (the ``fedbayes[flower]`` extra) is installed."""
+    try:
+        import flwr  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        if not flwr_available():
+            raise ImportError('fedbayes.flower needs Flower: pip install "fedbayes[flower]"')
+        from . import _apps
+
+        return getattr(_apps, name)
+    raise AttributeError(name)
