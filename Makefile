@@ -10,7 +10,7 @@ STAMP := $(VENV)/.fedbayes-installed
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plot]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plot,flower]"
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -18,7 +18,7 @@ demo: $(STAMP)
 
 # The longest test files are listed first so that the two processes finish together (pytest collects
 # each file once; the rest of tests/ follows in name order).
-SLOW_TESTS := tests/test_fedmm.py tests/test_fedsoul.py tests/test_expfam.py tests/test_elf.py tests/test_faults.py \
+SLOW_TESTS := tests/test_fedmm.py tests/test_flower.py tests/test_fedsoul.py tests/test_expfam.py tests/test_elf.py tests/test_faults.py \
 	tests/test_tamuna.py
 
 test: $(STAMP)

@@ -1,6 +1,6 @@
 """fedbayes: Bayesian federated inference for NumPyro models."""
 
-from . import checkpoint, compress, diagnostics, faults, models, reference
+from . import checkpoint, compress, diagnostics, faults, flower, models, reference, wire
 from .algorithms import (BELF, DELF, GD, LMC, PELF, QLSD, TAMUNA, FedAvg, FedEM, FedMM, FedSOUL, ParamAveragingEM, Scaffnew,
                          curvature_step_size, theory_step_size)
 from .algorithms import tamuna

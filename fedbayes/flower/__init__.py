@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FlowerSpec", "client_app", "flwr_available", "server_app", "simulate", "LocalGrid"]
+__all__ = ["FlowerSpec", "LocalGrid", "client_app", "flwr_available", "payload_bytes", "run_server", "server_app",
+           "simulate"]
 
 
 def flwr_available() -> bool:
@@ -29,7 +30,7 @@ def flwr_available() -> bool:
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
+    if name in __all__ and name != "flwr_available":
         if not flwr_available():
             raise ImportError('fedbayes.flower needs Flower: pip install "fedbayes[flower]"')
         from . import _apps

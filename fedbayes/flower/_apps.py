@@ -119,10 +119,11 @@ def _content(data: bytes, header: Mapping[str, Any]) -> RecordDict:
     return RecordDict({PAYLOAD: ArrayRecord({"": array}), HEADER: ConfigRecord(dict(header))})
 
 
-def payload_bytes(message: Message) -> int:
+def payload_bytes(message: Message | RecordDict) -> int:
     """The bytes of a message's payload as Flower counts them (``ArrayRecord.count_bytes``; its one key is
     empty, so this is the length of the encoded payload)."""
-    return message.content.array_records[PAYLOAD].count_bytes()
+    content = message.content if isinstance(message, Message) else message
+    return content.array_records[PAYLOAD].count_bytes()
 
 
 def _data(message: Message) -> bytes:
@@ -357,13 +358,20 @@ class _Server:
         return result
 
 
+def run_server(spec: FlowerSpec, grid: Grid) -> Result:
+    """Run ``spec``'s algorithm over the nodes of ``grid`` (inside a ServerApp's ``main``) and return the
+    :class:`fedbayes.Result`: the global state, the ledger and ``flower_messages``. The clients' final
+    states are collected too (as a simulation's result; leave them out of a deployment's reporting)."""
+    return _Server(spec, grid).run()
+
+
 def server_app(spec: FlowerSpec) -> ServerApp:
     """A ServerApp running ``spec``'s algorithm for ``spec.num_rounds`` rounds over the connected nodes."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        _RESULTS[spec.token] = _Server(spec, grid).run()
+        _RESULTS[spec.token] = run_server(spec, grid)
 
     return app
 

@@ -1,0 +1,17 @@
+"""The ServerApp: samples cohorts with its own PRNG key, sends the broadcast, screens and aggregates."""
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedbayes.flower import run_server
+
+from .task import spec
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    result = run_server(spec(context.run_config), grid)
+    print({name: value.tolist() for name, value in result.params.items()})
+    print("payload bytes on the wire:", sum(m[3] for m in result.flower_messages))

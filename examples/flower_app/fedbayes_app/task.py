@@ -1,0 +1,27 @@
+"""What both ends agree on: the model, the algorithm and how a node finds its client's data.
+
+Edit this file for your problem. In a deployment, ``load_data`` runs on each SuperNode and reads that
+site's own data (its rows never leave the node); here every node generates the same synthetic data set
+and keeps only its own partition, so the template runs anywhere.
+"""
+
+import fedbayes as fb
+from fedbayes.flower import FlowerSpec
+
+MODEL = fb.models.logistic_regression(prior_scale=2.0)
+
+
+def algorithm():
+    return fb.DELF(uplink=fb.compress.top_k(2), num_chains=4, warmup=50)
+
+
+def load_data(num_clients: int) -> fb.FederatedData:
+    data, _ = fb.models.make_glm_clients(num_clients, 4, 40, seed=0)
+    return data
+
+
+def spec(run_config) -> FlowerSpec:
+    num_clients = int(run_config.get("num-clients", 10))
+    return FlowerSpec(model=MODEL, data=load_data(num_clients), algorithm=algorithm(),
+                      num_rounds=int(run_config.get("num-rounds", 200)), seed=int(run_config.get("seed", 0)),
+                      token="fedbayes-app")
