@@ -171,15 +171,33 @@ def _settle(context: Context, rt: _Runtime, index: int, accepted: int) -> Any:
     return _load(context, _STATE, rt)
 
 
-def client_app(spec: FlowerSpec) -> ClientApp:
+_SPECS: dict[Any, FlowerSpec] = {}
+
+
+def _resolve(spec: FlowerSpec | Callable[[Any], FlowerSpec], context: Context) -> FlowerSpec:
+    """The spec, or the spec a ``run_config -> FlowerSpec`` function gives for this run (built once)."""
+    if isinstance(spec, FlowerSpec):
+        return spec
+    key = (id(spec), tuple(sorted((k, str(v)) for k, v in context.run_config.items())))
+    if key not in _SPECS:
+        _SPECS[key] = spec(context.run_config)
+    return _SPECS[key]
+
+
+def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
     """A ClientApp running ``spec``'s algorithm on this node's client (``node_config['partition-id']`` in a
     simulation, ``node_config['client-id']`` in a deployment). Its state lives in ``context.state``: the
-    committed state, and the state after its last step until the server's verdict on that upload."""
+    committed state, and the state after its last step until the server's verdict on that upload.
+    ``spec`` may be a function of the run config (``flwr run``'s ``[tool.flwr.app.config]``)."""
     app = ClientApp()
+    spec_of = spec
+
+    def _runtime_of(context: Context) -> _Runtime:
+        return _runtime(_resolve(spec_of, context))
 
     @app.train("step")
     def step(msg: Message, context: Context) -> Message:
-        rt, index = _runtime(spec), _client_index(context)
+        rt, index = _runtime_of(context), _client_index(context)
         h = _header(msg)
         state = _settle(context, rt, index, int(h["accepted"]))
         k, slot = int(h["round"]), int(h["slot"])
@@ -199,7 +217,7 @@ def client_app(spec: FlowerSpec) -> ClientApp:
 
     @app.train("finish")
     def finish(msg: Message, context: Context) -> Message:
-        rt, index = _runtime(spec), _client_index(context)
+        rt, index = _runtime_of(context), _client_index(context)
         h = _header(msg)
         k, slot = int(h["round"]), int(h["slot"])
         _, _, _, _, k_shared, _ = rt.plan(jnp.asarray(k))
@@ -217,7 +235,7 @@ def client_app(spec: FlowerSpec) -> ClientApp:
     @app.query("state")
     def state(msg: Message, context: Context) -> Message:
         """The client's final state (collected by :func:`simulate` only, outside the ledger)."""
-        rt, index = _runtime(spec), _client_index(context)
+        rt, index = _runtime_of(context), _client_index(context)
         current = _settle(context, rt, index, int(_header(msg)["accepted"]))
         leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(current)]
         return Message(RecordDict({"state": ArrayRecord(leaves), HEADER: ConfigRecord({"client": index})}),
@@ -384,10 +402,11 @@ class LocalGrid:
     message protocol of a deployment without its transport, for debugging and for tests.
     ``unreachable(round, client) -> bool`` makes a node fail to answer (Flower's NODE_UNAVAILABLE)."""
 
-    def __init__(self, app: ClientApp, num_clients: int, unreachable: Callable[[int, int], bool] | None = None):
+    def __init__(self, app: ClientApp, num_clients: int, unreachable: Callable[[int, int], bool] | None = None,
+                 run_config: Mapping[str, Any] | None = None):
         self.app, self.unreachable = app, unreachable
         self.contexts = {i + 1: Context(run_id=0, node_id=i + 1, node_config={"partition-id": i, "num-partitions": num_clients},
-                                        state=RecordDict(), run_config={}) for i in range(num_clients)}
+                                        state=RecordDict(), run_config=dict(run_config or {})) for i in range(num_clients)}
         self._ids = itertools.count(1)
 
     def get_node_ids(self) -> Iterable[int]:
