@@ -27,6 +27,7 @@ per float, and the network carries them as float32.
 from __future__ import annotations
 
 import abc
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -154,6 +155,11 @@ class Compressor(abc.ABC):
 
         Every encoding here has a fixed length, so bits == self.bits(d).
         """
+        x, bits = self._checked(x)
+        return self._compress(key, x), bits
+
+    def _checked(self, x: Any) -> tuple[jax.Array, jax.Array]:
+        """x as a JAX array and the int32 bit length of its message, after the checks of a call."""
         if not (hasattr(x, "dtype") and hasattr(x, "ndim")):  # a list, a string, ...: look at it as numpy does
             try:
                 x = np.asarray(x)
@@ -169,7 +175,7 @@ class Compressor(abc.ABC):
             raise ConfigError(
                 f"a {self.name} message of {bits} bits overflows int32; compress smaller blocks"
             )
-        return self._compress(key, jnp.asarray(x)), jnp.asarray(bits, dtype=jnp.int32)
+        return jnp.asarray(x), jnp.asarray(bits, dtype=jnp.int32)
 
     def __repr__(self) -> str:
         return self.name
@@ -200,9 +206,9 @@ class Compressor(abc.ABC):
     def coded(self, key: jax.Array, x: jax.Array) -> tuple[Coded, jax.Array, jax.Array]:
         """``(message, C(x), bits)``: the message as a :class:`Coded` payload (its codes, what crosses the
         network), the decoded vector the sender keeps, and the bit length (as from ``__call__``)."""
-        self(key, x)  # the checks of __call__ (shape, dtype, bit length); traced only, so free under jit
-        codes = self.encode(key, jnp.asarray(x))
-        return Coded(codes, self, x.shape[0], x.dtype), self.decode(codes, x.shape[0]), jnp.asarray(self.bits(x.shape[0]), jnp.int32)
+        x, bits = self._checked(x)
+        codes = self.encode(key, x)
+        return Coded(codes, self, x.shape[0], x.dtype), self.decode(codes, x.shape[0]), bits
 
 
 class BitWriter:
@@ -277,8 +283,7 @@ class Coded:
 
     def code_shapes(self) -> tuple[jax.ShapeDtypeStruct, ...]:
         """The shapes and dtypes of one message's codes (no batch axes)."""
-        x = jax.ShapeDtypeStruct((self.d,), self.dtype)
-        return tuple(jax.eval_shape(self.compressor.encode, jax.random.key(0), x))
+        return _code_shapes(self.compressor, self.d, self.dtype)
 
     def batch_shape(self) -> tuple[int, ...]:
         one = self.code_shapes()[0]
@@ -310,6 +315,12 @@ class Coded:
 
 
 jax.tree_util.register_pytree_node(Coded, Coded.tree_flatten, Coded.tree_unflatten)
+
+
+@functools.lru_cache(maxsize=None)
+def _code_shapes(compressor: Compressor, d: int, dtype: np.dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
+    x = jax.ShapeDtypeStruct((d,), dtype)
+    return tuple(jax.eval_shape(compressor.encode, jax.random.key(0), x))
 
 
 @dataclass(frozen=True, repr=False)

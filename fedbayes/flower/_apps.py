@@ -18,7 +18,7 @@ from flwr.serverapp import Grid, ServerApp
 from .. import wire
 from ..api import _fault_table, _public, _validated
 from ..data import FederatedData
-from ..engine import (ClientData, Message as WireMessage, Problem, Progress, _host_records, resolve_cohort_size,
+from ..engine import (ClientData, Problem, Progress, _host_records, first_short_round, resolve_cohort_size,
                       round_plan, server_half, stack_clients)
 from ..errors import ConfigError, FedbayesError, TooFewClientsError
 from ..faults import FaultPolicy
@@ -72,8 +72,9 @@ class _Runtime:
                                                  self.participation))
         self.client_step = jax.jit(lambda key, payload, state, member: run.client_step(
             key, wire.decode_tree(payload), state, member))
-        self.finish = None
-        if hasattr(run, "client_finish") and getattr(run, "finish_message", lambda p: p)(self.broadcast.payload) is not None:
+        self.finish, self.reply_template = None, None
+        if hasattr(run, "client_finish") and self.reply_payload(self.broadcast.payload) is not None:
+            self.reply_template = wire.template(self.reply_payload(self.broadcast.payload))
             self.finish = jax.jit(lambda reply, state, member, upload: run.client_finish(
                 wire.decode_tree(reply), state, member, wire.decode_tree(upload)))
         policy = fit.fault_policy
@@ -201,8 +202,8 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         h = _header(msg)
         state = _settle(context, rt, index, int(h["accepted"]))
         k, slot = int(h["round"]), int(h["slot"])
-        _, _, _, _, k_shared, _ = rt.plan(jnp.asarray(k))
-        key = jax.random.fold_in(jax.random.split(jax.random.fold_in(rt.k_rounds, k), 3)[1], index)
+        _, _, keys, _, k_shared, _ = rt.plan(jnp.asarray(k))
+        key = keys[slot]  # the engine's key for this client in this round
         member = rt.member(index, slot, k_shared)
         payload = wire.unpack(_data(msg), wire.template(rt.broadcast.payload), wire.Context(k_shared, slot))
         new_state, upload = rt.client_step(key, payload, state, member)
@@ -223,8 +224,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         _, _, _, _, k_shared, _ = rt.plan(jnp.asarray(k))
         ctx = wire.Context(k_shared, slot)
         member = rt.member(index, slot, k_shared)
-        reply_template = wire.template(rt.reply_payload(rt.broadcast.payload))
-        reply = wire.unpack(_data(msg), reply_template, ctx)
+        reply = wire.unpack(_data(msg), rt.reply_template, ctx)
         own = wire.unpack(context.state[_STATE + ".upload"][""].data, rt.upload_template, ctx)
         pending = _load(context, _PENDING, rt)
         new_state, _ = rt.finish(reply, pending, member, own)
@@ -288,7 +288,7 @@ class _Server:
 
     def round(self, k: int) -> None:
         rt, cohort_size = self.rt, self.rt.cohort
-        _, cohort, keys, k_server, k_shared, expected = rt.plan(jnp.asarray(k))
+        _, cohort, _, k_server, k_shared, expected = rt.plan(jnp.asarray(k))
         cohort, expected = np.asarray(cohort), np.asarray(expected)
         data, down_bits = wire.pack(jax.device_get(rt.broadcast.payload), wire.Context(k_shared, 0))
         if down_bits != int(rt.broadcast.bits):
@@ -358,15 +358,12 @@ class _Server:
         min_clients = (spec.fault_policy or FaultPolicy()).min_clients
         for k in range(spec.num_rounds):
             self.round(k)
-            rec = self.records[-1]
-            faults = rec["dropped"][0] + rec["nonfinite"][0] + rec["too_large"][0]
-            if faults > 0 and rec["active"][0] < min_clients:
+            if first_short_round(self.records[-1], min_clients) is not None:
                 raise TooFewClientsError(f"{rt.run.name} on Flower: round {k} left fewer answering clients than "
                                          f"min_clients={min_clients}")
             bar.update(k + 1)
         history = {name: np.concatenate([r[name] for r in self.records]) for name in self.records[0]}
         history = _host_records(history, time.perf_counter() - t0)
-        history["seconds"] = np.full(spec.num_rounds, (time.perf_counter() - t0) / spec.num_rounds)
         carry = (rt.server_state, self.collect(), rt.broadcast)
         parts = rt.run.finalize(rt.k_final, carry, rt.problem, history=history)
         result = Result(model=rt.fm, data=rt.data, run=rt.run, algorithm=rt.run.name, seed=spec.seed, parts=parts,
