@@ -330,6 +330,11 @@ class FederatedData:
         idx = [_check_index(i, "client index", self.num_clients) for i in indices]
         return FederatedData({key: [arrays[i] for i in idx] for key, arrays in self._data.items()})
 
+    def blank(self) -> FederatedData:
+        """The same layout (keys, client sizes, trailing shapes, dtypes) with every value zero: what
+        a federation's server knows of the data (:mod:`fedbayes.flower` builds its server on it)."""
+        return FederatedData({key: [np.zeros_like(a) for a in arrays] for key, arrays in self._data.items()})
+
     def __len__(self) -> int:
         return self.num_clients
 

@@ -6,6 +6,11 @@ An algorithm is a set of pure functions over pytrees (see :class:`Algorithm`):
     client_step(key, broadcast, client_state, client)    -> client_state, upload
     server_step(key, server_state, uploads, round_info)  -> server_state, broadcast, diagnostics
 
+An algorithm that can run on a real network also splits ``init`` into a set-up exchange (:class:`Setup`):
+the server starts without any client's data, each client starts its state from its own data, and
+what the server needs of the clients (sums of statistics, curvature) comes back as messages;
+:func:`staged_init` runs it vectorised, :mod:`fedbayes.flower` message by message.
+
 ``upload`` and ``broadcast`` are :class:`Message` objects: exactly what crosses the network, already
 compressed, with their exact size in bits. Nothing else passes between clients and server. A payload
 may hold compressed parts as their codes (:class:`fedbayes.compress.Coded`, :class:`fedbayes.wire.Masked`);
@@ -113,6 +118,99 @@ class Algorithm(Protocol):
     # Optional: a second half of the round for the cohort, after the server step. An algorithm that
     # defines it gets ``client_finish(new_broadcast_payload, client_state, client, own_upload_payload)
     # -> (client_state, bits_received)``; the bits are added to the round's downlink for that client.
+
+
+class Setup(Protocol):
+    """The set-up exchange of an algorithm that can run on a real network (e.g. Flower).
+
+    ``init`` of such an algorithm is :func:`staged_init`: the server starts without any client's data,
+    then ``setup_stages`` exchanges with every client follow, each a payload to all and an upload back,
+    and the last server step returns the server state and the first round's broadcast:
+
+        setup_server(key)                                         -> server_state, payload
+        setup_client(stage, key, payload, client_state, client)   -> client_state, upload
+        setup_server_step(stage, key, server_state, uploads)      -> server_state, payload (last: Message)
+
+    All three are pure (traceable) functions; ``client_state`` is None at stage 0 and ``client`` is the
+    client's own data only. ``uploads`` are stacked over all clients in index order. Settings the
+    clients need but only the server can compute (TAMUNA's step size from every client's curvature)
+    are named in ``shared_settings``: after set-up the optional Python hook
+    ``setup_done(server_state, last_uploads)`` sets them on the run (e.g. ``run.gamma``), and a network
+    sends them to every client once (``SETTING_BITS`` each).
+    """
+
+    setup_stages: int
+    shared_settings: tuple[str, ...]
+
+    def setup_server(self, key: jax.Array) -> tuple[PyTree, PyTree]: ...
+
+    def setup_client(self, stage: int, key: jax.Array, payload: PyTree, client_state: PyTree,
+                     client: ClientData) -> tuple[PyTree, PyTree]: ...
+
+    def setup_server_step(self, stage: int, key: jax.Array, server_state: PyTree,
+                          uploads: PyTree) -> tuple[PyTree, PyTree]: ...
+
+
+SETTING_BITS = 64
+"""Bits of one shared setting (a float64 sent once to each client after set-up)."""
+
+
+def dense_bits(tree: PyTree) -> int:
+    """Bits of a dense payload on the wire (:func:`fedbayes.wire.pack`: 32 per float or int element)."""
+    return int(sum(FLOAT_BITS * int(np.prod(np.shape(x), dtype=np.int64)) for x in jax.tree_util.tree_leaves(tree)))
+
+
+def setup_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(server key, clients' key)`` of the set-up: client ``i`` at stage ``s`` uses
+    :func:`setup_client_key` (computable by the client alone)."""
+    k_server, k_clients = jax.random.split(key)
+    return k_server, k_clients
+
+
+def setup_client_key(k_clients: jax.Array, index: jax.Array, stage: int) -> jax.Array:
+    return jax.random.fold_in(jax.random.fold_in(k_clients, index), stage)
+
+
+def has_setup(run: Any) -> bool:
+    return all(hasattr(run, name) for name in ("setup_server", "setup_client", "setup_server_step", "setup_stages"))
+
+
+def staged_setup(run: Any, key: jax.Array, num_clients: int,
+                 exchange: Callable[[int, jax.Array, PyTree], PyTree]) -> tuple[PyTree, Message]:
+    """The server's side of a :class:`Setup` exchange: ``exchange(stage, clients_key, payload)`` delivers
+    the payload to every client and returns their uploads stacked in client order (vectorised in
+    :func:`staged_init`, messages on a network). Returns ``(server_state, first broadcast)`` and sets
+    ``run.init_bits = (up, down)``: every client's uploads, and the payloads (and shared settings) sent
+    to every client, as a network carries them."""
+    k_server, k_clients = setup_keys(key)
+    state, payload = jax.jit(run.setup_server)(k_server)
+    up, down, uploads = 0, 0, None
+    for stage in range(run.setup_stages):
+        uploads = exchange(stage, k_clients, payload)
+        down += num_clients * dense_bits(payload)
+        up += dense_bits(uploads)
+        state, payload = jax.jit(lambda k, st, u, s=stage: run.setup_server_step(s, k, st, u))(
+            jax.random.fold_in(k_server, stage + 1), state, uploads)
+    if hasattr(run, "setup_done"):
+        run.setup_done(state, uploads)
+    down += num_clients * SETTING_BITS * len(getattr(run, "shared_settings", ()))
+    run.init_bits = (int(up), int(down))
+    return state, payload
+
+
+def staged_init(run: Any, key: jax.Array, problem: Problem) -> tuple[PyTree, PyTree, Message]:
+    """``init`` of an algorithm with a :class:`Setup` exchange, every client at once (vectorised)."""
+    clients = stack_clients(problem.data)
+    box: dict[str, PyTree] = {"states": None}
+
+    def exchange(stage: int, k_clients: jax.Array, payload: PyTree) -> PyTree:
+        keys = jax.vmap(lambda i: setup_client_key(k_clients, i, stage))(clients.index)
+        step = jax.jit(jax.vmap(lambda k, p, c, cl: run.setup_client(stage, k, p, c, cl), in_axes=(0, None, 0, 0)))
+        box["states"], uploads = step(keys, payload, box["states"], clients)
+        return uploads
+
+    state, broadcast = staged_setup(run, key, problem.data.num_clients, exchange)
+    return state, box["states"], broadcast
 
 
 def stack_clients(data: FederatedData) -> ClientData:

@@ -9,6 +9,7 @@ their server arithmetic (XLA fuses it differently), so their floats are compared
 The ledger and the fault records are integers and are compared exactly in every case.
 """
 
+import dataclasses
 import os
 import tempfile
 
@@ -27,7 +28,7 @@ pytest.importorskip("flwr", reason='Flower is not installed: pip install "fedbay
 import fedbayes as fb  # noqa: E402
 from fedbayes import flower, wire  # noqa: E402
 from fedbayes.engine import _FAULT_STREAM, round_plan  # noqa: E402
-from fedbayes.flower._apps import _content, payload_bytes  # noqa: E402
+from fedbayes.flower._apps import FlowerSpec, LocalGrid, _content, _forget, _server_identity, payload_bytes, run_server  # noqa: E402,E501
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -96,10 +97,18 @@ def _check_bytes(res):
         assert size == -(-bits // 8), (kind, k, client)
     rounds = len(res.history["bits_up"])
     up, down = np.zeros(rounds, np.int64), np.zeros(rounds, np.int64)
+    setup = {"setup": 0, "setup-reply": 0}
     for kind, k, _, _, bits in msgs:
-        (up if kind == "upload" else down)[k] += bits
+        if kind in setup:
+            setup[kind] += bits
+        else:
+            (up if kind == "upload" else down)[k] += bits
     np.testing.assert_array_equal(up, res.history["bits_up"])
     np.testing.assert_array_equal(down, res.history["bits_down"])
+    # the set-up exchange (every client's start) is the run's init_bits: uploads, payloads to all (FedMM's
+    # Result adds its final information pass, which runs in the final step, not as messages)
+    assert (setup["setup-reply"], setup["setup"]) == res._run.init_bits
+    assert setup["setup"] > 0
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -142,6 +151,36 @@ def test_an_unreachable_node_is_a_dropped_client(name):
     _same(ref, res, exact=name in BITWISE)
     _check_bytes(res)
     assert sorted(map(tuple, res.faults[["round", "client"]].to_numpy())) == sorted(off)
+
+
+@pytest.mark.parametrize("name", ["d-elf"])  # every server runtime is built on blank data; FedMM's is in the test above
+def test_the_server_needs_no_client_data(name):
+    """As in a deployment, the ServerApp's spec holds only the data's layout (every value zero) and each
+    client reads its own partition: the set-up exchange gives the server all it needs (D-ELF: the
+    gradients and Hessians at x_0 for the step size; FedMM: the E-step statistics at theta_0 and the
+    control variates), so the rounds and the ledger are fed_fit's. (FedMM's information pass runs in the
+    final step on the simulation's data, outside this check: uncertainty=False.)"""
+    algo, model, data, rounds, cohort = CASES[name]()
+    if name == "fedmm":
+        algo = dataclasses.replace(algo, uncertainty=False)
+    ref = fb.fed_fit(model, data, algo, num_rounds=rounds, clients_per_round=cohort, seed=2)
+    clients = FlowerSpec(model, data, algo, rounds, cohort, seed=2)
+    server = FlowerSpec(model, data.blank(), algo, rounds, cohort, seed=2)
+    grid = LocalGrid(flower.client_app(clients), data.num_clients)
+    try:
+        with _server_identity():
+            res = run_server(server, grid)
+    finally:
+        _forget(clients.token)
+        _forget(server.token)
+    for key in ref.history:
+        if key != "seconds":
+            _equal(ref.history[key], res.history[key], name in BITWISE, key)
+    if name == "fedmm":  # the server state (S, theta) after the rounds
+        for site, value in ref.params.items():
+            _equal(value, res.params[site], False, site)
+    assert res.init_bits == ref.init_bits
+    _check_bytes(res)
 
 
 COMPRESSORS = [fb.compress.identity(), fb.compress.identity(16), fb.compress.identity(64), fb.compress.rand_k(3),

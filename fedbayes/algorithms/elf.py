@@ -39,12 +39,16 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..compress import Compressor, identity, require_contractive, scale_to_contractive
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients, staged_init
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import fault_weight
 from ..kernels import curvature
 from ..model import FedModel
 from .tamuna import check_init, resolve_init
+
+DENSE_CURVATURE = 1000
+"""Up to this many coordinates a client sends its Hessian for the automatic step size (see
+:meth:`LangevinRun._local_curvature`)."""
 
 
 class ServerState(NamedTuple):
@@ -269,42 +273,62 @@ class LangevinRun:
         neg_u = lambda y: -jnp.sum(jax.vmap(self.client_potential, in_axes=(None, 0))(y, clients))  # noqa: E731
         return curvature(neg_u, x, jnp.ones_like(x), 100)[0]
 
-    def step_size(self, clients: ClientData, x: jax.Array) -> jax.Array:
-        """The configured gamma, or 0.1 / lambda_max(Hessian of U at x)."""
-        if self.cfg.step_size is not None:
-            return jnp.asarray(self.cfg.step_size)
-        return 0.1 / self.max_curvature(clients, x)
-
-    # ------------------------------------------------------------------ protocol
-    def _start(self, key: jax.Array, clients: ClientData) -> jax.Array:
-        """x_0 per chain (the initial point, jittered when there are several chains); sets the step."""
-        chains = self.cfg.num_chains
-        jitter = jax.random.uniform(key, (chains, self.dim), minval=-0.5, maxval=0.5) if chains > 1 else 0.0
-        self._gamma = jax.jit(self.step_size)(clients, self._x0)
-        return self._x0[None] + jitter
+    # ------------------------------------------------------------------ set-up (engine.Setup)
+    setup_stages = 1
+    shared_settings: tuple[str, ...] = ()
 
     def init(self, key: jax.Array, problem: Problem):
-        clients = stack_clients(problem.data)
-        k_x, k_move = jax.random.split(key)
-        x0 = self._start(k_x, clients)
+        return staged_init(self, key, problem)
+
+    def setup_server(self, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x_0 per chain (the initial point, jittered when there are several chains), sent to every client."""
         chains = self.cfg.num_chains
-        g_i = jax.jit(jax.vmap(self._grad, in_axes=(None, 0)))(x0, clients)  # (clients, chains, d)
-        # initial full messages: x0 to every client and g^i_0 = grad U_i(x_0) back
-        full = FLOAT_BITS * self.dim * chains * self._b
-        self.init_bits = (full, full)
-        server = ServerState(x0, x0, jnp.sum(g_i, 0))
-        server, broadcast = self._move(k_move, server)
-        return server, ClientState(g_i, jnp.broadcast_to(x0, g_i.shape)), broadcast
+        jitter = jax.random.uniform(key, (chains, self.dim), minval=-0.5, maxval=0.5) if chains > 1 else 0.0
+        x0 = self._x0[None] + jitter
+        return x0, x0
+
+    def _local_curvature(self, client: ClientData) -> Any:
+        """A client's share of the automatic step size: the Hessian of U_i at the initial point (d x d,
+        summed by the server), or beyond ``DENSE_CURVATURE`` coordinates the largest absolute eigenvalue
+        of its own Hessian (the server sums them: an upper bound on lambda_max of the sum, so a safe
+        step). Nothing with a configured ``step_size``."""
+        if self.cfg.step_size is not None:
+            return ()
+        if self.dim <= DENSE_CURVATURE:
+            return jax.hessian(self.client_potential)(self._x0, client)
+        return curvature(lambda y: -self.client_potential(y, client), self._x0, jnp.ones_like(self._x0), 100)[0]
+
+    def _step_from(self, curvatures: Any) -> jax.Array:
+        """gamma: the configured step, or 0.1 / lambda_max(Hessian of U at the initial point)."""
+        if self.cfg.step_size is not None:
+            return jnp.asarray(self.cfg.step_size)
+        total = jnp.sum(curvatures, 0)
+        lam = jnp.max(jnp.abs(jnp.linalg.eigvalsh(total))) if self.dim <= DENSE_CURVATURE else total
+        return 0.1 / lam
+
+    def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
+        """g^i_0 = grad U_i(x_0) back to the server (and the client's curvature share); w_0 = x_0."""
+        g = self._grad(x0, client)
+        return ClientState(g, x0), (g, self._local_curvature(client))
+
+    def setup_server_step(self, stage: int, key: jax.Array, x0: jax.Array, uploads: Any):
+        """g = sum_i g^i_0, the step size, and the first Langevin move."""
+        g, curvatures = uploads
+        return self._move(key, ServerState(x0, x0, jnp.sum(g, 0)), self._step_from(curvatures))
+
+    def setup_done(self, server_state: Any, uploads: Any) -> None:
+        self._gamma = jax.jit(self._step_from)(uploads[1])
 
     def _compress(self, comp: Compressor, key, v):
         """Compress each chain's row; returns (the coded rows as sent, the decoded rows, total bits)."""
         coded, out, bits = jax.vmap(comp.coded)(jax.random.split(key, v.shape[0]), v)
         return coded, out, jnp.sum(bits)
 
-    def _move(self, key, s: ServerState) -> tuple[ServerState, Message]:
+    def _move(self, key, s: ServerState, gamma: jax.Array | None = None) -> tuple[ServerState, Message]:
         """Langevin step x -> x - gamma g + sqrt(2 gamma) Z; P-/B-ELF also move and send w."""
+        gamma = self._gamma if gamma is None else gamma
         k_noise, k_comp = jax.random.split(key)
-        x = s.x - self._gamma * s.g + jnp.sqrt(2 * self._gamma) * jax.random.normal(k_noise, s.x.shape, s.x.dtype)
+        x = s.x - gamma * s.g + jnp.sqrt(2 * gamma) * jax.random.normal(k_noise, s.x.shape, s.x.dtype)
         if not self.cfg.downlink_ef:
             return ServerState(x, x, s.g), Message(x, jnp.asarray(FLOAT_BITS * x.size, jnp.int32))
         sent, v, bits = self._compress(self._down, k_comp, x - s.w)

@@ -34,7 +34,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients, staged_init
 from ..errors import ConfigError, require_choice, require_fraction, require_int
 from ..expfam import CustomStatistics, Derived, derive
 from ..faults import fault_weight
@@ -177,6 +177,29 @@ class FedMMRun:
         self._num_rounds = problem.num_rounds
         avg = cfg.average_from if cfg.average_from is not None else (0.5 if self._mc else None)
         self._avg_start = None if avg is None else int(avg * problem.num_rounds)
+        self._structure(problem)
+        self._e_step_all = jax.jit(jax.vmap(self._e_step, in_axes=(None, 0, 0, 0, 0)))
+        self._m_step_jit = jax.jit(self.m_step)
+
+    def _structure(self, problem: Problem) -> None:
+        """The statistic's layout (q numbers), theta's size and the resulting alpha, from shapes alone
+        (client 0's data shapes; no data values are read except by custom statistics' template)."""
+        fm, cfg = self._fm, self.cfg
+        self._theta_shapes = jax.eval_shape(lambda k: fm.init_globals(k, cfg.init), jax.random.PRNGKey(0))
+        theta = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), self._theta_shapes)
+        example = jax.tree_util.tree_map(lambda a: a[0], stack_clients(problem.data))
+        if self._custom:  # a user's statistics may not be traceable: evaluate them
+            template = self._template(theta, example)
+        else:  # only the structure is needed: trace it (evaluating op by op compiles every operation)
+            shapes = jax.eval_shape(self._template, theta, example)
+            template = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+        flat, self._unravel = ravel_pytree(template)
+        self.q = int(flat.size)
+        self.dim = int(ravel_pytree(theta)[0].size)
+        self._omega = float(cfg.compressor.omega(self.q))
+        omega_p = self._omega + (1 + self._omega) * (1 - self._p) / self._p
+        self.alpha = float(cfg.alpha) if cfg.alpha is not None else 1.0 / (1.0 + omega_p)
+        self.setup_stages = 2 if cfg.control_variates == "e_step" and self.alpha > 0 else 1
 
     # ------------------------------------------------------------------ S and T
     def _e_step(self, theta_u: Params, client: ClientData, z=None, step=None, key=None):
@@ -222,59 +245,65 @@ class FedMMRun:
     def _client(self, clients: ClientData, i: int) -> ClientData:
         return jax.tree_util.tree_map(lambda a: a[i], clients)
 
+    # set-up (engine.Setup): a federated E-step at theta_0 for S_0, and (control variates "e_step") a
+    # second at theta_1 = T(S_0) for V_i = s_i(theta_1) - S_0
+    shared_settings: tuple[str, ...] = ()
+
     def init(self, key: jax.Array, problem: Problem) -> tuple[ServerState, ClientState, Message]:
-        """theta_0, a federated E-step for S_0 and (optionally) V_i = h_i(S_0) by a second pass."""
-        fm, cfg = self._fm, self.cfg
-        k_theta, k_z, k_e1, k_e2 = jax.random.split(key, 4)
-        theta0 = fm.init_globals(k_theta, cfg.init)
-        clients = stack_clients(problem.data)
-        n = problem.data.num_clients
-        if self._custom:  # a user's statistics may not be traceable: evaluate them
-            template = self._template(theta0, self._client(clients, 0))
-        else:  # only the structure is needed: trace it (evaluating op by op compiles every operation)
-            shapes = jax.eval_shape(self._template, theta0, self._client(clients, 0))
-            template = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-        flat, self._unravel = ravel_pytree(template)
-        self.q = int(flat.size)
-        self.dim = int(ravel_pytree(theta0)[0].size)
-        self._omega = float(cfg.compressor.omega(self.q))
-        omega_p = self._omega + (1 + self._omega) * (1 - self._p) / self._p
-        self.alpha = float(cfg.alpha) if cfg.alpha is not None else 1.0 / (1.0 + omega_p)
-        if self._mc:
-            z0 = jax.vmap(lambda k, c: fm.sample_local_prior(k, theta0, c.data, c.mask))(jax.random.split(k_z, n), clients)
-            steps = self._auto_steps(theta0, z0, clients)
+        return staged_init(self, key, problem)
+
+    def setup_server(self, key: jax.Array) -> tuple[Params, Params]:
+        """theta_0: user values where given, else prior medians; sent to every client."""
+        theta0 = self._fm.init_globals(key, self.cfg.init)
+        return theta0, theta0
+
+    def setup_payload_template(self, stage: int) -> Any:
+        """The structure of stage ``stage``'s payload (for a receiver): theta_0, then (S_0, theta_1)."""
+        s = jax.ShapeDtypeStruct((self.q,), jnp.result_type(float))
+        return self._theta_shapes if stage == 0 else (s, self._theta_shapes)
+
+    def setup_client(self, stage: int, key: jax.Array, payload: Any, state: Any, client: ClientData):
+        """Stage 0: the client's chain and step (Monte Carlo E-steps) and s_i(theta_0) back; stage 1:
+        V_i = s_i(theta_1) - S_0, kept and sent back."""
+        k_z, k_e = jax.random.split(key)
+        if stage == 0:
+            theta0 = payload
+            if self._mc:
+                z0 = self._fm.sample_local_prior(k_z, theta0, client.data, client.mask)
+                step = self._auto_step(theta0, z0, client)
+            else:
+                z0, step = {}, jnp.zeros(())
+            s_i, z = self._e_step(theta0, client, z0, step, k_e)
+            return ClientState(jnp.zeros_like(s_i), z, step), s_i
+        s0, theta1 = payload
+        s_i, z = self._e_step(theta1, client, state.z, state.step, k_e)
+        v_i = s_i - s0
+        return ClientState(v_i, z, state.step), v_i
+
+    def setup_server_step(self, stage: int, key: jax.Array, state: Any, uploads: jax.Array):
+        """Stage 0: S_0 = Proj(sum_i mu_i s_i), theta_1 = T(S_0); stage 1: V = sum_i mu_i V_i."""
+        if stage == 0:
+            s0 = jnp.tensordot(self._mu, uploads, 1)
+            if self.cfg.projection:
+                s0 = self.project(s0)
+            theta1 = self.m_step(s0, state)
+            if self.setup_stages == 2:
+                return (s0, theta1), (s0, theta1)
+            v = jnp.zeros_like(s0)
         else:
-            z0, steps = {}, jnp.zeros((n,))
-        self._e_step_all = e_step = jax.jit(jax.vmap(self._e_step, in_axes=(None, 0, 0, 0, 0)))
-        self._m_step_jit = jax.jit(self.m_step)
-        s_i, z0 = e_step(theta0, clients, z0, steps, jax.random.split(k_e1, n))
-        s0 = jnp.tensordot(self._mu, s_i, 1)
-        if cfg.projection:
-            s0 = self.project(s0)
-        theta1 = self._m_step_jit(s0, theta0)
-        up, down = FLOAT_BITS * self.q * n, FLOAT_BITS * self.dim * n
-        if cfg.control_variates == "e_step" and self.alpha > 0:
-            s_i1, z0 = e_step(theta1, clients, z0, steps, jax.random.split(k_e2, n))
-            v_i = s_i1 - s0[None]
-            up, down = up + FLOAT_BITS * self.q * n, down + FLOAT_BITS * (self.q + self.dim) * n
-        else:
-            v_i = jnp.zeros((n, self.q))
-        self.init_bits = (up, down)
-        v = jnp.tensordot(self._mu, v_i, 1)
+            s0, theta1 = state
+            v = jnp.tensordot(self._mu, uploads, 1)
         server = ServerState(s0, v, theta1, jnp.zeros_like(s0), jnp.zeros((), jnp.int32))
-        return server, ClientState(v_i, z0, steps), self._broadcast(s0, theta1)
+        return server, self._broadcast(s0, theta1)
 
-    def _auto_steps(self, theta, z0, clients):
+    def _auto_step(self, theta, z0, client: ClientData) -> jax.Array:
+        """A client's Langevin step for its latents: the configured one, or 0.1 / lambda_max of the
+        Hessian of -log p(D_i, z | theta) at z_0 (50 power iterations)."""
         if self.cfg.langevin_step is not None:
-            return jnp.full((clients.mask.shape[0],), float(self.cfg.langevin_step))
-
-        def one(z, c):
-            log_density = lambda zz: self._fm.client_log_joint(theta, zz, c.data, c.mask)  # noqa: E731
-            v0 = jnp.ones(ravel_pytree(z)[0].shape)
-            lam, _ = curvature(log_density, z, v0, 50)
-            return 0.1 / lam
-
-        return jax.jit(jax.vmap(one))(z0, clients)
+            return jnp.asarray(float(self.cfg.langevin_step))
+        log_density = lambda zz: self._fm.client_log_joint(theta, zz, client.data, client.mask)  # noqa: E731
+        lam, _ = curvature(log_density, z0, jnp.ones(ravel_pytree(z0)[0].shape), 50)
+        return 0.1 / lam
 
     def _broadcast(self, s: jax.Array, theta: Params) -> Message:
         return Message(Broadcast(s, theta), jnp.asarray(FLOAT_BITS * (self.q + self.dim), jnp.int32))
@@ -365,10 +394,7 @@ class ParamAveragingEM(FedMM):
 
 
 class ParamAveragingRun(FedMMRun):
-    def init(self, key, problem):
-        """Start, like FedMM, from T of a federated E-step at theta_0 (its pass is in the ledger)."""
-        server, states, _ = super().init(key, problem)
-        return server, states, self._broadcast(server.s, server.theta)
+    """Starts, like FedMM, from T of a federated E-step at theta_0 (its pass is in the ledger)."""
 
     def _broadcast(self, s, theta):
         return Message(Broadcast(s, theta), jnp.asarray(FLOAT_BITS * self.dim, jnp.int32))

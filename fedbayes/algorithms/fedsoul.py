@@ -40,7 +40,7 @@ from jax.flatten_util import ravel_pytree
 
 from .. import optim
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients, staged_init
 from ..errors import ConfigError, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
 from ..kernels import curvature, ula_chain, ula_step
@@ -181,14 +181,14 @@ class FedSOUL:
         n = problem.data.num_clients
         if np.ndim(self.step_size) == 1 and len(self.step_size) != n:
             raise ConfigError(f"FedSOUL step_size has {len(self.step_size)} entries for {n} clients")
-        return FedSOULRun(self, fm, int(self.average_from * problem.num_rounds))
+        return FedSOULRun(self, fm, int(self.average_from * problem.num_rounds), resolve_init(self.init, problem))
 
 
 class FedSOULRun:
     """FedSOUL bound to a model: ``init``, ``client_step``, ``server_step`` of the engine protocol."""
 
-    def __init__(self, cfg: FedSOUL, fm: FedModel, avg_start: int):
-        self.cfg, self._fm, self._avg_start = cfg, fm, avg_start
+    def __init__(self, cfg: FedSOUL, fm: FedModel, avg_start: int, init_values: Mapping[str, Any] | None = None):
+        self.cfg, self._fm, self._avg_start, self._init_values = cfg, fm, avg_start, init_values
         self.name = cfg.name
         self._opt = optim.resolve(cfg.server_optimizer, cfg.server_lr)
         self._schedule = optim.as_schedule(cfg.server_lr)
@@ -237,29 +237,34 @@ class FedSOULRun:
         return v, self.cfg.step_scale / jnp.maximum(lam, 1e-12)
 
     # ------------------------------------------------------------------ protocol
-    def init(self, key: jax.Array, problem: Problem) -> tuple[ServerState, ClientState, Message]:
-        k_theta, k_rest = jax.random.split(key)
-        theta0 = self._fm.init_globals(k_theta, resolve_init(self.cfg.init, problem))
-        theta, states = jax.jit(self._init_arrays)(k_rest, theta0, stack_clients(problem.data))
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, theta)
-        server = ServerState(theta, self._opt.init(theta), zeros, jnp.zeros(()))
-        return server, states, self._broadcast(theta)
+    # set-up (engine.Setup): theta_0 to every client, which starts its own chain and step size
+    setup_stages = 1
+    shared_settings: tuple[str, ...] = ()
 
-    def _init_arrays(self, key: jax.Array, theta0: Params, clients: ClientData) -> tuple[Params, ClientState]:
-        """theta_0, each client's z_0 ~ p(z | theta_0) and its Langevin step (50 power iterations)."""
+    def init(self, key: jax.Array, problem: Problem) -> tuple[ServerState, ClientState, Message]:
+        return staged_init(self, key, problem)
+
+    def setup_server(self, key: jax.Array) -> tuple[Params, Params]:
+        """theta_0: user values where given, else prior medians (projected on ``bounds``)."""
+        theta = self._project(self._fm, self._fm.init_globals(key, self._init_values))
+        return theta, theta
+
+    def setup_client(self, stage: int, key: jax.Array, theta: Params, state: Any, client: ClientData):
+        """z_0 ~ p(z | theta_0) and the Langevin step (50 power iterations from a random start)."""
         fm = self._fm
-        num_clients = clients.index.shape[0]
         k_z, k_v = jax.random.split(key)
-        theta = self._project(fm, theta0)
-        z0 = jax.vmap(fm.sample_local_prior, in_axes=(0, None, 0, 0))(
-            jax.random.split(k_z, num_clients), theta, clients.data, clients.mask
-        )
-        v0 = jax.random.normal(k_v, (num_clients, ravel_pytree(fm.zeros_local())[0].size))
+        z0 = fm.sample_local_prior(k_z, theta, client.data, client.mask)
+        v0 = jax.random.normal(k_v, (ravel_pytree(fm.zeros_local())[0].size,))
         if self._auto_step:
-            v0, steps = jax.vmap(lambda z, v, c: self._step_for(fm, theta, z, v, 0.0, c, 50))(z0, v0, clients)
+            v0, step = self._step_for(fm, theta, z0, v0, 0.0, client, 50)
         else:
-            steps = jnp.broadcast_to(jnp.asarray(self.cfg.step_size, dtype=jnp.result_type(float)), (num_clients,))
-        return theta, ClientState(z0, v0, steps)
+            steps = jnp.asarray(self.cfg.step_size, dtype=jnp.result_type(float))
+            step = steps[client.index] if steps.ndim else steps
+        return ClientState(z0, v0, step), ()
+
+    def setup_server_step(self, stage: int, key: jax.Array, theta: Params, uploads: Any):
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, theta)
+        return ServerState(theta, self._opt.init(theta), zeros, jnp.zeros(())), self._broadcast(theta)
 
     def _broadcast(self, theta: Params) -> Message:
         return Message(theta, jnp.asarray(FLOAT_BITS * ravel_pytree(theta)[0].size, jnp.int32))

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo
 from ..errors import ConfigError
 from ..model import FedModel
 from .elf import LangevinRun, ServerState, _Langevin
@@ -86,13 +86,13 @@ class QLSDRun(LangevinRun):
         super().__init__(cfg, fm, problem)
         self.alpha = 1.0 / (1.0 + self._up.omega(self.dim)) if cfg.memory else 0.0
 
-    def init(self, key: jax.Array, problem: Problem) -> tuple[QLSDServer, QLSDClient, Message]:
-        """x_0 (prior medians, jittered per chain as in LMC) broadcast to all; memories at zero."""
-        x0 = self._start(jax.random.split(key)[0], stack_clients(problem.data))  # LMC's x_0 for the same key
-        self.init_bits = (0, FLOAT_BITS * x0.size * self._b)
-        zeros = jnp.zeros_like(x0)
-        clients = QLSDClient(jnp.zeros((self._b, *x0.shape), x0.dtype))
-        return QLSDServer(x0, zeros), clients, Message(x0, jnp.asarray(FLOAT_BITS * x0.size, jnp.int32))
+    def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state, client: ClientData):
+        """Memories h_i = 0; only the curvature share of the automatic step goes back."""
+        return QLSDClient(jnp.zeros_like(x0)), ((), self._local_curvature(client))
+
+    def setup_server_step(self, stage: int, key: jax.Array, x0: jax.Array, uploads):
+        """x_0 (prior medians, jittered per chain as in LMC) is the first broadcast; H = 0."""
+        return QLSDServer(x0, jnp.zeros_like(x0)), Message(x0, jnp.asarray(FLOAT_BITS * x0.size, jnp.int32))
 
     def client_step(
         self, key: jax.Array, payload: jax.Array, state: QLSDClient, client: ClientData

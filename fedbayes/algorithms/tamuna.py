@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, run_rounds, stack_clients
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, run_rounds, stack_clients, staged_init
 from ..wire import Masked
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
@@ -357,13 +357,19 @@ class TAMUNARun:
         self.dim = d = self._x0.size
         self.s = self._s_value(d) if cfg.compression else self.c
         self.L_max = self.mu_min = None
+        self.gamma_factor = 1.0  # a caller may shrink the step size (map_estimate) before set-up
         need_p = cfg.p is None and cfg.local_steps is None
-        if cfg.step_size is None or (need_p and cfg.kappa is None):
-            self.mu_min, self.L_max = estimate_condition_at(self, stack_clients(problem.data), self._x0)
-        self.gamma = float(cfg.step_size) if cfg.step_size is not None else 1.0 / self.L_max
+        self._estimate = cfg.step_size is None or (need_p and cfg.kappa is None)
+        if not self._estimate:
+            self._resolve()
+
+    def _resolve(self) -> None:
+        """gamma, p and eta from the configuration and, when estimated, (mu_min, L_max)."""
+        cfg = self.cfg
+        self.gamma = (float(cfg.step_size) if cfg.step_size is not None else 1.0 / self.L_max) * self.gamma_factor
         if self.L_max is not None and not self.gamma < 2.0 / self.L_max:
             warnings.warn(f"{self.name} step_size={self.gamma:.3g} is not below 2 / L_max = {2 / self.L_max:.3g} "
-                          "(L_max estimated at the initial point); Theorem 1 needs gamma < 2 / L_max", stacklevel=3)
+                          "(L_max estimated at the initial point); Theorem 1 needs gamma < 2 / L_max", stacklevel=4)
         if cfg.local_steps is not None:
             self.p = 1.0 / cfg.local_steps
         elif cfg.p is not None:
@@ -383,7 +389,6 @@ class TAMUNARun:
                 raise ConfigError(
                     f"{self.name} eta={self.eta:.6g} is outside Theorem 1's range (0, p n (s-1) / (s (n-1))] = "
                     f"(0, {bound:.6g}] for p={self.p:.6g}, n={self.n}, s={self.s}; leave eta=None for the largest")
-        self.init_bits = (0, 0)
 
     def _s_value(self, d: int) -> int:
         return int(self.cfg.s) if self.cfg.s is not None else recommended_s(self.c, d, self.cfg.downlink_cost)
@@ -400,6 +405,8 @@ class TAMUNARun:
     @property
     def settings(self) -> dict[str, Any]:
         """The resolved hyper-parameters: gamma, p, eta, s, c, n, d (and L_max, mu_min when estimated)."""
+        if not hasattr(self, "gamma"):
+            raise ConfigError(f"{self.name}: gamma, p and eta are estimated in the set-up exchange; call init first")
         out = {"gamma": self.gamma, "p": self.p, "eta": self.eta, "s": self.s, "c": self.c, "n": self.n,
                "d": self.dim, "local_steps": self.cfg.local_steps}
         if self.L_max is not None:
@@ -438,9 +445,31 @@ class TAMUNARun:
             return jnp.ones((self.dim,), bool)
         return mask_column(jax.random.fold_in(shared_key, 1), slot, self.dim, self.c, self.s)
 
+    # set-up (engine.Setup): x_0 to every client; when gamma or p is estimated, each client's extreme
+    # Hessian eigenvalues back, from which the server sets gamma, p and eta and sends them to all
+    setup_stages = 1
+    shared_settings = ("gamma", "p", "eta")
+
     def init(self, key: jax.Array, problem: Problem):
-        h = jnp.zeros((problem.data.num_clients, self.dim), self._x0.dtype)  # sum_i h_i = 0
-        return ServerState(self._x0), h, self._broadcast(self._x0)
+        return staged_init(self, key, problem)
+
+    def setup_server(self, key: jax.Array) -> tuple[ServerState, jax.Array]:
+        return ServerState(self._x0), self._x0
+
+    def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
+        """h_i = 0 (so sum_i h_i = 0), and (mu_i, L_i) of f_i at x_0 when the server needs them."""
+        h = jnp.zeros((self.dim,), x0.dtype)
+        return h, (client_extremes(self, client, x0) if self._estimate else ())
+
+    def setup_server_step(self, stage: int, key: jax.Array, state: ServerState, uploads: Any):
+        return state, self._broadcast(state.x)
+
+    def setup_done(self, state: ServerState, uploads: Any) -> None:
+        """mu_min = min_i mu_i, L_max = max_i L_i, then gamma, p, eta (:meth:`_resolve`)."""
+        if self._estimate:
+            lo, hi = uploads
+            self.mu_min, self.L_max = float(jnp.min(lo)), float(jnp.max(hi))
+            self._resolve()
 
     def _broadcast(self, x):
         return Message(x, jnp.asarray(FLOAT_BITS * self.dim))
@@ -497,21 +526,23 @@ def estimate_condition_at(run: TAMUNARun, clients: ClientData, x: jax.Array, den
     Dense Hessians (exact eigenvalues) for d <= ``dense_max``; beyond, power iterations on
     Hessian-vector products (L_i, then L_i - mu_i from the shifted operator).
     """
-    d = x.size
-
-    def one(client):
-        if d <= dense_max:
-            ev = jnp.linalg.eigvalsh(jax.hessian(run.client_objective)(x, client))
-            return ev[0], ev[-1]
-        g = lambda y: jax.grad(run.client_objective)(y, client)  # noqa: E731
-        hvp = lambda v: jax.jvp(g, (x,), (v,))[1]  # noqa: E731
-        v0 = jnp.ones_like(x)
-        big, _ = power_iteration(hvp, v0, iters)
-        gap, _ = power_iteration(lambda v: big * v - hvp(v), v0, iters)
-        return big - gap, big
-
-    lo, hi = jax.jit(lambda cl: jax.lax.map(one, cl))(clients)
+    lo, hi = jax.jit(lambda cl: jax.lax.map(lambda c: client_extremes(run, c, x, dense_max, iters), cl))(clients)
     return float(jnp.min(lo)), float(jnp.max(hi))
+
+
+def client_extremes(run: TAMUNARun, client: ClientData, x: jax.Array, dense_max: int = 1000,
+                    iters: int = 300) -> tuple[jax.Array, jax.Array]:
+    """(mu_i, L_i): the smallest and largest eigenvalue of one client's Hessian of f_i at x (dense for
+    d <= ``dense_max``, else power iterations on Hessian-vector products)."""
+    if x.size <= dense_max:
+        ev = jnp.linalg.eigvalsh(jax.hessian(run.client_objective)(x, client))
+        return ev[0], ev[-1]
+    g = lambda y: jax.grad(run.client_objective)(y, client)  # noqa: E731
+    hvp = lambda v: jax.jvp(g, (x,), (v,))[1]  # noqa: E731
+    v0 = jnp.ones_like(x)
+    big, _ = power_iteration(hvp, v0, iters)
+    gap, _ = power_iteration(lambda v: big * v - hvp(v), v0, iters)
+    return big - gap, big
 
 
 def estimate_condition(model, data, *, at: Mapping[str, Any] | None = None, model_kwargs=None,
@@ -567,7 +598,7 @@ def map_estimate(problem: Problem, *, jacobian: bool = False, num_rounds: int = 
     full = Problem(fm, problem.data, num_rounds, None)
     run = cfg.build(full)
     if has_locals:
-        run.gamma *= 0.5
+        run.gamma_factor = 0.5
     k_init, k_rounds = jax.random.split(jax.random.PRNGKey(seed))
     carry = run.init(k_init, full)
     carry, _ = run_rounds(run, full, carry, base_key=k_rounds, cohort_size=problem.data.num_clients, progress=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -15,11 +16,11 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, 
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
-from .. import wire
+from .. import engine, wire
 from ..api import _fault_table, _public, _validated
 from ..data import FederatedData
-from ..engine import (ClientData, Problem, Progress, _host_records, first_short_round, resolve_cohort_size,
-                      round_plan, server_half, stack_clients)
+from ..engine import (ClientData, Problem, Progress, _host_records, first_short_round, has_setup, resolve_cohort_size,
+                      round_plan, server_half, setup_client_key, setup_keys, stack_clients)
 from ..errors import ConfigError, FedbayesError, TooFewClientsError
 from ..faults import FaultPolicy
 from ..model import FedModel
@@ -53,63 +54,122 @@ class FlowerSpec:
 
 
 class _Runtime:
-    """The built algorithm and its jitted halves, shared by the server and the clients of a process."""
+    """The built algorithm and its jitted halves, for one end of the federation.
 
-    def __init__(self, spec: FlowerSpec):
+    ``role="server"``: built on ``spec.data.blank()`` (the layout: keys, sizes, shapes; every value
+    zero), so nothing the server computes can read a client's data; it learns what it needs from
+    the set-up exchange. ``role="client"``: the halves a client runs, each given one client's data
+    only. The structure of every message (to unpack its bytes) comes from ``jax.eval_shape`` of the
+    algorithm's own functions, so neither end needs the other's state to read a message.
+    """
+
+    def __init__(self, spec: FlowerSpec, role: str):
         fit = _validated(spec.model, spec.data, spec.algorithm, spec.num_rounds, spec.clients_per_round, spec.seed,
                          spec.model_kwargs, 50, None, spec.fault_policy)
-        self.spec, self.data = spec, fit.data
-        self.cohort = resolve_cohort_size(fit.clients_per_round, fit.data.num_clients)
-        self.fm = FedModel(fit.model, fit.data, fit.model_kwargs)
-        self.problem = Problem(self.fm, fit.data, fit.num_rounds, self.cohort)
-        self.run = fit.algorithm.build(self.problem)
+        if isinstance(getattr(fit.algorithm, "init", None), str):
+            raise ConfigError(f"{fit.algorithm.name}: init={fit.algorithm.init!r} runs a fit over every client's data "
+                              "before the start; on a network, fit the MAP first (e.g. fb.flower.simulate or run_server "
+                              "with fb.TAMUNA) and pass init=<that result>")
+        self.spec, self.role, self.fit = spec, role, fit
+        self.data = data = fit.data.blank() if role == "server" else fit.data
+        self.cohort = resolve_cohort_size(fit.clients_per_round, data.num_clients)
+        self.fm = FedModel(fit.model, data, fit.model_kwargs)
+        self.problem = Problem(self.fm, data, fit.num_rounds, self.cohort)
+        self.run = run = fit.algorithm.build(self.problem)
+        if not has_setup(run):
+            raise ConfigError(f"{run.name} has no set-up exchange (fedbayes.engine.Setup: setup_server, setup_client, "
+                              "setup_server_step), so it cannot start on a network")
         self.k_init, self.k_rounds, self.k_final = jax.random.split(jax.random.PRNGKey(fit.seed), 3)
-        self.server_state, self.client_states, self.broadcast = self.run.init(self.k_init, self.problem)
-        self.clients = stack_clients(fit.data)
-        self.participation = float(getattr(self.run, "participation", 1.0))
-        run = self.run
-        self.plan = jax.jit(lambda k: round_plan(self.k_rounds, k, self.data.num_clients, self.cohort,
-                                                 self.participation))
+        self.k_server, self.k_clients = setup_keys(self.k_init)
+        self.clients = stack_clients(data)
+        self.participation = float(getattr(run, "participation", 1.0))
+        self.plan = jax.jit(lambda k: round_plan(self.k_rounds, k, data.num_clients, self.cohort, self.participation))
+        self._setup_templates()
+        if role == "server":
+            policy = fit.fault_policy
+
+            def serve(server_state, payload, bits, broadcast_bits, expected, received, k, cohort, k_server, k_shared):
+                return server_half(run, server_state, wire.decode_tree(payload), bits, broadcast_bits, expected,
+                                   received, policy, k, cohort, data.num_clients, k_server, k_shared)
+
+            self.serve = jax.jit(serve)
+            return
+        self.setup_step = [jax.jit(lambda key, payload, state, member, s=s: run.setup_client(s, key, payload, state,
+                                                                                             member))
+                           for s in range(run.setup_stages)]
         self.client_step = jax.jit(lambda key, payload, state, member: run.client_step(
             key, wire.decode_tree(payload), state, member))
-        self.finish, self.reply_template = None, None
-        if hasattr(run, "client_finish") and self.reply_payload(self.broadcast.payload) is not None:
-            self.reply_template = wire.template(self.reply_payload(self.broadcast.payload))
+        self.finish = None
+        if hasattr(run, "client_finish"):
             self.finish = jax.jit(lambda reply, state, member, upload: run.client_finish(
                 wire.decode_tree(reply), state, member, wire.decode_tree(upload)))
-        policy = fit.fault_policy
 
-        def serve(server_state, payload, bits, broadcast_bits, expected, received, k, cohort, k_server, k_shared):
-            return server_half(run, server_state, wire.decode_tree(payload), bits, broadcast_bits, expected, received,
-                               policy, k, cohort, self.data.num_clients, k_server, k_shared)
+    def _setup_templates(self) -> None:
+        """Every set-up message's structure, the client state's and the first broadcast's, by
+        ``jax.eval_shape`` along the set-up (shapes only: nothing is computed)."""
+        run, n = self.run, self.data.num_clients
+        member = self.member(0)
+        key = jax.random.PRNGKey(0)
+        server_state, payload = jax.eval_shape(run.setup_server, key)
+        state = None
+        self.setup_payloads, self.setup_states, self.setup_uploads = [], [], []
+        for s in range(run.setup_stages):
+            self.setup_payloads.append(payload)
+            state, upload = jax.eval_shape(lambda k, p, c, m, s=s: run.setup_client(s, k, p, c, m), key, payload, state,
+                                           member)
+            self.setup_states.append(jax.tree_util.tree_structure(state))
+            self.setup_uploads.append(upload)
+            stacked = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((n, *a.shape), a.dtype), upload)
+            server_state, payload = jax.eval_shape(lambda k, st, u, s=s: run.setup_server_step(s, k, st, u), key,
+                                                   server_state, stacked)
+        self.state_template = state
+        self.broadcast_template = payload.payload
 
-        self.serve = jax.jit(serve)
-        member0 = self.member(0, 0, jax.random.PRNGKey(0))
-        shapes = jax.eval_shape(run.client_step, jax.random.PRNGKey(0), wire.decode_tree(self.broadcast.payload),
-                                self.client_state(0), member0)
-        self.upload_template = shapes[1].payload
-        self.state_leaves, self.state_def = jax.tree_util.tree_flatten(self.client_state(0))
+    def state_def(self, stage: int | None = None) -> Any:
+        return self.setup_states[-1 if stage is None else stage]
 
-    def client_state(self, i: int) -> Any:
-        return jax.tree_util.tree_map(lambda a: a[i], self.client_states)
+    def upload_template(self) -> Any:
+        """A round's upload structure (traced when first needed: TAMUNA's client step reads the step
+        size, which a client knows only after set-up)."""
+        if not hasattr(self, "_upload_template"):
+            member = self.member(0, 0, jax.random.PRNGKey(0))
+            shapes = jax.eval_shape(self.run.client_step, jax.random.PRNGKey(0), wire.decode_tree(self.broadcast_template),
+                                    self.state_template, member)
+            self._upload_template = shapes[1].payload
+        return self._upload_template
 
-    def member(self, i: int, slot: int, shared_key: jax.Array) -> ClientData:
+    def reply_template(self) -> Any:
+        """The structure of the server's reply to a cohort member (None: no reply)."""
+        if not hasattr(self, "_reply_template"):
+            reply = None
+            if hasattr(self.run, "client_finish"):
+                reply = jax.eval_shape(self.reply_payload, self.broadcast_template)
+            self._reply_template = reply
+        return self._reply_template
+
+    def member(self, i: int, slot: int | None = None, shared_key: jax.Array | None = None) -> ClientData:
+        """Client ``i``'s data (and, in a round, its slot and the round's public key)."""
         one = jax.tree_util.tree_map(lambda a: a[i], self.clients)
-        return one._replace(slot=jnp.asarray(slot), shared_key=shared_key)
+        return one._replace(slot=None if slot is None else jnp.asarray(slot), shared_key=shared_key)
 
     def reply_payload(self, payload: Any) -> Any:
         fn = getattr(self.run, "finish_message", None)
         return wire.decode_tree(payload) if fn is None else fn(wire.decode_tree(payload))
 
 
-_RUNTIMES: dict[str, _Runtime] = {}
+_RUNTIMES: dict[tuple[str, str], _Runtime] = {}
 _RESULTS: dict[str, Any] = {}
 
 
-def _runtime(spec: FlowerSpec) -> _Runtime:
-    if spec.token not in _RUNTIMES:
-        _RUNTIMES[spec.token] = _Runtime(spec)
-    return _RUNTIMES[spec.token]
+def _runtime(spec: FlowerSpec, role: str) -> _Runtime:
+    if (spec.token, role) not in _RUNTIMES:
+        _RUNTIMES[(spec.token, role)] = _Runtime(spec, role)
+    return _RUNTIMES[(spec.token, role)]
+
+
+def _forget(token: str) -> None:
+    for role in ("server", "client"):
+        _RUNTIMES.pop((token, role), None)
 
 
 # ------------------------------------------------------------------------------ messages
@@ -145,9 +205,8 @@ def _save(context: Context, name: str, tree: Any) -> None:
     context.state[name] = ArrayRecord([np.asarray(x) for x in jax.tree_util.tree_leaves(tree)])
 
 
-def _load(context: Context, name: str, rt: _Runtime) -> Any:
-    arrays = context.state[name].to_numpy_ndarrays()
-    return jax.tree_util.tree_unflatten(rt.state_def, [jnp.asarray(a, dtype=t.dtype) for a, t in zip(arrays, rt.state_leaves)])
+def _load(context: Context, name: str, treedef: Any) -> Any:
+    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a) for a in context.state[name].to_numpy_ndarrays()])
 
 
 def _client_index(context: Context) -> int:
@@ -158,18 +217,17 @@ def _client_index(context: Context) -> int:
     raise ConfigError("a fedbayes ClientApp needs node_config 'partition-id' (simulation) or 'client-id' (deployment)")
 
 
-def _settle(context: Context, rt: _Runtime, index: int, accepted: int) -> Any:
+def _settle(context: Context, rt: _Runtime, accepted: int) -> Any:
     """The client's committed state after the server's verdict on its pending upload: kept when the
     server accepted it (``accepted`` names that round), dropped when it was rejected or never arrived."""
-    if _META not in context.state:  # first contact: the initial state
-        _save(context, _STATE, rt.client_state(index))
-        context.state[_META] = ConfigRecord({"pending": -1})
+    if _META not in context.state:
+        raise FedbayesError("a round reached a client before its set-up: the server must run the set-up exchange first")
     meta = context.state[_META]
     if int(meta["pending"]) >= 0:
         if int(meta["pending"]) == accepted:
             context.state[_STATE] = context.state[_PENDING]
         meta["pending"] = -1
-    return _load(context, _STATE, rt)
+    return _load(context, _STATE, rt.state_def())
 
 
 _SPECS: dict[Any, FlowerSpec] = {}
@@ -194,18 +252,38 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
     spec_of = spec
 
     def _runtime_of(context: Context) -> _Runtime:
-        return _runtime(_resolve(spec_of, context))
+        return _runtime(_resolve(spec_of, context), "client")
+
+    @app.train("setup")
+    def setup(msg: Message, context: Context) -> Message:
+        """One set-up stage: the server's payload in, this client's state started from its own data,
+        its upload back. After the last stage, the shared settings (e.g. TAMUNA's step size)."""
+        rt, index = _runtime_of(context), _client_index(context)
+        stage, run = int(_header(msg)["stage"]), rt.run
+        if stage == run.setup_stages:
+            values = np.frombuffer(_data(msg), dtype=np.float64)
+            for name, value in zip(run.shared_settings, values):
+                setattr(run, name, float(value))
+            return Message(_content(b"", {}), reply_to=msg)
+        payload = wire.unpack(_data(msg), rt.setup_payloads[stage])
+        state = None if stage == 0 else _load(context, _STATE, rt.state_def(stage - 1))
+        key = setup_client_key(rt.k_clients, index, stage)
+        state, upload = rt.setup_step[stage](key, payload, state, rt.member(index))
+        _save(context, _STATE, state)
+        context.state[_META] = ConfigRecord({"pending": -1})
+        data, _ = wire.pack(jax.device_get(upload))
+        return Message(_content(data, {}), reply_to=msg)
 
     @app.train("step")
     def step(msg: Message, context: Context) -> Message:
         rt, index = _runtime_of(context), _client_index(context)
         h = _header(msg)
-        state = _settle(context, rt, index, int(h["accepted"]))
+        state = _settle(context, rt, int(h["accepted"]))
         k, slot = int(h["round"]), int(h["slot"])
         _, _, keys, _, k_shared, _ = rt.plan(jnp.asarray(k))
         key = keys[slot]  # the engine's key for this client in this round
         member = rt.member(index, slot, k_shared)
-        payload = wire.unpack(_data(msg), wire.template(rt.broadcast.payload), wire.Context(k_shared, slot))
+        payload = wire.unpack(_data(msg), rt.broadcast_template, wire.Context(k_shared, slot))
         new_state, upload = rt.client_step(key, payload, state, member)
         _save(context, _PENDING, new_state)
         context.state[_META]["pending"] = k
@@ -224,9 +302,9 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         _, _, _, _, k_shared, _ = rt.plan(jnp.asarray(k))
         ctx = wire.Context(k_shared, slot)
         member = rt.member(index, slot, k_shared)
-        reply = wire.unpack(_data(msg), rt.reply_template, ctx)
-        own = wire.unpack(context.state[_STATE + ".upload"][""].data, rt.upload_template, ctx)
-        pending = _load(context, _PENDING, rt)
+        reply = wire.unpack(_data(msg), rt.reply_template(), ctx)
+        own = wire.unpack(context.state[_STATE + ".upload"][""].data, rt.upload_template(), ctx)
+        pending = _load(context, _PENDING, rt.state_def())
         new_state, _ = rt.finish(reply, pending, member, own)
         _save(context, _STATE, new_state)  # the server accepted the upload: commit
         context.state[_META]["pending"] = -1
@@ -236,7 +314,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
     def state(msg: Message, context: Context) -> Message:
         """The client's final state (collected by :func:`simulate` only, outside the ledger)."""
         rt, index = _runtime_of(context), _client_index(context)
-        current = _settle(context, rt, index, int(_header(msg)["accepted"]))
+        current = _settle(context, rt, int(_header(msg)["accepted"]))
         leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(current)]
         return Message(RecordDict({"state": ArrayRecord(leaves), HEADER: ConfigRecord({"client": index})}),
                        reply_to=msg)
@@ -255,7 +333,7 @@ class _Server:
     """The server loop of :func:`server_app`, round by round as in :func:`fedbayes.engine.make_round`."""
 
     def __init__(self, spec: FlowerSpec, grid: Grid):
-        self.spec, self.grid, self.rt = spec, grid, _runtime(spec)
+        self.spec, self.grid, self.rt = spec, grid, _runtime(spec, "server")
         self.accepted = np.full(self.rt.data.num_clients, -1)
         self.records: list[dict[str, np.ndarray]] = []
         self.message_bytes: list[tuple[str, int, int, int, int]] = []  # (kind, round, client, bytes, ledger bits)
@@ -286,6 +364,43 @@ class _Server:
         if missing:
             raise FedbayesError(f"no Flower node hosts client(s) {missing[:10]}: start {num} SuperNodes, one per client")
 
+    def setup(self) -> None:
+        """The algorithm's set-up exchange with every client (:func:`fedbayes.engine.staged_setup`), then
+        the shared settings; every message's bytes go into ``message_bytes`` as kind ``"setup"``."""
+        rt, run, num = self.rt, self.rt.run, self.rt.data.num_clients
+
+        def exchange(stage: int, k_clients: jax.Array, payload: Any) -> Any:
+            data, bits = wire.pack(jax.device_get(payload))
+            msgs = []
+            for client in range(num):
+                msgs.append(Message(_content(data, {"stage": stage}), dst_node_id=self.node_of[client],
+                                    message_type="train.setup", group_id="setup"))
+                self.message_bytes.append(("setup", -1, client, len(data), bits))
+            replies = self._send(msgs)
+            client_of = {node: client for client, node in self.node_of.items()}
+            missing = sorted(set(range(num)) - {client_of[node] for node in replies})
+            if missing:
+                raise FedbayesError(f"{run.name}: client(s) {missing[:10]} did not answer set-up stage {stage}; the "
+                                    "set-up needs every client (it starts their states and sums their statistics)")
+            uploads = [None] * num
+            for node, reply in replies.items():
+                client = client_of[node]
+                uploads[client] = wire.unpack(_data(reply), rt.setup_uploads[stage])
+                self.message_bytes.append(("setup-reply", -1, client, payload_bytes(reply),
+                                           engine.dense_bits(rt.setup_uploads[stage])))
+            return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *uploads)
+
+        rt.server_state, rt.broadcast = engine.staged_setup(run, rt.k_init, num, exchange)
+        names = tuple(getattr(run, "shared_settings", ()))
+        if names:
+            data = np.asarray([getattr(run, name) for name in names], np.float64).tobytes()
+            msgs = [Message(_content(data, {"stage": run.setup_stages}), dst_node_id=self.node_of[client],
+                            message_type="train.setup", group_id="setup") for client in range(num)]
+            for client in range(num):
+                self.message_bytes.append(("setup", -1, client, len(data), engine.SETTING_BITS * len(names)))
+            if len(self._send(msgs)) < num:
+                raise FedbayesError(f"{run.name}: a client did not acknowledge the shared settings {names}")
+
     def round(self, k: int) -> None:
         rt, cohort_size = self.rt, self.rt.cohort
         _, cohort, _, k_server, k_shared, expected = rt.plan(jnp.asarray(k))
@@ -306,10 +421,11 @@ class _Server:
         received = np.zeros(cohort_size, bool)
         bits = np.zeros(cohort_size, np.int32)
         uploads = [None] * cohort_size
-        zero = jax.tree_util.tree_map(lambda t: np.zeros(t.shape, t.dtype), rt.upload_template)
+        upload_template = rt.upload_template()
+        zero = jax.tree_util.tree_map(lambda t: np.zeros(t.shape, t.dtype), upload_template)
         for node, reply in replies.items():
             j = slot_of[node]
-            uploads[j] = wire.unpack(_data(reply), rt.upload_template, wire.Context(k_shared, j))
+            uploads[j] = wire.unpack(_data(reply), upload_template, wire.Context(k_shared, j))
             bits[j] = int(_header(reply)["bits"])
             received[j] = True
             self.message_bytes.append(("upload", k, int(cohort[j]), payload_bytes(reply), int(bits[j])))
@@ -322,7 +438,7 @@ class _Server:
         bits_down = np.asarray(record["bits_down"]).astype(np.int64)
         for j in np.flatnonzero(active):
             self.accepted[int(cohort[j])] = k
-        if rt.finish is not None:  # the server's reply to the members that answered
+        if rt.reply_template() is not None:  # the server's reply to the members that answered
             reply = rt.reply_payload(new_broadcast.payload)
             msgs = []
             for j in np.flatnonzero(active):
@@ -341,18 +457,19 @@ class _Server:
         """Every client's final state (a simulation's result, outside the ledger)."""
         msgs = [Message(RecordDict({HEADER: ConfigRecord({"accepted": int(self.accepted[c])})}), dst_node_id=n,
                         message_type="query.state") for c, n in self.node_of.items()]
-        rt = self.rt
-        stacked = [np.array(x) for x in jax.tree_util.tree_leaves(rt.client_states)]
+        rt, num = self.rt, self.rt.data.num_clients
+        leaves, treedef = jax.tree_util.tree_flatten(rt.state_template)
+        stacked = [np.zeros((num, *t.shape), t.dtype) for t in leaves]
         for reply in self._send(msgs).values():
             client = int(_header(reply)["client"])
             for leaf, value in zip(stacked, reply.content.array_records["state"].to_numpy_ndarrays()):
                 leaf[client] = value
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(rt.client_states),
-                                            [jnp.asarray(x) for x in stacked])
+        return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in stacked])
 
     def run(self) -> Result:
         rt, spec = self.rt, self.spec
         self.connect()
+        self.setup()
         bar = Progress(spec.num_rounds, f"{rt.run.name} on Flower", spec.progress)
         t0 = time.perf_counter()
         min_clients = (spec.fault_policy or FaultPolicy()).min_clients
@@ -365,8 +482,12 @@ class _Server:
         history = {name: np.concatenate([r[name] for r in self.records]) for name in self.records[0]}
         history = _host_records(history, time.perf_counter() - t0)
         carry = (rt.server_state, self.collect(), rt.broadcast)
-        parts = rt.run.finalize(rt.k_final, carry, rt.problem, history=history)
-        result = Result(model=rt.fm, data=rt.data, run=rt.run, algorithm=rt.run.name, seed=spec.seed, parts=parts,
+        # The final step (FedSOUL's per-client posterior draws, FedMM's information pass) runs here on the
+        # collected client states and spec.data, as in fed_fit; see the README on what that implies.
+        fm = FedModel(rt.fit.model, rt.fit.data, rt.fit.model_kwargs)
+        problem = Problem(fm, rt.fit.data, rt.fit.num_rounds, rt.cohort)
+        parts = rt.run.finalize(rt.k_final, carry, problem, history=history)
+        result = Result(model=fm, data=rt.fit.data, run=rt.run, algorithm=rt.run.name, seed=spec.seed, parts=parts,
                         history=_public(history))
         result.faults = _fault_table(history, rt.k_rounds, rt.data.num_clients, rt.cohort)
         result.flower_messages = self.message_bytes
@@ -416,13 +537,27 @@ class LocalGrid:
             node = msg.metadata.dst_node_id
             client = self.contexts[node].node_config["partition-id"]
             k = msg.metadata.group_id
-            if self.unreachable is not None and k not in ("", None) and self.unreachable(int(k), client):
+            if self.unreachable is not None and (k or "").isdigit() and self.unreachable(int(k), client):
                 reply = Message(Error(code=NODE_UNAVAILABLE, reason="unreachable"), reply_to=msg)
             else:
                 reply = self.app(msg, self.contexts[node])
             reply.metadata.__dict__["_src_node_id"] = node
             replies.append(reply)
         return replies
+
+
+@contextlib.contextmanager
+def _server_identity():
+    """Flower's task identity of this process set to the server's while a :class:`LocalGrid` runs."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    saved = {name: getattr(TaskIdentity, name) for name in ("_run_id", "_node_id", "_task_id")}
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 0, 0, 0
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(TaskIdentity, name, value)
 
 
 def simulate(model: Callable, data: FederatedData | Mapping[str, Any], algorithm: Any = "fedsoul", *,
@@ -447,17 +582,12 @@ def simulate(model: Callable, data: FederatedData | Mapping[str, Any], algorithm
     spec = FlowerSpec(fit.model, fit.data, fit.algorithm, fit.num_rounds, fit.clients_per_round, fit.seed,
                       fit.model_kwargs, fit.fault_policy, timeout, progress)
     if backend == "local":
-        from flwr.supercore.task_identity import TaskIdentity
-
-        saved = {name: getattr(TaskIdentity, name) for name in ("_run_id", "_node_id", "_task_id")}
-        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 0, 0, 0  # this process is the server
         grid = LocalGrid(client_app(spec), fit.data.num_clients, unreachable)
         try:
-            return _Server(spec, grid).run()
+            with _server_identity():
+                return _Server(spec, grid).run()
         finally:
-            _RUNTIMES.pop(spec.token, None)
-            for name, value in saved.items():
-                setattr(TaskIdentity, name, value)
+            _forget(spec.token)
     if backend != "ray":
         raise ConfigError(f"backend must be 'ray' or 'local', got {backend!r}")
     if unreachable is not None:
@@ -471,4 +601,4 @@ def simulate(model: Callable, data: FederatedData | Mapping[str, Any], algorithm
             raise FedbayesError("the Flower simulation ended without a result; its log above says why")
         return _RESULTS.pop(spec.token)
     finally:
-        _RUNTIMES.pop(spec.token, None)
+        _forget(spec.token)

@@ -1,8 +1,11 @@
 """What both ends agree on: the model, the algorithm and how a node finds its client's data.
 
-Edit this file for your problem. In a deployment, ``load_data`` runs on each SuperNode and reads that
-site's own data (its rows never leave the node); here every node generates the same synthetic data set
-and keeps only its own partition, so the template runs anywhere.
+Edit this file for your problem. The ServerApp builds its side on ``data.blank()`` (the layout: keys,
+client sizes, shapes; every value zero) and learns the rest from the set-up exchange; a ClientApp reads
+only the partition of its own client. In a deployment, ``load_data`` runs on each SuperNode and reads
+that site's own data (its rows never leave the node; the other partitions may be blank), and the
+server's ``load_data`` needs only the layout. Here every node generates the same synthetic data set, so
+the template runs anywhere.
 """
 
 import fedbayes as fb
