@@ -203,9 +203,9 @@ def test_ledger_of_a_fit(quad):
     np.testing.assert_array_equal(avg.history["bits_up"], 32 * C * D)  # no compression, no reply
     np.testing.assert_array_equal(avg.history["bits_down"], 32 * C * D)
     np.testing.assert_array_equal(avg.history["local_steps"], 3)
-    # set-up: x_0 to every client; (mu_i, L_i) back, for gamma = 1 / L_max; gamma, p, eta to every client
-    assert res.init_bits == (C * 2 * 32, C * 32 * D + C * 3 * 64)
-    assert res.bits_up == rounds * 32 * s * D + C * 2 * 32
+    # set-up, with all N clients: x_0 to each; (mu_i, L_i) back, for gamma = 1 / L_max; gamma, p, eta to each
+    assert res.init_bits == (N * 2 * 32, N * 32 * D + N * 3 * 64)
+    assert res.bits_up == rounds * 32 * s * D + N * 2 * 32
 
 
 # --------------------------------------------------------------------------- special cases
