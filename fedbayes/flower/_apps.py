@@ -73,9 +73,8 @@ class _Runtime:
         self.spec, self.role, self.fit = spec, role, fit
         self.data = data = fit.data.blank() if role == "server" else fit.data
         self.cohort = resolve_cohort_size(fit.clients_per_round, data.num_clients)
-        self.fm = FedModel(fit.model, data, fit.model_kwargs)
-        self.problem = Problem(self.fm, data, fit.num_rounds, self.cohort)
-        self.run = run = fit.algorithm.build(self.problem)
+        problem = Problem(FedModel(fit.model, data, fit.model_kwargs), data, fit.num_rounds, self.cohort)
+        self.run = run = fit.algorithm.build(problem)
         if not has_setup(run):
             raise ConfigError(f"{run.name} has no set-up exchange (fedbayes.engine.Setup: setup_server, setup_client, "
                               "setup_server_step), so it cannot start on a network")
