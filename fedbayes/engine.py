@@ -198,6 +198,15 @@ def staged_setup(run: Any, key: jax.Array, num_clients: int,
     return state, payload
 
 
+class Staged:
+    """Mixin for a :class:`Setup` algorithm: ``init`` is :func:`staged_init`; no shared settings."""
+
+    shared_settings: tuple[str, ...] = ()
+
+    def init(self, key: jax.Array, problem: Problem) -> tuple[PyTree, PyTree, Message]:
+        return staged_init(self, key, problem)
+
+
 def staged_init(run: Any, key: jax.Array, problem: Problem) -> tuple[PyTree, PyTree, Message]:
     """``init`` of an algorithm with a :class:`Setup` exchange, every client at once (vectorised)."""
     clients = stack_clients(problem.data)

@@ -39,7 +39,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..compress import Compressor, identity, require_contractive, scale_to_contractive
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients, staged_init
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import fault_weight
 from ..kernels import curvature
@@ -246,7 +246,7 @@ class BELF(_Langevin):
                 _ef_compressor(self.downlink, self.rescale, self.name))
 
 
-class LangevinRun:
+class LangevinRun(Staged):
     """A federated Langevin sampler bound to a model: the engine protocol plus ``finalize``."""
 
     def __init__(self, cfg: _Langevin, fm: FedModel, problem: Problem):
@@ -275,10 +275,6 @@ class LangevinRun:
 
     # ------------------------------------------------------------------ set-up (engine.Setup)
     setup_stages = 1
-    shared_settings: tuple[str, ...] = ()
-
-    def init(self, key: jax.Array, problem: Problem):
-        return staged_init(self, key, problem)
 
     def setup_server(self, key: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x_0 per chain (the initial point, jittered when there are several chains), sent to every client."""

@@ -34,7 +34,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients, staged_init
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, stack_clients
 from ..errors import ConfigError, require_choice, require_fraction, require_int
 from ..expfam import CustomStatistics, Derived, derive
 from ..faults import fault_weight
@@ -159,7 +159,7 @@ class FedEM(FedMM):
     name = "FedEM"
 
 
-class FedMMRun:
+class FedMMRun(Staged):
     """FedMM bound to a model and data: the engine's init / client_step / server_step / finalize."""
 
     def __init__(self, cfg: FedMM, fm: FedModel, stats: Derived | CustomStatistics, problem: Problem):
@@ -185,8 +185,8 @@ class FedMMRun:
         """The statistic's layout (q numbers), theta's size and the resulting alpha, from shapes alone
         (client 0's data shapes; no data values are read except by custom statistics' template)."""
         fm, cfg = self._fm, self.cfg
-        self._theta_shapes = jax.eval_shape(lambda k: fm.init_globals(k, cfg.init), jax.random.PRNGKey(0))
-        theta = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), self._theta_shapes)
+        theta_shapes = jax.eval_shape(lambda k: fm.init_globals(k, cfg.init), jax.random.PRNGKey(0))
+        theta = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), theta_shapes)
         example = jax.tree_util.tree_map(lambda a: a[0], stack_clients(problem.data))
         if self._custom:  # a user's statistics may not be traceable: evaluate them
             template = self._template(theta, example)
@@ -242,25 +242,12 @@ class FedMMRun:
         return ravel_pytree(self.stats.project(self._unravel(s_flat)))[0]
 
     # ------------------------------------------------------------------ engine protocol
-    def _client(self, clients: ClientData, i: int) -> ClientData:
-        return jax.tree_util.tree_map(lambda a: a[i], clients)
-
     # set-up (engine.Setup): a federated E-step at theta_0 for S_0, and (control variates "e_step") a
     # second at theta_1 = T(S_0) for V_i = s_i(theta_1) - S_0
-    shared_settings: tuple[str, ...] = ()
-
-    def init(self, key: jax.Array, problem: Problem) -> tuple[ServerState, ClientState, Message]:
-        return staged_init(self, key, problem)
-
     def setup_server(self, key: jax.Array) -> tuple[Params, Params]:
         """theta_0: user values where given, else prior medians; sent to every client."""
         theta0 = self._fm.init_globals(key, self.cfg.init)
         return theta0, theta0
-
-    def setup_payload_template(self, stage: int) -> Any:
-        """The structure of stage ``stage``'s payload (for a receiver): theta_0, then (S_0, theta_1)."""
-        s = jax.ShapeDtypeStruct((self.q,), jnp.result_type(float))
-        return self._theta_shapes if stage == 0 else (s, self._theta_shapes)
 
     def setup_client(self, stage: int, key: jax.Array, payload: Any, state: Any, client: ClientData):
         """Stage 0: the client's chain and step (Monte Carlo E-steps) and s_i(theta_0) back; stage 1:

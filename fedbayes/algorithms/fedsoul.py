@@ -40,7 +40,7 @@ from jax.flatten_util import ravel_pytree
 
 from .. import optim
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, stack_clients, staged_init
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, stack_clients
 from ..errors import ConfigError, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
 from ..kernels import curvature, ula_chain, ula_step
@@ -184,7 +184,7 @@ class FedSOUL:
         return FedSOULRun(self, fm, int(self.average_from * problem.num_rounds), resolve_init(self.init, problem))
 
 
-class FedSOULRun:
+class FedSOULRun(Staged):
     """FedSOUL bound to a model: ``init``, ``client_step``, ``server_step`` of the engine protocol."""
 
     def __init__(self, cfg: FedSOUL, fm: FedModel, avg_start: int, init_values: Mapping[str, Any] | None = None):
@@ -239,10 +239,6 @@ class FedSOULRun:
     # ------------------------------------------------------------------ protocol
     # set-up (engine.Setup): theta_0 to every client, which starts its own chain and step size
     setup_stages = 1
-    shared_settings: tuple[str, ...] = ()
-
-    def init(self, key: jax.Array, problem: Problem) -> tuple[ServerState, ClientState, Message]:
-        return staged_init(self, key, problem)
 
     def setup_server(self, key: jax.Array) -> tuple[Params, Params]:
         """theta_0: user values where given, else prior medians (projected on ``bounds``)."""

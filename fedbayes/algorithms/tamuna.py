@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, run_rounds, stack_clients, staged_init
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, run_rounds, Staged, stack_clients
 from ..wire import Masked
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
@@ -343,7 +343,7 @@ class FedAvg(TAMUNA):
 # ---------------------------------------------------------------------------------------- run
 
 
-class TAMUNARun:
+class TAMUNARun(Staged):
     """TAMUNA bound to a model and data: the engine protocol (with the reply to the cohort) and ``finalize``."""
 
     def __init__(self, cfg: TAMUNA, fm: FedModel, problem: Problem):
@@ -449,9 +449,6 @@ class TAMUNARun:
     # Hessian eigenvalues back, from which the server sets gamma, p and eta and sends them to all
     setup_stages = 1
     shared_settings = ("gamma", "p", "eta")
-
-    def init(self, key: jax.Array, problem: Problem):
-        return staged_init(self, key, problem)
 
     def setup_server(self, key: jax.Array) -> tuple[ServerState, jax.Array]:
         return ServerState(self._x0), self._x0
