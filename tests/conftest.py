@@ -1,13 +1,20 @@
-"""Test configuration: float64 everywhere (exactness tests compare against closed forms), and a
-compilation cache shared by the fits of one test process.
+"""Test configuration: float64 everywhere (exactness tests compare against closed forms), and one
+compilation cache shared by the fits of a test run.
 
 Every ``fed_fit`` builds and compiles its own round program; fits of the same model, data shapes and
 options compile to the same program, so XLA's persistent cache (in a temporary directory removed at
 exit) lets later fits load it instead of compiling again. Results are unchanged: the cache keys on
 the whole compiled program.
+
+Under pytest-xdist the first process to load this file (the controller) makes the directory and
+hands it to its workers through the environment, so a program compiled by one worker is loaded by
+the other. Two processes writing one directory need JAX's locked (LRU) cache, which needs
+``filelock``; without it each process keeps its own directory.
 """
 
 import atexit
+import importlib.util
+import os
 import shutil
 import tempfile
 
@@ -15,8 +22,16 @@ import jax
 
 jax.config.update("jax_enable_x64", True)
 
-_cache = tempfile.mkdtemp(prefix="fedbayes-xla-cache-")
-atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+_ENV = "FEDBAYES_TEST_XLA_CACHE"
+_shared = importlib.util.find_spec("filelock") is not None
+_cache = os.environ.get(_ENV) if _shared else None
+if _cache is None:
+    _cache = tempfile.mkdtemp(prefix="fedbayes-xla-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)  # only its maker removes it
+    if _shared:
+        os.environ[_ENV] = _cache
+if _shared:  # a size limit turns on JAX's file lock (8 GiB: never reached by this suite)
+    jax.config.update("jax_compilation_cache_max_size", 8 << 30)
 jax.config.update("jax_compilation_cache_dir", _cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

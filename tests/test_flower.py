@@ -207,12 +207,22 @@ def test_flower_counts_the_ledger_bytes_for_each_compressor(c, d):
     np.testing.assert_array_equal(np.asarray(back["v"]), np.asarray(x_hat))
 
 
+# Two warnings Ray raises while starting, neither about fedbayes: Python warns on any fork from a
+# process that has JAX threads, but Ray's fork is subprocess's fork+exec, which runs no Python in the
+# child; and a notice about a future default for GPU visibility (this test asks for no GPU).
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:Tip. In future versions of Ray:FutureWarning")
 def test_ray_simulation_engine_equals_fed_fit():
-    """Flower's own simulation engine (Ray workers, one SuperNode per client) gives fed_fit's result."""
+    """Flower's own simulation engine (Ray workers, one SuperNode per client) gives fed_fit's result.
+
+    One CPU per client would let two Ray actors share this 2-core CI machine with the other pytest
+    worker; two per client runs the clients one at a time, which is faster here.
+    """
     pytest.importorskip("ray", reason='Ray is not installed: pip install "fedbayes[flower]" brings flwr[simulation]')
     algo, model, data, rounds, cohort = CASES["tamuna"]()
     ref = fb.fed_fit(model, data, algo, num_rounds=3, clients_per_round=cohort, seed=1)
-    res = flower.simulate(model, data, algo, num_rounds=3, clients_per_round=cohort, seed=1, backend="ray")
+    res = flower.simulate(model, data, algo, num_rounds=3, clients_per_round=cohort, seed=1, backend="ray",
+                          num_cpus_per_client=2)
     _same(ref, res)
     _check_bytes(res)
 
