@@ -119,6 +119,11 @@ class Algorithm(Protocol):
     # defines it gets ``client_finish(new_broadcast_payload, client_state, client, own_upload_payload)
     # -> (client_state, bits_received)``; the bits are added to the round's downlink for that client.
 
+    # Optional: for an algorithm whose clients keep a copy of server state (P-/B-ELF's w), the pair
+    # ``resync_message(server_state) -> Message`` (the server's, from the state that opened the round)
+    # and ``resync(client_state, payload) -> client_state`` (the client's) brings a faulty client's copy
+    # back in step; the message's bits are charged on that client's downlink.
+
 
 class Setup(Protocol):
     """The set-up exchange of an algorithm that can run on a real network (e.g. Flower).
@@ -351,14 +356,15 @@ def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, coho
 
     Every upload is screened (:func:`fedbayes.faults.screen`); ``faults`` injects simulated ones
     first. A faulty member's upload is zeroed before the server step, its client state is rolled back
-    (or resynchronised by the algorithm's optional ``resync(old_state, new_state) -> (state, bits)``,
-    whose bits are counted on the downlink) and it gets no ``client_finish`` reply.
+    (and, for an algorithm with ``resync_message`` / ``resync``, re-sent its copy of server state, the
+    bits counted on the downlink) and it gets no ``client_finish`` reply.
     """
 
     participation = float(getattr(algorithm, "participation", 1.0))
 
     def round_fn(carry, k):
         server_state, client_states, broadcast = carry
+        opening = server_state  # the state that opened the round (a faulty client's resync is built from it)
         rk, cohort, keys, k_server, k_shared, expected = round_plan(base_key, k, num_clients, cohort_size, participation)
         members = _take(clients, cohort)._replace(slot=jnp.arange(cohort_size), shared_key=k_shared)
         step = jax.vmap(algorithm.client_step, in_axes=(0, None, 0, _CLIENT_AXES))
@@ -380,10 +386,11 @@ def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, coho
             new_states, reply_bits = finish(decode_tree(new_broadcast.payload), new_states, members, payload)
             bits_down = bits_down + jnp.where(active, reply_bits, 0)
         kept = _where_active(active, new_states, old_states)
-        if hasattr(algorithm, "resync"):  # a faulty member's copy of server state is re-sent in full
-            resynced, resync_bits = jax.vmap(algorithm.resync)(old_states, new_states)
+        if hasattr(algorithm, "resync_message"):  # a faulty member's copy of server state is re-sent
+            again = algorithm.resync_message(opening)
+            resynced = jax.vmap(algorithm.resync, in_axes=(0, None))(old_states, decode_tree(again.payload))
             kept = _where_active(faulty, resynced, kept)
-            bits_down = bits_down + jnp.where(faulty, resync_bits, 0)
+            bits_down = bits_down + jnp.where(faulty, again.bits, 0)
         client_states = _put(client_states, cohort, kept)
         record["bits_down"] = jnp.where(expected, bits_down, 0)
         return (server_state, client_states, new_broadcast), record

@@ -339,12 +339,18 @@ class LangevinRun(Staged):
         sent, c, bits = self._compress(self._up, key, grad)
         return ClientState(c, w), Message(sent, bits)
 
-    def resync(self, old: ClientState, new: ClientState) -> tuple[ClientState, jax.Array]:
-        """A faulty client keeps its gradient memory (the server did not add its message) and, under
-        P-/B-ELF, is re-sent the server's w in full (its copy must stay equal to the server's)."""
+    def resync_message(self, state: ServerState) -> Message:
+        """What a client whose copy of ``w`` fell behind is re-sent: P-/B-ELF send ``w`` of the server
+        state that opened the round, in full (the copy a client in step holds before that round's
+        broadcast is added); LMC and D-ELF keep no copy and send nothing (0 bits)."""
         if not self.cfg.downlink_ef:
-            return old, jnp.asarray(0, jnp.int32)
-        return ClientState(old.g, new.w), jnp.asarray(FLOAT_BITS * new.w.size, jnp.int32)
+            return Message(jnp.zeros((0,), state.w.dtype), jnp.asarray(0, jnp.int32))
+        return Message(state.w, jnp.asarray(FLOAT_BITS * state.w.size, jnp.int32))
+
+    def resync(self, state: ClientState, payload: jax.Array) -> ClientState:
+        """A faulty client keeps its gradient memory (the server did not add its message) and, under
+        P-/B-ELF, takes the re-sent ``w`` as its copy."""
+        return ClientState(state.g, payload) if self.cfg.downlink_ef else state
 
     def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
         """g = sum_i g^i. With EF21 (D-/B-ELF) the server adds the answers' corrections to its mirror of

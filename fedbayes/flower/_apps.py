@@ -92,12 +92,16 @@ class _Runtime:
                                    received, policy, k, cohort, data.num_clients, k_server, k_shared)
 
             self.serve = jax.jit(serve)
+            if hasattr(run, "resync_message"):
+                self.resync_message = jax.jit(run.resync_message)
             return
         self.setup_step = [jax.jit(lambda key, payload, state, member, s=s: run.setup_client(s, key, payload, state,
                                                                                              member))
                            for s in range(run.setup_stages)]
         self.client_step = jax.jit(lambda key, payload, state, member: run.client_step(
             key, wire.decode_tree(payload), state, member))
+        if hasattr(run, "resync"):
+            self.resync = jax.jit(lambda state, payload: run.resync(state, wire.decode_tree(payload)))
         self.finish = None
         if hasattr(run, "client_finish"):
             self.finish = jax.jit(lambda reply, state, member, upload: run.client_finish(
@@ -123,6 +127,9 @@ class _Runtime:
                                                    server_state, stacked)
         self.state_template = state
         self.broadcast_template = payload.payload
+        self.resync_template = None  # an algorithm whose clients keep a copy of server state
+        if hasattr(run, "resync_message"):
+            self.resync_template = jax.eval_shape(run.resync_message, server_state).payload
 
     def state_def(self, stage: int | None = None) -> Any:
         return self.setup_states[-1 if stage is None else stage]
@@ -132,8 +139,8 @@ class _Runtime:
         size, which a client knows only after set-up)."""
         if not hasattr(self, "_upload_template"):
             member = self.member(0, 0, jax.random.PRNGKey(0))
-            shapes = jax.eval_shape(self.run.client_step, jax.random.PRNGKey(0), wire.decode_tree(self.broadcast_template),
-                                    self.state_template, member)
+            shapes = jax.eval_shape(lambda k, b, c, m: self.run.client_step(k, wire.decode_tree(b), c, m),
+                                    jax.random.PRNGKey(0), self.broadcast_template, self.state_template, member)
             self._upload_template = shapes[1].payload
         return self._upload_template
 
@@ -293,6 +300,16 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
                                                                     data=data)})
         return Message(_content(data, {"bits": bits}), reply_to=msg)
 
+    @app.train("resync")
+    def resync(msg: Message, context: Context) -> Message:
+        """The server's copy of its state (P-/B-ELF's w), re-sent after this client's fault, before its
+        next step: the committed state takes it (``resync``)."""
+        rt = _runtime_of(context)
+        state = _settle(context, rt, int(_header(msg)["accepted"]))
+        state = rt.resync(state, wire.unpack(_data(msg), rt.resync_template))
+        _save(context, _STATE, state)
+        return Message(_content(b"", {}), reply_to=msg)
+
     @app.train("finish")
     def finish(msg: Message, context: Context) -> Message:
         rt, index = _runtime_of(context), _client_index(context)
@@ -334,6 +351,10 @@ class _Server:
     def __init__(self, spec: FlowerSpec, grid: Grid):
         self.spec, self.grid, self.rt = spec, grid, _runtime(spec, "server")
         self.accepted = np.full(self.rt.data.num_clients, -1)
+        # Clients whose copy of server state is behind (a fault), to be re-sent it before their next step,
+        # and the message that does it: built from the state that opened the previous round.
+        self.stale: set[int] = set()
+        self.resync: tuple[bytes, int] | None = None  # (encoding, bits)
         self.records: list[dict[str, np.ndarray]] = []
         self.message_bytes: list[tuple[str, int, int, int, int]] = []  # (kind, round, client, bytes, ledger bits)
 
@@ -408,8 +429,9 @@ class _Server:
         if down_bits != int(rt.broadcast.bits):
             raise FedbayesError(f"{rt.run.name}: the broadcast's encoding has {down_bits} bits, its ledger entry "
                                 f"{int(rt.broadcast.bits)}")
+        resync_bits, missed = self._resync(k, cohort, expected)
         msgs, slot_of = [], {}
-        for j in np.flatnonzero(expected):
+        for j in np.flatnonzero(expected & ~missed):
             client = int(cohort[j])
             node = self.node_of[client]
             header = {"round": k, "slot": int(j), "accepted": int(self.accepted[client])}
@@ -432,9 +454,19 @@ class _Server:
         state, new_broadcast, payload, record = rt.serve(
             rt.server_state, stacked, jnp.asarray(bits), rt.broadcast.bits, jnp.asarray(expected),
             jnp.asarray(received), jnp.asarray(k), jnp.asarray(cohort), k_server, k_shared)
-        active = np.asarray(record.pop("_active"))
-        record.pop("_faulty")
-        bits_down = np.asarray(record["bits_down"]).astype(np.int64)
+        active, faulty = np.asarray(record.pop("_active")), np.asarray(record.pop("_faulty"))
+        # the ledger: re-sent copies are charged when sent (fed_fit charges them in the round of the fault);
+        # a member whose copy did not arrive was sent no broadcast
+        bits_down = np.asarray(record["bits_down"]).astype(np.int64) + resync_bits - np.where(missed, down_bits, 0)
+        if hasattr(rt, "resync_message"):
+            again = rt.resync_message(rt.server_state)  # this round's opening state, for next round's resyncs
+            data, r_bits = wire.pack(jax.device_get(again.payload))
+            if r_bits != int(again.bits):
+                raise FedbayesError(f"{rt.run.name}: the resync's encoding has {r_bits} bits, its ledger entry "
+                                    f"{int(again.bits)}")
+            if r_bits:  # LMC and D-ELF keep no copy: nothing to re-send
+                self.resync = data, r_bits
+                self.stale |= {int(cohort[j]) for j in np.flatnonzero(faulty)}
         for j in np.flatnonzero(active):
             self.accepted[int(cohort[j])] = k
         if rt.reply_template() is not None:  # the server's reply to the members that answered
@@ -451,6 +483,32 @@ class _Server:
         record["bits_down"] = bits_down
         rt.server_state, rt.broadcast = state, new_broadcast
         self.records.append(jax.tree_util.tree_map(lambda x: np.asarray(x)[None], record))
+
+    def _resync(self, k: int, cohort: np.ndarray, expected: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Re-send the stale members of round ``k`` their copy of server state, before the round's step.
+        Returns the bits sent to each slot and the slots it did not reach (they get no step this round)."""
+        bits = np.zeros(len(cohort), np.int64)
+        missed = np.zeros(len(cohort), bool)
+        todo = [int(j) for j in np.flatnonzero(expected) if int(cohort[j]) in self.stale]
+        if not todo:
+            return bits, missed
+        data, r_bits = self.resync
+        msgs, slot_of = [], {}
+        for j in todo:
+            client = int(cohort[j])
+            header = {"round": k, "accepted": int(self.accepted[client])}
+            msgs.append(Message(_content(data, header), dst_node_id=self.node_of[client], message_type="train.resync",
+                                group_id=str(k)))
+            slot_of[self.node_of[client]] = j
+            bits[j] = r_bits
+            self.message_bytes.append(("resync", k, client, len(data), r_bits))
+        arrived = {slot_of[node] for node in self._send(msgs)}
+        for j in todo:
+            if j in arrived:
+                self.stale.discard(int(cohort[j]))
+            else:
+                missed[j] = True
+        return bits, missed
 
     def collect(self) -> Any:
         """Every client's final state (a simulation's result, outside the ledger)."""
