@@ -342,9 +342,9 @@ class LangevinRun(Staged):
     def resync_message(self, state: ServerState) -> Message:
         """What a client whose copy of ``w`` fell behind is re-sent: P-/B-ELF send ``w`` of the server
         state that opened the round, in full (the copy a client in step holds before that round's
-        broadcast is added); LMC and D-ELF keep no copy and send nothing (0 bits)."""
-        if not self.cfg.downlink_ef:
-            return Message(jnp.zeros((0,), state.w.dtype), jnp.asarray(0, jnp.int32))
+        broadcast is added); LMC, D-ELF and QLSD keep no copy and send nothing (0 bits)."""
+        if not self.cfg.downlink_ef:  # state.x: every Langevin server state has it (QLSD's has no w)
+            return Message(jnp.zeros((0,), state.x.dtype), jnp.asarray(0, jnp.int32))
         return Message(state.w, jnp.asarray(FLOAT_BITS * state.w.size, jnp.int32))
 
     def resync(self, state: ClientState, payload: jax.Array) -> ClientState:

@@ -352,9 +352,9 @@ class _Server:
         self.spec, self.grid, self.rt = spec, grid, _runtime(spec, "server")
         self.accepted = np.full(self.rt.data.num_clients, -1)
         # Clients whose copy of server state is behind (a fault), to be re-sent it before their next step,
-        # and the message that does it: built from the state that opened the previous round.
+        # and the state that opened the previous round, from which that copy is built.
         self.stale: set[int] = set()
-        self.resync: tuple[bytes, int] | None = None  # (encoding, bits)
+        self.opened: Any = None
         self.records: list[dict[str, np.ndarray]] = []
         self.message_bytes: list[tuple[str, int, int, int, int]] = []  # (kind, round, client, bytes, ledger bits)
 
@@ -459,14 +459,8 @@ class _Server:
         # a member whose copy did not arrive was sent no broadcast
         bits_down = np.asarray(record["bits_down"]).astype(np.int64) + resync_bits - np.where(missed, down_bits, 0)
         if hasattr(rt, "resync_message"):
-            again = rt.resync_message(rt.server_state)  # this round's opening state, for next round's resyncs
-            data, r_bits = wire.pack(jax.device_get(again.payload))
-            if r_bits != int(again.bits):
-                raise FedbayesError(f"{rt.run.name}: the resync's encoding has {r_bits} bits, its ledger entry "
-                                    f"{int(again.bits)}")
-            if r_bits:  # LMC and D-ELF keep no copy: nothing to re-send
-                self.resync = data, r_bits
-                self.stale |= {int(cohort[j]) for j in np.flatnonzero(faulty)}
+            self.stale |= {int(cohort[j]) for j in np.flatnonzero(faulty)}
+            self.opened = rt.server_state  # this round's opening state: later resyncs are built from it
         for j in np.flatnonzero(active):
             self.accepted[int(cohort[j])] = k
         if rt.reply_template() is not None:  # the server's reply to the members that answered
@@ -492,7 +486,14 @@ class _Server:
         todo = [int(j) for j in np.flatnonzero(expected) if int(cohort[j]) in self.stale]
         if not todo:
             return bits, missed
-        data, r_bits = self.resync
+        again = self.rt.resync_message(self.opened)
+        data, r_bits = wire.pack(jax.device_get(again.payload))
+        if r_bits != int(again.bits):
+            raise FedbayesError(f"{self.rt.run.name}: the resync's encoding has {r_bits} bits, its ledger entry "
+                                f"{int(again.bits)}")
+        if not r_bits:  # LMC and D-ELF keep no copy: nothing to re-send
+            self.stale.clear()
+            return bits, missed
         msgs, slot_of = [], {}
         for j in todo:
             client = int(cohort[j])
