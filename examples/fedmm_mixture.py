@@ -200,7 +200,8 @@ def main(quick: bool) -> None:
     print("log-lik: of the pooled data at the final estimate; |means - EM|: Frobenius distance to (a)'s means after "
           "matching\ncomponents; min w_k, min eig C_k: the smallest weight and covariance eigenvalue (a component "
           "collapses when they\ngo to 0); bits: all clients, one-off messages included (FedMM: the initial E-step "
-          "pass, the control-variate\npass and, with uncertainty=True, the final information pass; Result.init_bits).")
+          "pass and the control-variate\npass, Result.init_bits; with uncertainty=True the final information "
+          "exchange, Result.final_bits).")
 
     b = results[names[1]]
     perm_b = match(b.params["means"], ref)

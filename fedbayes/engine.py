@@ -9,7 +9,10 @@ An algorithm is a set of pure functions over pytrees (see :class:`Algorithm`):
 An algorithm that can run on a real network also splits ``init`` into a set-up exchange (:class:`Setup`):
 the server starts without any client's data, each client starts its state from its own data, and
 what the server needs of the clients (sums of statistics, curvature) comes back as messages;
-:func:`staged_init` runs it vectorised, :mod:`fedbayes.flower` message by message.
+:func:`staged_init` runs it vectorised, :mod:`fedbayes.flower` message by message. An algorithm
+whose result needs every client's data at the final estimate (FedSOUL's personal posteriors, FedMM's
+observed information) ends with a final exchange (:class:`Final`), run the same two ways
+(:func:`final_exchange` vectorised).
 
 ``upload`` and ``broadcast`` are :class:`Message` objects: exactly what crosses the network, already
 compressed, with their exact size in bits. Nothing else passes between clients and server. A payload
@@ -201,6 +204,62 @@ def staged_setup(run: Any, key: jax.Array, num_clients: int,
     down += num_clients * SETTING_BITS * len(getattr(run, "shared_settings", ()))
     run.init_bits = (int(up), int(down))
     return state, payload
+
+
+class Final(Protocol):
+    """The final exchange of an algorithm whose result needs each client's data at the estimate
+    (``final_exchange = True`` on the run). After the last round the server sends one payload to
+    every client; each client computes, from its own data and state, what stays with it (``local``:
+    its personal posterior) and what goes back (``upload``); the server combines the uploads:
+
+        final_message(key, server_state)                          -> payload
+        final_client(key, payload, client_state, client)          -> local, upload
+        final_server(key, server_state, payload, uploads, locals) -> parts of the Result
+
+    All pure (traceable); ``key`` is the fit's final key, public to both ends (a client derives its
+    own with :func:`client_key`). ``uploads`` are stacked over all clients in index order; ``locals``
+    likewise when the caller collected them (a simulation), None otherwise (a deployment, where
+    personal posteriors stay on their clients); ``uploads`` is None when a client did not answer on a
+    network, and ``final_server`` then returns the estimate alone. The bits are the run's ``final_bits``
+    (:func:`final_exchange`): the payload to every client and every upload, dense.
+    """
+
+    final_exchange: bool
+
+    def final_message(self, key: jax.Array, server_state: PyTree) -> PyTree: ...
+
+    def final_client(self, key: jax.Array, payload: PyTree, client_state: PyTree,
+                     client: ClientData) -> tuple[PyTree, PyTree]: ...
+
+    def final_server(self, key: jax.Array, server_state: PyTree, payload: PyTree, uploads: PyTree,
+                     locals_: PyTree | None) -> dict[str, Any]: ...
+
+
+def has_final(run: Any) -> bool:
+    return bool(getattr(run, "final_exchange", False))
+
+
+def client_key(key: jax.Array, index: jax.Array, num_clients: int) -> jax.Array:
+    """Client ``index``'s key of ``num_clients`` split from ``key`` (``jax.random.split(key, n)[index]``),
+    computable by that client alone."""
+    return jax.random.split(key, num_clients)[index]
+
+
+def final_bits(payload: PyTree, uploads: PyTree, num_clients: int) -> tuple[int, int]:
+    """``(up, down)`` bits of a final exchange: every client's upload, the payload to every client."""
+    return dense_bits(uploads), num_clients * dense_bits(payload)
+
+
+def final_exchange(run: Any, key: jax.Array, server_state: PyTree, client_states: PyTree,
+                   clients: ClientData) -> dict[str, Any]:
+    """The :class:`Final` exchange with every client at once (vectorised), local parts collected;
+    the parts carry ``final_bits``."""
+    payload = jax.jit(run.final_message)(key, server_state)
+    step = jax.jit(jax.vmap(run.final_client, in_axes=(None, None, 0, 0)))
+    locals_, uploads = step(key, payload, client_states, clients)
+    parts = run.final_server(key, server_state, payload, uploads, locals_)
+    parts["final_bits"] = final_bits(payload, uploads, clients.index.shape[0])
+    return parts
 
 
 class Staged:

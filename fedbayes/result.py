@@ -71,8 +71,12 @@ class Result:
     global_samples:
         Posterior draws of the global sites for sampling algorithms: ``{site: array (chains, draws, ...)}``.
     init_bits:
-        ``(up, down)`` bits of the one-off messages (e.g. the ELF samplers' full first gradients,
-        FedMM's initial E-step passes and its final information pass).
+        ``(up, down)`` bits of the set-up exchange before the first round (e.g. the ELF samplers' full
+        first gradients, FedMM's initial E-step passes).
+    final_bits:
+        ``(up, down)`` bits of the final exchange after the last round (FedSOUL: the estimate to every
+        client for its personal posterior; FedMM with ``uncertainty``: the estimate out, each client's
+        E-step statistic and score covariance back). ``bits_up`` / ``bits_down`` include both.
     standard_errors:
         EM fits: standard errors of the constrained global sites from Louis' observed information.
     global_approx:
@@ -96,6 +100,7 @@ class Result:
         self.params_last = {k: np.asarray(v) for k, v in parts["params_last"].items()}
         self.global_samples = {k: np.asarray(v) for k, v in parts.get("global_samples", {}).items()}
         self.init_bits = tuple(int(b) for b in parts.get("init_bits", getattr(run, "init_bits", (0, 0))))
+        self.final_bits = tuple(int(b) for b in parts.get("final_bits", (0, 0)))
         locals_u = parts.get("local_samples") or {}
         constrained = jax.vmap(jax.vmap(jax.vmap(model.constrain)))(locals_u) if locals_u else {}
         self._local_chains = {k: np.asarray(v) for k, v in constrained.items()}  # (client, chain, draw, ...)
@@ -115,13 +120,13 @@ class Result:
     # ------------------------------------------------------------------ communication
     @property
     def bits_up(self) -> int:
-        """Total bits sent by clients to the server, initial messages included."""
-        return int(self.history["bits_up"].sum()) + self.init_bits[0]
+        """Total bits sent by clients to the server, set-up and final exchanges included."""
+        return int(self.history["bits_up"].sum()) + self.init_bits[0] + self.final_bits[0]
 
     @property
     def bits_down(self) -> int:
-        """Total bits sent by the server to clients, initial messages included."""
-        return int(self.history["bits_down"].sum()) + self.init_bits[1]
+        """Total bits sent by the server to clients, set-up and final exchanges included."""
+        return int(self.history["bits_down"].sum()) + self.init_bits[1] + self.final_bits[1]
 
     def __repr__(self) -> str:
         est = ", ".join(f"{k}={np.array2string(v, precision=3, threshold=6)}" for k, v in self.params.items())
@@ -180,7 +185,8 @@ class Result:
             posterior.attrs.update(attrs)
             if self.global_approx and not self.global_samples:
                 posterior.attrs["globals"] = "asymptotic normal approximation N(theta_hat, I^-1), I by Louis' identity"
-        history.attrs.update(init_bits_up=self.init_bits[0], init_bits_down=self.init_bits[1])
+        history.attrs.update(init_bits_up=self.init_bits[0], init_bits_down=self.init_bits[1],
+                             final_bits_up=self.final_bits[0], final_bits_down=self.final_bits[1])
         return {"posterior": posterior, "sample_stats": sample_stats, **self._extra_groups, "fed_params": params,
                 "fed_history": history, "fed_clients": clients, "fed_local": local}
 

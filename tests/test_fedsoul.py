@@ -132,7 +132,10 @@ def test_ledger_counts_every_message(synthetic_fit):
     np.testing.assert_array_equal(res.history["active"], 10)
     # set-up: theta_0 to each of the 30 clients, nothing back (each starts its own chain and step)
     assert res.init_bits == (0, 30 * 32 * d_theta)
-    assert res.bits_up == 300 * up and res.bits_down == 300 * 10 * 32 * d_theta + 30 * 32 * d_theta
+    # final exchange: the averaged estimate to each of the 30 clients, nothing back (personal posteriors
+    # stay on their clients)
+    assert res.final_bits == (0, 30 * 32 * d_theta)
+    assert res.bits_up == 300 * up and res.bits_down == 300 * 10 * 32 * d_theta + 2 * 30 * 32 * d_theta
 
 
 def test_new_client_prediction_is_the_prior_predictive(synthetic_fit):

@@ -54,9 +54,9 @@ CASES = {
     # algorithm, problem, rounds, cohort; each with a compressor of another kind on the wire
     "fedsoul": lambda: (fb.FedSOUL(local_steps=3, compressor=fb.compress.qsgd(4), num_samples=20, warmup=20),
                         fb.models.linear_mixed_effects, fb.models.make_linear_mixed_effects(5, seed=0)[0], 4, 3),
-    # FedMM without its final information pass (tested in test_fedmm; it is not a network step here)
+    # FedMM with its final information pass (Louis' identity): a final exchange with every client
     "fedmm": lambda: (lambda m, d, init: (fb.FedMM(init=init, compressor=fb.compress.qsgd(16), step_size=0.5,
-                                                   participation=0.75, uncertainty=False), m, d, 4, None))(*mixture()),
+                                                   participation=0.75), m, d, 4, None))(*mixture()),
     "d-elf": lambda: (fb.DELF(uplink=fb.compress.top_k(1), num_chains=2), *glm(), 5, None),
     # P-/B-ELF: each client keeps a copy of the server's w, re-sent after a fault (the unreachable test)
     "b-elf": lambda: (fb.BELF(uplink=fb.compress.top_k(1), downlink=fb.compress.top_k(2), num_chains=2), *glm(), 5,
@@ -79,17 +79,31 @@ def _equal(a, b, exact, what):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=what)
 
 
-def _same(a, b, exact=True):
-    """The same result: history (ledger, faults, diagnostics), parameters, samples."""
+def _same(a, b, exact=True, locals_=True):
+    """The same result: history (ledger, faults, diagnostics), parameters, samples, the final exchange's
+    parts (standard errors, information, normal approximation) and, with ``locals_``, the personal
+    posteriors."""
     assert a.history.keys() == b.history.keys()
     for key in a.history:
         if key != "seconds":
             _equal(a.history[key], b.history[key], exact, key)
     for name, value in a.params.items():
         _equal(value, b.params[name], exact, name)
-    if a.global_samples is not None:
-        for name, value in a.global_samples.items():
-            _equal(value, b.global_samples[name], exact, name)
+    for attr in ("global_samples", "standard_errors", "global_approx") + (("local_samples", "local_info", "client_info")
+                                                                           if locals_ else ()):
+        mine, theirs = getattr(a, attr), getattr(b, attr)
+        assert mine.keys() == theirs.keys(), attr
+        for name, value in mine.items():
+            _equal(value, theirs[name], exact, f"{attr}/{name}")
+    assert (a.information is None) == (b.information is None)
+    if a.information is not None:
+        # as _equal (the estimate's float32 differences carried into the matrix), and small entries are
+        # differences of sums over every row (the Hessian of Q less the score covariances), so their
+        # rounding is relative to the matrix's largest entry
+        scale = np.abs(a.information).max()
+        np.testing.assert_allclose(a.information, b.information, rtol=0 if exact else 1e-4,
+                                   atol=0 if exact else 1e-5 * scale)
+    assert a.init_bits == b.init_bits and a.final_bits == b.final_bits
 
 
 def _check_bytes(res):
@@ -102,9 +116,12 @@ def _check_bytes(res):
     rounds = len(res.history["bits_up"])
     up, down = np.zeros(rounds, np.int64), np.zeros(rounds, np.int64)
     setup = {"setup": 0, "setup-reply": 0}
+    final = {"final": 0, "final-reply": 0}
     for kind, k, _, _, bits in msgs:
         if kind in setup:
             setup[kind] += bits
+        elif kind in final:
+            final[kind] += bits
         else:
             (up if kind == "upload" else down)[k] += bits
     np.testing.assert_array_equal(up, res.history["bits_up"])
@@ -112,6 +129,8 @@ def _check_bytes(res):
     # the set-up exchange (every client's start) is the ledger's init_bits: uploads, payloads to all
     assert (setup["setup-reply"], setup["setup"]) == res.init_bits
     assert setup["setup"] > 0
+    # the final exchange (the estimate out, FedMM's statistics and score covariances back) is final_bits
+    assert (final["final-reply"], final["final"]) == res.final_bits
 
 
 @pytest.mark.parametrize("name", FITS)
@@ -122,10 +141,12 @@ def test_flower_run_equals_fed_fit(name):
     _same(ref, res, exact=name in BITWISE)
     _check_bytes(res)
     assert res.algorithm == ref.algorithm and type(res) is type(ref)
-    if name == "fedsoul":  # the personalised part: every client's final local state came back
-        assert ref.local_samples
-        for site, value in ref.local_samples.items():
-            _equal(value, res.local_samples[site], False, site)
+    if name == "fedsoul":  # the personalised part: each client's posterior, computed on its node, came back
+        assert ref.local_samples and res.final_bits == (0, 5 * 32 * 6)  # theta-bar to 5 clients: beta 2, scale_tril 3, sigma 1
+    if name == "fedmm":  # Louis' information: theta-hat out, s_i(theta-hat) and a score covariance back
+        assert ref.standard_errors and ref.local_info["responsibilities"].shape[0] == 4
+        d, q = ref.information.shape[0], sum(np.size(v) for v in jax.tree_util.tree_leaves(ref.statistic))
+        assert res.final_bits == (4 * 32 * (q + d * (d + 1) // 2), 4 * 32 * d)
 
 
 def _dropped(algo, model, data, rounds, cohort, seed, faults):
@@ -176,31 +197,49 @@ def test_an_unreachable_node_is_a_dropped_client(name):
     assert sorted(map(tuple, res.faults[["round", "client"]].to_numpy())) == sorted(off)
 
 
-@pytest.mark.parametrize("name", ["d-elf"])  # every server runtime is built on blank data; FedMM's is in the test above
-def test_the_server_needs_no_client_data(name):
-    """As in a deployment, the ServerApp's spec holds only the data's layout (every value zero) and each
-    client reads its own partition: the set-up exchange gives the server all it needs (D-ELF: the
-    gradients and Hessians at x_0 for the step size; FedMM: the E-step statistics at theta_0 and the
-    control variates), so the rounds and the ledger are fed_fit's. (FedMM's information pass runs in the
-    final step on the simulation's data, outside this check: uncertainty=False.)"""
+def _deployed(name, seed, collect_locals=False, unreachable=None):
+    """fed_fit, and a run whose ServerApp's spec holds only the data's layout (every value zero) while each
+    ClientApp reads its own partition, as in a deployment."""
     algo, model, data, rounds, cohort = CASES[name]()
-    ref = fb.fed_fit(model, data, algo, num_rounds=rounds, clients_per_round=cohort, seed=2)
-    clients = FlowerSpec(model, data, algo, rounds, cohort, seed=2)
-    server = FlowerSpec(model, data.blank(), algo, rounds, cohort, seed=2)
-    grid = LocalGrid(flower.client_app(clients), data.num_clients)
+    ref = fb.fed_fit(model, data, algo, num_rounds=rounds, clients_per_round=cohort, seed=seed)
+    clients = FlowerSpec(model, data, algo, rounds, cohort, seed=seed)
+    server = FlowerSpec(model, data.blank(), algo, rounds, cohort, seed=seed)
+    grid = LocalGrid(flower.client_app(clients), data.num_clients, unreachable)
     try:
         with _server_identity():
-            res = run_server(server, grid)
+            res = run_server(server, grid, collect_locals=collect_locals)
     finally:
         _forget(clients.token)
         _forget(server.token)
-    for key in ref.history:
-        if key != "seconds":
-            _equal(ref.history[key], res.history[key], name in BITWISE, key)
-    for site, value in ref.params.items():
-        _equal(value, res.params[site], name in BITWISE, site)
-    assert res.init_bits == ref.init_bits
+    return ref, res
+
+
+@pytest.mark.parametrize("name", ["d-elf", "fedsoul", "fedmm"])
+def test_the_server_needs_no_client_data(name):
+    """The set-up exchange gives a server without client data all it needs (D-ELF: the gradients and
+    Hessians at x_0 for the step size; FedMM: the E-step statistics at theta_0 and the control
+    variates), and the final exchange what needs the data at the estimate (FedMM's Louis information from
+    the clients' statistics and score covariances): rounds, ledger, estimate and uncertainty are fed_fit's.
+    The personal posteriors (FedSOUL's local samples, FedMM's responsibilities) stay on the nodes unless
+    collected, as a simulation does; collected, they are fed_fit's too."""
+    ref, res = _deployed(name, seed=2, collect_locals=name == "fedsoul")
+    _same(ref, res, exact=name in BITWISE, locals_=name == "fedsoul")
     _check_bytes(res)
+    if name == "fedmm":  # a deployment's result: no client's local posterior reached the server
+        assert ref.local_info and not res.local_info and not res.local_samples
+
+
+def test_a_client_missing_the_final_exchange_keeps_the_estimate():
+    """A node that does not answer the final exchange (round num_rounds of LocalGrid's schedule) costs the
+    result what needs every client, FedMM's information, with a warning; the estimate is fed_fit's."""
+    rounds = CASES["fedmm"]()[3]
+    with pytest.warns(RuntimeWarning, match=r"client\(s\) \[2\] did not answer the final exchange"):
+        ref, res = _deployed("fedmm", seed=2, unreachable=lambda k, client: k == rounds and client == 2)
+    for site, value in ref.params.items():
+        _equal(value, res.params[site], False, site)
+    assert ref.standard_errors and not res.standard_errors and res.information is None
+    d, q = ref.information.shape[0], sum(np.size(v) for v in jax.tree_util.tree_leaves(ref.statistic))
+    assert res.final_bits == (3 * 32 * (q + d * (d + 1) // 2), 4 * 32 * d)  # three answers, four sent
 
 
 COMPRESSORS = [fb.compress.identity(), fb.compress.identity(16), fb.compress.identity(64), fb.compress.rand_k(3),

@@ -34,7 +34,8 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, stack_clients
+from ..engine import (FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, client_key, final_exchange,
+                      stack_clients)
 from ..errors import ConfigError, require_choice, require_fraction, require_int
 from ..expfam import CustomStatistics, Derived, derive
 from ..faults import fault_weight
@@ -168,6 +169,7 @@ class FedMMRun(Staged):
         self._custom = isinstance(stats, CustomStatistics)
         self._mc = not self._custom and stats.latent_mode == "monte_carlo"
         sizes = np.asarray(problem.data.sizes, float)
+        self._C = problem.data.num_clients
         self._N = float(sizes.sum())
         self._mu = jnp.asarray(sizes / sizes.sum())
         n, m = problem.data.num_clients, problem.cohort_size or problem.data.num_clients
@@ -332,29 +334,53 @@ class FedMMRun(Staged):
             return state.s
         return jnp.where(state.count > 0, state.s_sum / jnp.maximum(state.count, 1), state.s)
 
+    @property
+    def final_exchange(self) -> bool:
+        """Louis' information needs every client's score covariance at the estimate (engine.Final)."""
+        return not self._custom and bool(self.cfg.uncertainty)
+
+    def _server_parts(self, server: ServerState, theta: Params) -> dict[str, Any]:
+        return {"theta": theta, "params": self._fm.constrain(theta), "params_last": self._fm.constrain(server.theta),
+                "statistic": self._unravel(self.final_statistic(server))}
+
+    def final_message(self, key, server: ServerState) -> Params:
+        """theta-hat = T(final statistic), sent to every client."""
+        return self.m_step(self.final_statistic(server), server.theta)
+
+    def final_client(self, key, theta: Params, state: ClientState, client: ClientData):
+        """The client's E-step statistic s_i(theta-hat) and the upper triangle of its score covariance go
+        back; its local posterior (draws, responsibilities) stays."""
+        k_e, k_louis = jax.random.split(key)
+        k_clients, _ = jax.random.split(k_louis)
+        s_i, _ = self._e_step(theta, client, state.z, state.step, client_key(k_e, client.index, self._C))
+        tri, extra = louis.client_information(self, client_key(k_clients, client.index, self._C), theta, state,
+                                              client)
+        return extra, (s_i, tri)
+
+    def final_server(self, key, server: ServerState, theta: Params, uploads, locals_) -> dict[str, Any]:
+        """Louis' observed information from sum_i mu_i s_i(theta-hat) N and the clients' covariances:
+        standard errors and the normal approximation of the globals (plus the collected local posteriors).
+        ``uploads=None`` (a client missed the exchange on a network): the estimate alone."""
+        if uploads is None:
+            return self._server_parts(server, theta)
+        s_i, tris = uploads
+        statistic = self._unravel(jnp.tensordot(self._mu, s_i, 1) * self._N)  # E-step at theta-hat
+        k_global = jax.random.split(jax.random.split(key)[1])[1]
+        parts = self._server_parts(server, theta)
+        parts.update(louis.posterior_summary(self, k_global, theta, statistic, tris))
+        if locals_ is not None:
+            parts.update(louis.local_parts(locals_))
+        return parts
+
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
-        """T of the final (or averaged) statistic, local posteriors, and Louis' asymptotic covariance."""
+        """T of the final (or averaged) statistic; with ``uncertainty``, the final exchange
+        (:func:`fedbayes.engine.final_exchange`): local posteriors and Louis' asymptotic covariance."""
         server, states, _ = carry
-        s = self.final_statistic(server)
-        theta = self._m_step_jit(s, server.theta)
-        parts: dict[str, Any] = {
-            "theta": theta,
-            "params": self._fm.constrain(theta),
-            "params_last": self._fm.constrain(server.theta),
-            "statistic": self._unravel(s),
-        }
-        up, down = self.init_bits
-        C = problem.data.num_clients
-        if not self._custom and self.cfg.uncertainty:
-            clients = stack_clients(problem.data)
-            k_e, k_louis = jax.random.split(key)
-            s_i, _ = self._e_step_all(theta, clients, states.z, states.step, jax.random.split(k_e, C))
-            statistic = self._unravel(jnp.tensordot(self._mu, s_i, 1) * self._N)  # E-step at theta-hat
-            info = louis.posterior_summary(self, k_louis, theta, states, clients, statistic)
-            parts.update(info)
-            up += FLOAT_BITS * C * self.dim * (self.dim + 1) // 2  # each client's information matrix (symmetric)
-            down += FLOAT_BITS * C * self.dim  # theta-hat to every client
-        parts["init_bits"] = (up, down)
+        if self.final_exchange:
+            parts = final_exchange(self, key, server, states, stack_clients(problem.data))
+        else:
+            parts = self._server_parts(server, self._m_step_jit(self.final_statistic(server), server.theta))
+        parts["init_bits"] = self.init_bits
         return parts
 
 
@@ -407,6 +433,8 @@ class ParamAveragingRun(FedMMRun):
         diag = {f"theta/{k}": v for k, v in self._fm.constrain(theta).items()}
         diag["participants"] = jnp.sum(info.active)
         return new, self._broadcast(state.s, theta), diag
+
+    final_exchange = False  # type: ignore[assignment]  # no information pass
 
     def finalize(self, key, carry, problem, history=None):
         server, states, _ = carry

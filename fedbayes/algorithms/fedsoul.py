@@ -40,7 +40,8 @@ from jax.flatten_util import ravel_pytree
 
 from .. import optim
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, stack_clients
+from ..engine import (FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, client_key, final_exchange,
+                      stack_clients)
 from ..errors import ConfigError, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
 from ..kernels import curvature, ula_chain, ula_step
@@ -181,14 +182,18 @@ class FedSOUL:
         n = problem.data.num_clients
         if np.ndim(self.step_size) == 1 and len(self.step_size) != n:
             raise ConfigError(f"FedSOUL step_size has {len(self.step_size)} entries for {n} clients")
-        return FedSOULRun(self, fm, int(self.average_from * problem.num_rounds), resolve_init(self.init, problem))
+        return FedSOULRun(self, fm, int(self.average_from * problem.num_rounds), resolve_init(self.init, problem), n)
 
 
 class FedSOULRun(Staged):
     """FedSOUL bound to a model: ``init``, ``client_step``, ``server_step`` of the engine protocol."""
 
-    def __init__(self, cfg: FedSOUL, fm: FedModel, avg_start: int, init_values: Mapping[str, Any] | None = None):
+    final_exchange = True  # personal posteriors at the estimate: engine.Final
+
+    def __init__(self, cfg: FedSOUL, fm: FedModel, avg_start: int, init_values: Mapping[str, Any] | None = None,
+                 num_clients: int = 1):
         self.cfg, self._fm, self._avg_start, self._init_values = cfg, fm, avg_start, init_values
+        self.num_clients = num_clients
         self.name = cfg.name
         self._opt = optim.resolve(cfg.server_optimizer, cfg.server_lr)
         self._schedule = optim.as_schedule(cfg.server_lr)
@@ -329,39 +334,55 @@ class FedSOULRun(Staged):
             lambda s, t: jnp.where(w > 0, s / jnp.where(w > 0, w, 1.0), t), state.avg_sum, state.theta
         )
 
+    def _sample_one(self, key, theta: Params, z, v, step, client: ClientData, num_samples: int, warmup: int):
+        """One client's local posterior samples at ``theta``: ``num_chains`` ULA chains (the client's own
+        chain state and fresh starts from p(z | theta)), ``({site: (chains, S, ...)}, step size)``."""
+        fm, cfg = self._fm, self.cfg
+        n_steps = warmup + num_samples * cfg.thinning
+        k_starts, k_chains = jax.random.split(key)
+        v, step = self._step_for(fm, theta, z, v, step, client, 20)
+        fresh = jax.vmap(fm.sample_local_prior, in_axes=(0, None, None, None))(
+            jax.random.split(k_starts, cfg.num_chains - 1), theta, client.data, client.mask)
+        starts = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), z, fresh)
+        score = lambda z: fm.local_score(theta, z, client.data, client.mask)  # noqa: E731
+        chain = lambda kc, z0: ula_chain(kc, z0, score, step, n_steps)[1]  # noqa: E731
+        zs = jax.vmap(chain)(jax.random.split(k_chains, cfg.num_chains), starts)
+        return jax.tree_util.tree_map(lambda a: a[:, warmup + cfg.thinning - 1::cfg.thinning], zs), step
+
     def sample_locals(self, key, theta: Params, states: ClientState, clients: ClientData, num_samples=None, warmup=None):
         """Local posterior samples of every client at ``theta``: ``({site: (C, chains, S, ...)}, steps (C,))``."""
-        fm, cfg = self._fm, self.cfg
-        num_samples = cfg.num_samples if num_samples is None else num_samples
-        warmup = cfg.warmup if warmup is None else warmup
-        n_steps = warmup + num_samples * cfg.thinning
-
-        def one(k, z, v, s, client):
-            k_starts, k_chains = jax.random.split(k)
-            v, s = self._step_for(fm, theta, z, v, s, client, 20)
-            fresh = jax.vmap(fm.sample_local_prior, in_axes=(0, None, None, None))(
-                jax.random.split(k_starts, cfg.num_chains - 1), theta, client.data, client.mask)
-            starts = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), z, fresh)
-            score = lambda z: fm.local_score(theta, z, client.data, client.mask)  # noqa: E731
-            chain = lambda kc, z0: ula_chain(kc, z0, score, s, n_steps)[1]  # noqa: E731
-            zs = jax.vmap(chain)(jax.random.split(k_chains, cfg.num_chains), starts)
-            return jax.tree_util.tree_map(lambda a: a[:, warmup + cfg.thinning - 1::cfg.thinning], zs), s
-
+        num_samples = self.cfg.num_samples if num_samples is None else num_samples
+        warmup = self.cfg.warmup if warmup is None else warmup
+        one = lambda k, z, v, s, c: self._sample_one(k, theta, z, v, s, c, num_samples, warmup)  # noqa: E731
         keys = jax.random.split(key, clients.index.shape[0])
         return jax.jit(jax.vmap(one))(keys, states.z, states.v, states.step, clients)
 
+    # ------------------------------------------------------------------ final exchange (engine.Final)
+    def final_message(self, key, server: ServerState) -> Params:
+        """The estimate theta_bar (the averaged iterate), sent to every client."""
+        return self.averaged_theta(server)
+
+    def final_client(self, key, theta: Params, state: ClientState, client: ClientData):
+        """The client's local posterior samples at theta_bar and its step size: kept by the client;
+        nothing goes back."""
+        k = client_key(key, client.index, self.num_clients)
+        zs, step = self._sample_one(k, theta, state.z, state.v, state.step, client, self.cfg.num_samples,
+                                    self.cfg.warmup)
+        return {"local_samples": zs, "step_size": step}, ()
+
+    def final_server(self, key, server: ServerState, theta: Params, uploads, locals_) -> dict[str, Any]:
+        """Averaged estimate, last iterate, and (when collected) every client's local posterior samples."""
+        parts: dict[str, Any] = {"theta": theta, "params": self._fm.constrain(theta),
+                                 "params_last": self._fm.constrain(server.theta)}
+        if locals_ is not None:
+            parts["local_samples"] = locals_["local_samples"]
+            parts["client_info"] = {"step_size": locals_["step_size"]}
+        return parts
+
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
-        """Averaged estimate, last iterate, and every client's local posterior samples at the estimate."""
+        """The final exchange with every client (:func:`fedbayes.engine.final_exchange`)."""
         server, states, _ = carry
-        theta = self.averaged_theta(server)
-        zs, steps = self.sample_locals(key, theta, states, stack_clients(problem.data))
-        return {
-            "theta": theta,
-            "params": self._fm.constrain(theta),
-            "params_last": self._fm.constrain(server.theta),
-            "local_samples": zs,
-            "client_info": {"step_size": steps},
-        }
+        return final_exchange(self, key, server, states, stack_clients(problem.data))
 
     def sample_new_client(self, key, theta: Params, client: ClientData, num_samples: int, warmup: int) -> Params:
         """Local posterior samples for a client unseen in training, from a prior draw (no server round trip)."""

@@ -7,7 +7,8 @@ Louis (1982): for the marginal log-likelihood l(theta) = sum_i log p(D_i | theta
 expectations over h ~ p(h | D_i, theta). The first sum is -grad^2 Q(theta; s) for the summed E-step
 statistic s at theta (Q is linear in s), so the server computes it from the statistics; each client
 computes the covariance of its complete-data score locally (from the same E-step posterior) and
-sends that d x d matrix once. The server adds the prior's curvature -grad^2 log p(theta) and inverts: Cov(theta-hat) ~ I^{-1} (unconstrained coordinates),
+sends that symmetric d x d matrix once, as its d(d+1)/2 upper triangle, with its E-step statistic
+(FedMM's final exchange, :class:`fedbayes.engine.Final`); its local posterior stays with it. The server adds the prior's curvature -grad^2 log p(theta) and inverts: Cov(theta-hat) ~ I^{-1} (unconstrained coordinates),
 standard errors of the constrained sites by the delta method, and draws of the asymptotic normal
 approximation N(theta-hat, I^{-1}) as an approximate posterior for the globals.
 
@@ -80,31 +81,42 @@ def _client_information(run, key, theta_u: Params, state, client: ClientData) ->
     return centred.T @ centred / (S - 1), extra
 
 
-def observed_information(run, key, theta_u: Params, states, clients: ClientData, statistic) -> tuple[jax.Array, dict]:
+def client_information(run, key, theta_u: Params, state, client: ClientData) -> tuple[jax.Array, dict]:
+    """A client's part of the final exchange: the upper triangle (row-major, ``jnp.triu_indices``) of the
+    conditional covariance of its complete-data score at theta_u, and its local posterior (kept)."""
+    cov, extra = _client_information(run, key, theta_u, state, client)
+    rows, cols = jnp.triu_indices(cov.shape[0])
+    return cov[rows, cols], extra
+
+
+def _symmetric(tri: jax.Array, d: int) -> jax.Array:
+    rows, cols = jnp.triu_indices(d)
+    full = jnp.zeros((d, d), tri.dtype).at[rows, cols].set(tri)
+    return full + jnp.triu(full, 1).T
+
+
+def observed_information(run, theta_u: Params, statistic, covariance_tris: jax.Array) -> jax.Array:
     """Louis' identity summed over clients, plus the prior's curvature (unconstrained coordinates).
 
     ``statistic`` is the summed E-step statistic at theta_u: E[-grad^2 log p(D, h | theta)] summed
     over clients is -grad^2 Q(theta; statistic), computed once at the server from the statistics;
-    each client contributes the conditional covariance of its complete-data score.
+    ``covariance_tris`` (clients x d(d+1)/2) are the clients' conditional covariances of their
+    complete-data scores (:func:`client_information`).
     """
     fm = run._fm
-    C = clients.mask.shape[0]
-    covs, extra = jax.vmap(lambda k, s, c: _client_information(run, k, theta_u, s, c))(
-        jax.random.split(key, C), states, clients)
     flat, unravel = ravel_pytree(theta_u)
     neg_hess = -jax.hessian(lambda x: run.stats.surrogate(unravel(x), statistic) + fm.log_prior(unravel(x)))(flat)
-    return neg_hess - jnp.sum(covs, 0), extra
+    return neg_hess - _symmetric(jnp.sum(covariance_tris, 0), flat.size)
 
 
-def posterior_summary(run, key, theta_u: Params, states, clients: ClientData, statistic) -> dict[str, Any]:
-    """Louis' information, standard errors, approximate global posterior draws and local posteriors."""
-    return jax.jit(lambda *a: _summary(run, *a))(key, theta_u, states, clients, statistic)
+def posterior_summary(run, key, theta_u: Params, statistic, covariance_tris: jax.Array) -> dict[str, Any]:
+    """Louis' information, standard errors and approximate global posterior draws (the server's part)."""
+    return jax.jit(lambda *a: _summary(run, *a))(key, theta_u, statistic, covariance_tris)
 
 
-def _summary(run, key, theta_u, states, clients, statistic):
+def _summary(run, k_global, theta_u, statistic, covariance_tris):
     fm = run._fm
-    k_clients, k_global = jax.random.split(key)
-    information, extra = observed_information(run, k_clients, theta_u, states, clients, statistic)
+    information = observed_information(run, theta_u, statistic, covariance_tris)
     flat, unravel = ravel_pytree(theta_u)
     information = 0.5 * (information + information.T)
     cov_u = jnp.linalg.inv(information)
@@ -116,12 +128,18 @@ def _summary(run, key, theta_u, states, clients, statistic):
     draws = flat + jax.random.normal(k_global, (NUM_DRAWS, flat.size)) @ jnp.linalg.cholesky(
         cov_u + 1e-300 * jnp.eye(flat.size)).T
     approx = jax.vmap(lambda x: fm.constrain(unravel(x)))(draws)
-    out: dict[str, Any] = {
+    return {
         "information": information,
         "cov_unconstrained": cov_u,
         "se": se,
         "global_approx": {k: v[None] for k, v in approx.items()},
     }
+
+
+def local_parts(extra: dict) -> dict[str, Any]:
+    """The clients' local posteriors (stacked over clients) as Result parts: draws as ``local_samples``
+    (one chain each), the rest (responsibilities, Gaussian means and covariances) as ``local_info``."""
+    out: dict[str, Any] = {}
     if "draws" in extra:
         out["local_samples"] = jax.tree_util.tree_map(lambda a: a[:, None], extra["draws"])  # (C, 1 chain, draws, ...)
     local_info = {k: v for k, v in extra.items() if k != "draws"}

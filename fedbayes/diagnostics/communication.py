@@ -7,7 +7,9 @@ From a result's ``history`` (the per-round ledger ``bits_up`` / ``bits_down`` an
 
 or a user function of the round's parameters, or the history's ``objective``. Cumulative bits count
 the one-off initial messages (``res.init_bits``) in round 0, so methods with costly starts are not
-flattered.
+flattered. A final exchange after the last round (``res.final_bits``: FedSOUL's personal posteriors,
+FedMM's information pass) buys no error along the path and is left out of the curves; ``res.bits_up``
+and ``res.bits_down`` include it.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import time
 import uuid
+import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 import jax
@@ -19,8 +20,8 @@ from flwr.serverapp import Grid, ServerApp
 from .. import engine, wire
 from ..api import _fault_table, _public, _validated
 from ..data import FederatedData
-from ..engine import (ClientData, Problem, Progress, _host_records, first_short_round, has_setup, resolve_cohort_size,
-                      round_plan, server_half, setup_client_key, setup_keys, stack_clients)
+from ..engine import (ClientData, Problem, Progress, _host_records, first_short_round, has_final, has_setup,
+                      resolve_cohort_size, round_plan, server_half, setup_client_key, setup_keys, stack_clients)
 from ..errors import ConfigError, FedbayesError, TooFewClientsError
 from ..faults import FaultPolicy
 from ..model import FedModel
@@ -94,6 +95,8 @@ class _Runtime:
             self.serve = jax.jit(serve)
             if hasattr(run, "resync_message"):
                 self.resync_message = jax.jit(run.resync_message)
+            if has_final(run):
+                self.final_message = jax.jit(run.final_message)
             return
         self.setup_step = [jax.jit(lambda key, payload, state, member, s=s: run.setup_client(s, key, payload, state,
                                                                                              member))
@@ -102,6 +105,9 @@ class _Runtime:
             key, wire.decode_tree(payload), state, member))
         if hasattr(run, "resync"):
             self.resync = jax.jit(lambda state, payload: run.resync(state, wire.decode_tree(payload)))
+        if has_final(run):
+            self.final_client = jax.jit(lambda key, payload, state, member: run.final_client(
+                key, wire.decode_tree(payload), state, member))
         self.finish = None
         if hasattr(run, "client_finish"):
             self.finish = jax.jit(lambda reply, state, member, upload: run.client_finish(
@@ -125,7 +131,7 @@ class _Runtime:
             stacked = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((n, *a.shape), a.dtype), upload)
             server_state, payload = jax.eval_shape(lambda k, st, u, s=s: run.setup_server_step(s, k, st, u), key,
                                                    server_state, stacked)
-        self.state_template = state
+        self.state_template, self.server_template = state, server_state
         self.broadcast_template = payload.payload
         self.resync_template = None  # an algorithm whose clients keep a copy of server state
         if hasattr(run, "resync_message"):
@@ -143,6 +149,15 @@ class _Runtime:
                                     jax.random.PRNGKey(0), self.broadcast_template, self.state_template, member)
             self._upload_template = shapes[1].payload
         return self._upload_template
+
+    def final_templates(self) -> tuple[Any, Any, Any]:
+        """The final exchange's structures: (payload, what the client keeps, its upload)."""
+        if not hasattr(self, "_final_templates"):
+            key = jax.random.PRNGKey(0)
+            payload = jax.eval_shape(self.run.final_message, key, self.server_template)
+            local, upload = jax.eval_shape(self.run.final_client, key, payload, self.state_template, self.member(0))
+            self._final_templates = payload, local, upload
+        return self._final_templates
 
     def reply_template(self) -> Any:
         """The structure of the server's reply to a cohort member (None: no reply)."""
@@ -204,7 +219,7 @@ def _header(message: Message) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ client
 
 
-_STATE, _PENDING, _META = "fedbayes.state", "fedbayes.pending", "fedbayes.meta"
+_STATE, _PENDING, _META, _LOCAL = "fedbayes.state", "fedbayes.pending", "fedbayes.meta", "fedbayes.local"
 
 
 def _save(context: Context, name: str, tree: Any) -> None:
@@ -326,13 +341,24 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         context.state[_META]["pending"] = -1
         return Message(_content(b"", {}), reply_to=msg)
 
-    @app.query("state")
-    def state(msg: Message, context: Context) -> Message:
-        """The client's final state (collected by :func:`simulate` only, outside the ledger)."""
+    @app.train("final")
+    def final(msg: Message, context: Context) -> Message:
+        """The final exchange (:class:`fedbayes.engine.Final`): the server's estimate in, this client's
+        personal posterior computed from its own data and kept in ``context.state``, its upload back."""
         rt, index = _runtime_of(context), _client_index(context)
-        current = _settle(context, rt, int(_header(msg)["accepted"]))
-        leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(current)]
-        return Message(RecordDict({"state": ArrayRecord(leaves), HEADER: ConfigRecord({"client": index})}),
+        state = _settle(context, rt, int(_header(msg)["accepted"]))
+        payload_t = rt.final_templates()[0]
+        local, upload = rt.final_client(rt.k_final, wire.unpack(_data(msg), payload_t), state, rt.member(index))
+        _save(context, _LOCAL, local)
+        data, bits = wire.pack(jax.device_get(upload))
+        return Message(_content(data, {"bits": bits}), reply_to=msg)
+
+    @app.query("local")
+    def local(msg: Message, context: Context) -> Message:
+        """What the final exchange left on this client (its personal posterior): collected by
+        :func:`simulate` only, outside the ledger; a deployment's server never asks for it."""
+        leaves = context.state[_LOCAL].to_numpy_ndarrays() if _LOCAL in context.state else []
+        return Message(RecordDict({"local": ArrayRecord(leaves), HEADER: ConfigRecord({"client": _client_index(context)})}),
                        reply_to=msg)
 
     @app.query("hello")
@@ -511,20 +537,62 @@ class _Server:
                 missed[j] = True
         return bits, missed
 
-    def collect(self) -> Any:
-        """Every client's final state (a simulation's result, outside the ledger)."""
-        msgs = [Message(RecordDict({HEADER: ConfigRecord({"accepted": int(self.accepted[c])})}), dst_node_id=n,
-                        message_type="query.state") for c, n in self.node_of.items()]
-        rt, num = self.rt, self.rt.data.num_clients
-        leaves, treedef = jax.tree_util.tree_flatten(rt.state_template)
-        stacked = [np.zeros((num, *t.shape), t.dtype) for t in leaves]
+    def final(self, collect_locals: bool) -> dict[str, Any]:
+        """The final exchange (:class:`fedbayes.engine.Final`) with every client: the estimate out, the
+        uploads back (kinds ``"final"`` / ``"final-reply"`` in ``message_bytes``, the run's ``final_bits``).
+        With ``collect_locals`` (a simulation) each client's personal posterior is then fetched, outside
+        the ledger. A client that does not answer leaves the result without what needs every client
+        (FedMM's information), with a warning: the estimate is kept."""
+        rt, run, num = self.rt, self.rt.run, self.rt.data.num_clients
+        k = rt.fit.num_rounds  # the final exchange's group: the round after the last
+        payload = rt.final_message(rt.k_final, rt.server_state)
+        data, bits = wire.pack(jax.device_get(payload))
+        msgs = []
+        for client in range(num):
+            header = {"accepted": int(self.accepted[client])}
+            msgs.append(Message(_content(data, header), dst_node_id=self.node_of[client], message_type="train.final",
+                                group_id=str(k)))
+            self.message_bytes.append(("final", k, client, len(data), bits))
+        replies = self._send(msgs)
+        client_of = {node: client for client, node in self.node_of.items()}
+        _, local_t, upload_t = rt.final_templates()
+        uploads: list[Any] = [None] * num
+        for node, reply in replies.items():
+            client = client_of[node]
+            uploads[client] = wire.unpack(_data(reply), upload_t)
+            self.message_bytes.append(("final-reply", k, client, payload_bytes(reply), engine.dense_bits(upload_t)))
+        missing = [c for c in range(num) if uploads[c] is None]
+        payload = wire.decode_tree(payload)
+        if missing:
+            warnings.warn(f"{run.name}: client(s) {missing[:10]} did not answer the final exchange; the result has the "
+                          "estimate but not what needs every client (personal posteriors, FedMM's information)",
+                          RuntimeWarning, stacklevel=3)
+            parts = run.final_server(rt.k_final, rt.server_state, payload, None, None)
+        else:
+            stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *uploads) if num else None
+            locals_ = self._collect_locals(local_t) if collect_locals else None
+            parts = run.final_server(rt.k_final, rt.server_state, payload, stacked, locals_)
+        # every client was sent the estimate; the uploads that arrived went back
+        parts["final_bits"] = ((num - len(missing)) * engine.dense_bits(upload_t), num * engine.dense_bits(payload))
+        return parts
+
+    def _collect_locals(self, local_t: Any) -> Any:
+        """Every client's personal posterior from the final exchange (a simulation's result only)."""
+        msgs = [Message(RecordDict({}), dst_node_id=n, message_type="query.local") for n in self.node_of.values()]
+        leaves_t, treedef = jax.tree_util.tree_flatten(local_t)
+        num = self.rt.data.num_clients
+        stacked = [np.zeros((num, *t.shape), t.dtype) for t in leaves_t]
+        got = set()
         for reply in self._send(msgs).values():
             client = int(_header(reply)["client"])
-            for leaf, value in zip(stacked, reply.content.array_records["state"].to_numpy_ndarrays()):
+            for leaf, value in zip(stacked, reply.content.array_records["local"].to_numpy_ndarrays()):
                 leaf[client] = value
+            got.add(client)
+        if len(got) < num:
+            raise FedbayesError(f"client(s) {sorted(set(range(num)) - got)[:10]} did not return their local posteriors")
         return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in stacked])
 
-    def run(self) -> Result:
+    def run(self, collect_locals: bool = False) -> Result:
         rt, spec = self.rt, self.spec
         self.connect()
         self.setup()
@@ -539,12 +607,13 @@ class _Server:
             bar.update(k + 1)
         history = {name: np.concatenate([r[name] for r in self.records]) for name in self.records[0]}
         history = _host_records(history, time.perf_counter() - t0)
-        carry = (rt.server_state, self.collect(), rt.broadcast)
-        # The final step (FedSOUL's per-client posterior draws, FedMM's information pass) runs here on the
-        # collected client states and spec.data, as in fed_fit; see the README on what that implies.
+        problem = Problem(FedModel(rt.fit.model, rt.data, rt.fit.model_kwargs), rt.data, rt.fit.num_rounds, rt.cohort)
+        if has_final(rt.run):
+            parts = self.final(collect_locals)
+            parts.setdefault("init_bits", rt.run.init_bits)
+        else:  # the result is the server's alone (the samplers' draws, TAMUNA's x): no client state is read
+            parts = rt.run.finalize(rt.k_final, (rt.server_state, None, rt.broadcast), problem, history=history)
         fm = FedModel(rt.fit.model, rt.fit.data, rt.fit.model_kwargs)
-        problem = Problem(fm, rt.fit.data, rt.fit.num_rounds, rt.cohort)
-        parts = rt.run.finalize(rt.k_final, carry, problem, history=history)
         result = Result(model=fm, data=rt.fit.data, run=rt.run, algorithm=rt.run.name, seed=spec.seed, parts=parts,
                         history=_public(history))
         result.faults = _fault_table(history, rt.k_rounds, rt.data.num_clients, rt.cohort)
@@ -552,20 +621,24 @@ class _Server:
         return result
 
 
-def run_server(spec: FlowerSpec, grid: Grid) -> Result:
+def run_server(spec: FlowerSpec, grid: Grid, collect_locals: bool = False) -> Result:
     """Run ``spec``'s algorithm over the nodes of ``grid`` (inside a ServerApp's ``main``) and return the
-    :class:`fedbayes.Result`: the global state, the ledger and ``flower_messages``. The clients' final
-    states are collected too (as a simulation's result; leave them out of a deployment's reporting)."""
-    return _Server(spec, grid).run()
+    :class:`fedbayes.Result`: the global estimate (and the samplers' draws), the ledger and
+    ``flower_messages``. The clients' personal posteriors (FedSOUL's local samples, FedMM's local
+    posteriors) are computed in the final exchange and stay on their nodes, in ``context.state``;
+    ``collect_locals=True`` fetches them into the result, outside the ledger, as a simulation does
+    (:func:`simulate`); leave it off in a deployment."""
+    return _Server(spec, grid).run(collect_locals)
 
 
-def server_app(spec: FlowerSpec) -> ServerApp:
-    """A ServerApp running ``spec``'s algorithm for ``spec.num_rounds`` rounds over the connected nodes."""
+def server_app(spec: FlowerSpec, collect_locals: bool = False) -> ServerApp:
+    """A ServerApp running ``spec``'s algorithm for ``spec.num_rounds`` rounds over the connected nodes
+    (``collect_locals``: see :func:`run_server`)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        _RESULTS[spec.token] = run_server(spec, grid)
+        _RESULTS[spec.token] = run_server(spec, grid, collect_locals)
 
     return app
 
@@ -576,7 +649,8 @@ def server_app(spec: FlowerSpec) -> ServerApp:
 class LocalGrid:
     """A Flower ``Grid`` that delivers messages to ClientApps in this process, one after another: the
     message protocol of a deployment without its transport, for debugging and for tests.
-    ``unreachable(round, client) -> bool`` makes a node fail to answer (Flower's NODE_UNAVAILABLE)."""
+    ``unreachable(round, client) -> bool`` makes a node fail to answer (Flower's NODE_UNAVAILABLE) in a
+    round, or with ``round == num_rounds`` in the final exchange (the set-up always reaches every node)."""
 
     def __init__(self, app: ClientApp, num_clients: int, unreachable: Callable[[int, int], bool] | None = None,
                  run_config: Mapping[str, Any] | None = None):
@@ -629,7 +703,8 @@ def simulate(model: Callable, data: FederatedData | Mapping[str, Any], algorithm
     ``backend="ray"`` runs Flower's simulation engine (``flwr.simulation.run_simulation``: one SuperNode per
     client, ClientApps in Ray workers, ``num_cpus_per_client`` each). ``backend="local"`` delivers the
     same messages to the same ClientApp in this process (:class:`LocalGrid`), without Ray; it alone
-    accepts ``unreachable(round, client) -> bool`` to make a node miss a round.
+    accepts ``unreachable(round, client) -> bool`` to make a node miss a round (``round == num_rounds``:
+    the final exchange).
 
     Differences from ``fed_fit``: client steps run one client at a time rather than vectorised, so
     results agree to float rounding, not bit for bit; the result also has ``flower_messages``, the
@@ -643,7 +718,7 @@ def simulate(model: Callable, data: FederatedData | Mapping[str, Any], algorithm
         grid = LocalGrid(client_app(spec), fit.data.num_clients, unreachable)
         try:
             with _server_identity():
-                return _Server(spec, grid).run()
+                return _Server(spec, grid).run(collect_locals=True)
         finally:
             _forget(spec.token)
     if backend != "ray":
@@ -653,7 +728,7 @@ def simulate(model: Callable, data: FederatedData | Mapping[str, Any], algorithm
     from flwr.simulation import run_simulation
 
     try:
-        run_simulation(server_app=server_app(spec), client_app=client_app(spec), num_supernodes=fit.data.num_clients,
+        run_simulation(server_app=server_app(spec, collect_locals=True), client_app=client_app(spec), num_supernodes=fit.data.num_clients,
                        backend_config={"client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": 0.0}})
         if spec.token not in _RESULTS:
             raise FedbayesError("the Flower simulation ended without a result; its log above says why")

@@ -12,6 +12,6 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    result = run_server(spec(context.run_config), grid)
+    result = run_server(spec(context.run_config, role="server"), grid)
     print({name: value.tolist() for name, value in result.params.items()})
     print("payload bytes on the wire:", sum(m[3] for m in result.flower_messages))

@@ -23,8 +23,10 @@ def load_data(num_clients: int) -> fb.FederatedData:
     return data
 
 
-def spec(run_config) -> FlowerSpec:
+def spec(run_config, role: str = "client") -> FlowerSpec:
+    """Both ends' spec; the server's holds only the data's layout (``data.blank()``: every value zero)."""
     num_clients = int(run_config.get("num-clients", 10))
-    return FlowerSpec(model=MODEL, data=load_data(num_clients), algorithm=algorithm(),
+    data = load_data(num_clients)
+    return FlowerSpec(model=MODEL, data=data.blank() if role == "server" else data, algorithm=algorithm(),
                       num_rounds=int(run_config.get("num-rounds", 200)), seed=int(run_config.get("seed", 0)),
-                      token="fedbayes-app")
+                      token=f"fedbayes-app-{role}")
