@@ -18,7 +18,7 @@ demo: $(STAMP)
 
 # The longest test files are listed first so that the two processes finish together (pytest collects
 # each file once; the rest of tests/ follows in name order).
-SLOW_TESTS := tests/test_fedmm.py tests/test_flower.py tests/test_fedsoul.py tests/test_expfam.py tests/test_elf.py tests/test_faults.py \
+SLOW_TESTS := tests/test_fedmm.py tests/test_flower.py tests/test_flower_app.py tests/test_fedsoul.py tests/test_expfam.py tests/test_elf.py tests/test_faults.py \
 	tests/test_tamuna.py
 
 test: $(STAMP)

@@ -1,5 +1,7 @@
 """The ServerApp: samples cohorts with its own PRNG key, sends the broadcast, screens and aggregates."""
 
+import json
+
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
@@ -13,5 +15,7 @@ app = ServerApp()
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     result = run_server(spec(context.run_config, role="server"), grid)
-    print({name: value.tolist() for name, value in result.params.items()})
-    print("payload bytes on the wire:", sum(m[3] for m in result.flower_messages))
+    summary = {"params": {name: value.tolist() for name, value in result.params.items()},
+               "ledger_bits": result.bits_up + result.bits_down,
+               "payload_bytes": sum(m[3] for m in result.flower_messages)}
+    print("fedbayes result:", json.dumps(summary))

@@ -14,8 +14,8 @@ from fedbayes.flower import FlowerSpec
 MODEL = fb.models.logistic_regression(prior_scale=2.0)
 
 
-def algorithm():
-    return fb.DELF(uplink=fb.compress.top_k(2), num_chains=4, warmup=50)
+def algorithm(num_rounds: int):
+    return fb.DELF(uplink=fb.compress.top_k(2), num_chains=4, warmup=num_rounds // 4)
 
 
 def load_data(num_clients: int) -> fb.FederatedData:
@@ -25,8 +25,8 @@ def load_data(num_clients: int) -> fb.FederatedData:
 
 def spec(run_config, role: str = "client") -> FlowerSpec:
     """Both ends' spec; the server's holds only the data's layout (``data.blank()``: every value zero)."""
-    num_clients = int(run_config.get("num-clients", 10))
+    num_clients, num_rounds = int(run_config.get("num-clients", 10)), int(run_config.get("num-rounds", 200))
     data = load_data(num_clients)
-    return FlowerSpec(model=MODEL, data=data.blank() if role == "server" else data, algorithm=algorithm(),
-                      num_rounds=int(run_config.get("num-rounds", 200)), seed=int(run_config.get("seed", 0)),
+    return FlowerSpec(model=MODEL, data=data.blank() if role == "server" else data, algorithm=algorithm(num_rounds),
+                      num_rounds=num_rounds, seed=int(run_config.get("seed", 0)),
                       token=f"fedbayes-app-{role}")
