@@ -149,6 +149,32 @@ def test_flower_run_equals_fed_fit(name):
         assert res.final_bits == (4 * 32 * (q + d * (d + 1) // 2), 4 * 32 * d)
 
 
+OTHERS = {
+    # the rest of the algorithms, each on a few rounds: the generic apps run any of them
+    "lmc": lambda: (fb.LMC(num_chains=2), *glm(), 3, None),
+    "p-elf": lambda: (fb.PELF(downlink=fb.compress.top_k(2), num_chains=2), *glm(), 3, None),
+    "qlsd": lambda: (fb.QLSD(compressor=fb.compress.rand_k(2), num_chains=2), *glm(), 3, 3),
+    "fedem": lambda: (lambda m, d, init: (fb.FedEM(init=init, step_size=0.5, uncertainty=False), m, d, 3, None))(
+        *mixture()),
+    "param-averaging": lambda: (lambda m, d, init: (fb.ParamAveragingEM(init=init, uncertainty=False), m, d, 3, None))(
+        *mixture()),
+    "scaffnew": lambda: (fb.Scaffnew(local_steps=2), *glm(), 3, None),
+    "gd": lambda: (fb.GD(), *glm(), 3, None),
+    "fedavg": lambda: (fb.FedAvg(local_steps=2), *glm(), 3, 3),
+}
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_every_algorithm_runs_on_flower(name):
+    """Every other algorithm through the same ServerApp / ClientApp: fed_fit's rounds and ledger, and its
+    estimate to float32 rounding; each message's bytes are its ledger bits."""
+    algo, model, data, rounds, cohort = OTHERS[name]()
+    ref = fb.fed_fit(model, data, algo, num_rounds=rounds, clients_per_round=cohort, seed=4, progress=False)
+    res = flower.simulate(model, data, algo, num_rounds=rounds, clients_per_round=cohort, seed=4, backend="local")
+    _same(ref, res, exact=False)
+    _check_bytes(res)
+
+
 def _dropped(algo, model, data, rounds, cohort, seed, faults):
     """(round, client) pairs that fed_fit's fault stream drops (recomputed from the seed)."""
     run_key = jax.random.split(jax.random.PRNGKey(seed), 3)[1]

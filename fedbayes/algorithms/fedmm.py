@@ -410,7 +410,9 @@ class ParamAveragingRun(FedMMRun):
     """Starts, like FedMM, from T of a federated E-step at theta_0 (its pass is in the ledger)."""
 
     def _broadcast(self, s, theta):
-        return Message(Broadcast(s, theta), jnp.asarray(FLOAT_BITS * self.dim, jnp.int32))
+        """theta alone: the clients run a full local EM step and need no statistic (an empty ``s`` keeps
+        the message's structure, so the wire carries exactly the ledger's bits)."""
+        return Message(Broadcast(jnp.zeros((0,), s.dtype), theta), jnp.asarray(FLOAT_BITS * self.dim, jnp.int32))
 
     def client_step(self, key, payload: Broadcast, state: ClientState, client: ClientData):
         s_i, z = self._e_step(payload.theta, client, state.z, state.step, key)
