@@ -220,7 +220,8 @@ class Final(Protocol):
     own with :func:`client_key`). ``uploads`` are stacked over all clients in index order; ``locals``
     likewise when the caller collected them (a simulation), None otherwise (a deployment, where
     personal posteriors stay on their clients); ``uploads`` is None when a client did not answer on a
-    network, and ``final_server`` then returns the estimate alone. The bits are the run's ``final_bits``
+    network, and ``final_server`` then returns the estimate and the collected local parts (a missing
+    client's are NaN) without what needs every upload. The bits are the run's ``final_bits``
     (:func:`final_exchange`): the payload to every client and every upload, dense.
     """
 

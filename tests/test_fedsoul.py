@@ -175,14 +175,31 @@ def test_sample_client_runs_a_local_chain_for_new_data(synthetic_fit):
     np.testing.assert_allclose(z.mean(0), m, atol=0.02)
 
 
-def test_stateless_variant_and_partial_participation_learn_the_subspace(synthetic_fit):
-    # Only the stateless run is checked for phi: the fixture's run (rand-k at half the coordinates, 5
-    # local steps, 300 rounds) recovers the subspace for some seeds only (distances 0.1 to 1.0 across
-    # seeds 0-3), so a bound on it would test the seed, not the algorithm.
-    train, test, truth, _ = synthetic_fit
-    res2 = fb.fed_fit(fb.models.fedpop_synthetic, train, fb.FedSOUL(local_steps=20, stateful=False, num_samples=20, warmup=50),
-                      num_rounds=300, clients_per_round=0.5, seed=1)
-    assert fb.models.principal_angle_distance(res2.params["phi"], truth["phi"]) < 0.3
+@pytest.mark.parametrize("variant", ["stateful, rand-k", "stateless"])
+def test_fedsoul_learns_the_subspace_from_the_best_of_three_starts(variant):
+    """phi is recovered (principal-angle distance to the true subspace < 0.3) by the start with the best
+    final objective among three seeds: the multi-start a user runs on a non-convex problem, chosen by
+    the fit's own objective (the averaged log joint of the clients' chains), not by the truth.
+
+    Why three starts: the marginal likelihood has local optima in phi. Measured over seeds 0-13 on these
+    100 clients (300 rounds), single starts land either near the truth (distances 0.04-0.26) or far from
+    it (0.58-0.99): stateful FedSOUL with rand-k at half the coordinates, 5 local steps, cohorts of 30:
+    2 of 14 far; stateless, 20 local steps, half the clients a round: 1 of 14 far. The two regimes are
+    separated by the 0.3 bound. In the far runs checked (one of each variant, against a near run of the
+    same variant) the final objective was the lower by thousands, so the selection finds a near start
+    whenever one of the three is near (all three far: under 1% at these rates; seeds 0-2 happen to be
+    near in both variants). On 30 clients, 3 to 4 of 5 single starts were far, more rounds or local
+    steps did not change that, so those fits are not used for phi."""
+    train, _, truth = fb.models.make_fedpop_synthetic(100, seed=2)
+    if variant == "stateless":
+        algo, cohort = fb.FedSOUL(local_steps=20, stateful=False, num_samples=20, warmup=50), 0.5
+    else:
+        algo, cohort = fb.FedSOUL(local_steps=5, num_samples=20, warmup=50,
+                                  compressor=fb.compress.rand_k(fraction=0.5)), 30
+    fits = [fb.fed_fit(fb.models.fedpop_synthetic, train, algo, num_rounds=300, clients_per_round=cohort, seed=seed,
+                       progress=False) for seed in range(3)]
+    best = max(fits, key=lambda r: float(np.mean(r.history["objective"][-50:])))
+    assert fb.models.principal_angle_distance(best.params["phi"], truth["phi"]) < 0.3
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -2,13 +2,16 @@
 installs the app, runs it with the simulation runtime (Ray), and the ServerApp prints its result, which
 is fed_fit's for the same spec.
 
-Skipped with its reason when Flower's CLI is not installed (the `fedbayes[flower]` extra brings it).
+Skipped with its reason when Flower's CLI is not installed (the `fedbayes[flower]` extra brings it), is
+older than 1.28 (the Flower configuration and `--federation-config` of this command), or when a
+SuperLink already listens on the local port `flwr run` uses (it would take the run).
 """
 
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,12 +46,26 @@ def _stop_superlinks(home: str) -> None:
             pass
 
 
+LOCAL_PORT = 39091  # the port of Flower's managed local SuperLink (Flower 1.42)
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Explicitly requested dtype float64:UserWarning")
 def test_template_app_under_flwr_run_equals_fed_fit():
     flwr = shutil.which("flwr", path=str(BIN))
     if flwr is None or shutil.which("flower-superlink", path=str(BIN)) is None:
         pytest.skip("Flower's CLI (flwr, flower-superlink) is not next to this interpreter")
+    from flwr import __version__ as flwr_version
+
+    if tuple(int(p) for p in flwr_version.split(".")[:2]) < (1, 28):
+        pytest.skip(f"the template's flwr run command needs Flower >= 1.28 (installed: {flwr_version})")
+    if _port_in_use(LOCAL_PORT):
+        pytest.skip(f"a SuperLink already listens on 127.0.0.1:{LOCAL_PORT}; flwr run would submit to it")
     num_clients, num_rounds = 3, 12
     home = tempfile.mkdtemp(prefix="fedbayes-flwr-run-")
     env = dict(os.environ, FLWR_HOME=home, PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",

@@ -100,8 +100,9 @@ class FedMM:
     louis_draws:
         Posterior draws for Louis' identity where it is not computed exactly.
     uncertainty:
-        After the fit, compute the local posteriors and Louis' standard errors (one extra pass,
-        d(d+1)/2 floats up per client); False skips it.
+        After the fit, compute the local posteriors and Louis' standard errors: the final exchange,
+        theta-hat (d floats) to every client and q + d(d+1)/2 floats back from each (``res.final_bits``);
+        False skips it.
     """
 
     step_size: float | Callable = 1.0
@@ -360,9 +361,13 @@ class FedMMRun(Staged):
     def final_server(self, key, server: ServerState, theta: Params, uploads, locals_) -> dict[str, Any]:
         """Louis' observed information from sum_i mu_i s_i(theta-hat) N and the clients' covariances:
         standard errors and the normal approximation of the globals (plus the collected local posteriors).
-        ``uploads=None`` (a client missed the exchange on a network): the estimate alone."""
+        ``uploads=None`` (a client missed the exchange on a network): the estimate and whatever local
+        posteriors were collected."""
         if uploads is None:
-            return self._server_parts(server, theta)
+            parts = self._server_parts(server, theta)
+            if locals_ is not None:
+                parts.update(louis.local_parts(locals_))
+            return parts
         s_i, tris = uploads
         statistic = self._unravel(jnp.tensordot(self._mu, s_i, 1) * self._N)  # E-step at theta-hat
         k_global = jax.random.split(jax.random.split(key)[1])[1]

@@ -190,8 +190,8 @@ class FedSOULRun(Staged):
 
     final_exchange = True  # personal posteriors at the estimate: engine.Final
 
-    def __init__(self, cfg: FedSOUL, fm: FedModel, avg_start: int, init_values: Mapping[str, Any] | None = None,
-                 num_clients: int = 1):
+    def __init__(self, cfg: FedSOUL, fm: FedModel, avg_start: int, init_values: Mapping[str, Any] | None,
+                 num_clients: int):
         self.cfg, self._fm, self._avg_start, self._init_values = cfg, fm, avg_start, init_values
         self.num_clients = num_clients
         self.name = cfg.name

@@ -541,12 +541,13 @@ class _Server:
         """The final exchange (:class:`fedbayes.engine.Final`) with every client: the estimate out, the
         uploads back (kinds ``"final"`` / ``"final-reply"`` in ``message_bytes``, the run's ``final_bits``).
         With ``collect_locals`` (a simulation) each client's personal posterior is then fetched, outside
-        the ledger. A client that does not answer leaves the result without what needs every client
-        (FedMM's information), with a warning: the estimate is kept."""
+        the ledger. A client that does not answer costs the result what needs every upload (FedMM's
+        information) and its own personal posterior (NaN), with a warning; the rest is kept."""
         rt, run, num = self.rt, self.rt.run, self.rt.data.num_clients
         k = rt.fit.num_rounds  # the final exchange's group: the round after the last
-        payload = rt.final_message(rt.k_final, rt.server_state)
-        data, bits = wire.pack(jax.device_get(payload))
+        payload_t, local_t, upload_t = rt.final_templates()
+        data, bits = wire.pack(jax.device_get(rt.final_message(rt.k_final, rt.server_state)))
+        sent = wire.decode_tree(wire.unpack(data, payload_t))  # the estimate as the clients read it
         msgs = []
         for client in range(num):
             header = {"accepted": int(self.accepted[client])}
@@ -555,41 +556,41 @@ class _Server:
             self.message_bytes.append(("final", k, client, len(data), bits))
         replies = self._send(msgs)
         client_of = {node: client for client, node in self.node_of.items()}
-        _, local_t, upload_t = rt.final_templates()
         uploads: list[Any] = [None] * num
         for node, reply in replies.items():
             client = client_of[node]
             uploads[client] = wire.unpack(_data(reply), upload_t)
             self.message_bytes.append(("final-reply", k, client, payload_bytes(reply), engine.dense_bits(upload_t)))
         missing = [c for c in range(num) if uploads[c] is None]
-        payload = wire.decode_tree(payload)
         if missing:
-            warnings.warn(f"{run.name}: client(s) {missing[:10]} did not answer the final exchange; the result has the "
-                          "estimate but not what needs every client (personal posteriors, FedMM's information)",
+            warnings.warn(f"{run.name}: client(s) {missing[:10]} did not answer the final exchange; the result has "
+                          "neither what needs every client (FedMM's information) nor their personal posteriors",
                           RuntimeWarning, stacklevel=3)
-            parts = run.final_server(rt.k_final, rt.server_state, payload, None, None)
-        else:
-            stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *uploads) if num else None
-            locals_ = self._collect_locals(local_t) if collect_locals else None
-            parts = run.final_server(rt.k_final, rt.server_state, payload, stacked, locals_)
+        answered = [c for c in range(num) if uploads[c] is not None]
+        locals_ = self._collect_locals(local_t, answered) if collect_locals else None
+        stacked = None if missing else jax.tree_util.tree_map(lambda *xs: np.stack(xs), *uploads)
+        parts = run.final_server(rt.k_final, rt.server_state, sent, stacked, locals_)
         # every client was sent the estimate; the uploads that arrived went back
-        parts["final_bits"] = ((num - len(missing)) * engine.dense_bits(upload_t), num * engine.dense_bits(payload))
+        parts["final_bits"] = (len(answered) * engine.dense_bits(upload_t), num * engine.dense_bits(sent))
         return parts
 
-    def _collect_locals(self, local_t: Any) -> Any:
-        """Every client's personal posterior from the final exchange (a simulation's result only)."""
-        msgs = [Message(RecordDict({}), dst_node_id=n, message_type="query.local") for n in self.node_of.values()]
+    def _collect_locals(self, local_t: Any, clients: list[int]) -> Any:
+        """The personal posteriors the final exchange left on ``clients`` (a simulation's result only,
+        outside the ledger), stacked over all clients; a client not asked or not answering: NaN."""
+        msgs = [Message(RecordDict({}), dst_node_id=self.node_of[c], message_type="query.local") for c in clients]
         leaves_t, treedef = jax.tree_util.tree_flatten(local_t)
         num = self.rt.data.num_clients
-        stacked = [np.zeros((num, *t.shape), t.dtype) for t in leaves_t]
+        stacked = [np.full((num, *t.shape), np.nan, t.dtype) if np.issubdtype(t.dtype, np.floating) else
+                   np.zeros((num, *t.shape), t.dtype) for t in leaves_t]
         got = set()
         for reply in self._send(msgs).values():
             client = int(_header(reply)["client"])
             for leaf, value in zip(stacked, reply.content.array_records["local"].to_numpy_ndarrays()):
                 leaf[client] = value
             got.add(client)
-        if len(got) < num:
-            raise FedbayesError(f"client(s) {sorted(set(range(num)) - got)[:10]} did not return their local posteriors")
+        if set(clients) - got:
+            warnings.warn(f"client(s) {sorted(set(clients) - got)[:10]} did not return their personal posteriors "
+                          "(NaN in the result)", RuntimeWarning, stacklevel=3)
         return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in stacked])
 
     def run(self, collect_locals: bool = False) -> Result:
@@ -607,11 +608,12 @@ class _Server:
             bar.update(k + 1)
         history = {name: np.concatenate([r[name] for r in self.records]) for name in self.records[0]}
         history = _host_records(history, time.perf_counter() - t0)
-        problem = Problem(FedModel(rt.fit.model, rt.data, rt.fit.model_kwargs), rt.data, rt.fit.num_rounds, rt.cohort)
         if has_final(rt.run):
             parts = self.final(collect_locals)
             parts.setdefault("init_bits", rt.run.init_bits)
         else:  # the result is the server's alone (the samplers' draws, TAMUNA's x): no client state is read
+            problem = Problem(FedModel(rt.fit.model, rt.data, rt.fit.model_kwargs), rt.data, rt.fit.num_rounds,
+                              rt.cohort)
             parts = rt.run.finalize(rt.k_final, (rt.server_state, None, rt.broadcast), problem, history=history)
         fm = FedModel(rt.fit.model, rt.fit.data, rt.fit.model_kwargs)
         result = Result(model=fm, data=rt.fit.data, run=rt.run, algorithm=rt.run.name, seed=spec.seed, parts=parts,
