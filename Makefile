@@ -35,7 +35,7 @@ test-arviz1: .venv312/.fedbayes-installed
 	@touch $@
 
 bench: $(STAMP)
-	for b in fedsoul langevin fedmm tamuna; do $(PY) benchmarks/bench_$$b.py || exit 1; done
+	for b in fedsoul langevin fedmm tamuna flower; do $(PY) benchmarks/bench_$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .venv312 build *.egg-info .pytest_cache
