@@ -223,14 +223,14 @@ def test_an_unreachable_node_is_a_dropped_client(name):
     assert sorted(map(tuple, res.faults[["round", "client"]].to_numpy())) == sorted(off)
 
 
-def _deployed(name, seed, collect_locals=False, unreachable=None):
+def _deployed(name, seed, collect_locals=False, unreachable=None, node_config=None):
     """fed_fit, and a run whose ServerApp's spec holds only the data's layout (every value zero) while each
     ClientApp reads its own partition, as in a deployment."""
     algo, model, data, rounds, cohort = CASES[name]()
     ref = fb.fed_fit(model, data, algo, num_rounds=rounds, clients_per_round=cohort, seed=seed)
     clients = FlowerSpec(model, data, algo, rounds, cohort, seed=seed)
     server = FlowerSpec(model, data.blank(), algo, rounds, cohort, seed=seed)
-    grid = LocalGrid(flower.client_app(clients), data.num_clients, unreachable)
+    grid = LocalGrid(flower.client_app(clients), data.num_clients, unreachable, node_config=node_config)
     try:
         with _server_identity():
             res = run_server(server, grid, collect_locals=collect_locals)
@@ -253,6 +253,19 @@ def test_the_server_needs_no_client_data(name):
     _check_bytes(res)
     if name == "fedmm":  # a deployment's result: no client's local posterior reached the server
         assert ref.local_info and not res.local_info and not res.local_samples
+
+
+def test_a_node_writes_its_personal_posterior_where_its_config_says(tmp_path):
+    """With ``fedbayes-output`` in its node config, each node writes its personal posterior to its own
+    disk after the final exchange (constrained, chains x draws): fed_fit's for that client. The server's
+    result, as in a deployment, holds none."""
+    ref, res = _deployed("fedsoul", seed=2, node_config={flower.OUTPUT_KEY: str(tmp_path)})
+    assert not res.local_samples
+    for i in range(ref._data.num_clients):
+        with np.load(tmp_path / f"client-{i}.npz") as saved:
+            assert set(saved.files) == {"local_samples/b", "step_size"}
+            _equal(ref._local_chains["b"][i], saved["local_samples/b"], False, f"client {i}")
+            _equal(ref.client_info["step_size"][i], saved["step_size"], False, f"client {i} step")
 
 
 @pytest.mark.parametrize("name", ["fedmm", "fedsoul"])

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import os
 import time
 import uuid
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import jax
@@ -251,6 +253,34 @@ def _settle(context: Context, rt: _Runtime, accepted: int) -> Any:
     return _load(context, _STATE, rt.state_def())
 
 
+OUTPUT_KEY = "fedbayes-output"  # node config: a folder where a node writes its personal posterior
+
+
+def write_personal_posterior(folder: str, index: int, fm: FedModel, local: Any) -> Path:
+    """Write client ``index``'s part of the final exchange (its personal posterior) to
+    ``folder/client-<index>.npz`` on its own node, atomically: sample sites constrained to the model's
+    space (FedSOUL's ``local_samples/<site>`` as (chains, draws, ...), FedMM's ``draws/<site>`` as
+    (draws, ...)), the rest as computed (``step_size``, ``responsibilities``, ``mean``, ``cov``)."""
+    out: dict[str, np.ndarray] = {}
+    for name, value in dict(local).items():
+        if name in ("local_samples", "draws"):
+            constrain = jax.vmap(fm.constrain)
+            if name == "local_samples":
+                constrain = jax.vmap(constrain)
+            value = constrain(value)
+        if isinstance(value, Mapping):
+            out.update({f"{name}/{site}": np.asarray(v) for site, v in value.items()})
+        else:
+            out[name] = np.asarray(value)
+    path = Path(folder) / f"client-{index}.npz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        np.savez(fh, **out)
+    os.replace(tmp, path)
+    return path
+
+
 _SPECS: dict[Any, FlowerSpec] = {}
 
 
@@ -268,7 +298,10 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
     """A ClientApp running ``spec``'s algorithm on this node's client (``node_config['partition-id']`` in a
     simulation, ``node_config['client-id']`` in a deployment). Its state lives in ``context.state``: the
     committed state, and the state after its last step until the server's verdict on that upload.
-    ``spec`` may be a function of the run config (``flwr run``'s ``[tool.flwr.app.config]``)."""
+    ``spec`` may be a function of the run config (``flwr run``'s ``[tool.flwr.app.config]``). A node whose
+    config names a folder under ``"fedbayes-output"`` (``flower-supernode --node-config
+    "client-id=3 fedbayes-output='/data/out'"``) also writes its personal posterior there after the
+    final exchange (:func:`write_personal_posterior`): it never leaves the node, and outlives the run."""
     app = ClientApp()
     spec_of = spec
 
@@ -350,6 +383,8 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         payload_t = rt.final_templates()[0]
         local, upload = rt.final_client(rt.k_final, wire.unpack(_data(msg), payload_t), state, rt.member(index))
         _save(context, _LOCAL, local)
+        if context.node_config.get(OUTPUT_KEY):
+            write_personal_posterior(str(context.node_config[OUTPUT_KEY]), index, rt.run._fm, local)
         data, bits = wire.pack(jax.device_get(upload))
         return Message(_content(data, {"bits": bits}), reply_to=msg)
 
@@ -652,12 +687,15 @@ class LocalGrid:
     """A Flower ``Grid`` that delivers messages to ClientApps in this process, one after another: the
     message protocol of a deployment without its transport, for debugging and for tests.
     ``unreachable(round, client) -> bool`` makes a node fail to answer (Flower's NODE_UNAVAILABLE) in a
-    round, or with ``round == num_rounds`` in the final exchange (the set-up always reaches every node)."""
+    round, or with ``round == num_rounds`` in the final exchange (the set-up always reaches every node).
+    ``node_config`` is added to every node's (e.g. ``{"fedbayes-output": folder}``)."""
 
     def __init__(self, app: ClientApp, num_clients: int, unreachable: Callable[[int, int], bool] | None = None,
-                 run_config: Mapping[str, Any] | None = None):
+                 run_config: Mapping[str, Any] | None = None, node_config: Mapping[str, Any] | None = None):
         self.app, self.unreachable = app, unreachable
-        self.contexts = {i + 1: Context(run_id=0, node_id=i + 1, node_config={"partition-id": i, "num-partitions": num_clients},
+        self.contexts = {i + 1: Context(run_id=0, node_id=i + 1,
+                                        node_config={**dict(node_config or {}), "partition-id": i,
+                                                     "num-partitions": num_clients},
                                         state=RecordDict(), run_config=dict(run_config or {})) for i in range(num_clients)}
         self._ids = itertools.count(1)
 
