@@ -39,6 +39,10 @@ def test_idata_holds_estimates_history_and_ledger(res):
     assert hist["theta_phi"].dims[0] == "round" and hist.sizes["round"] == 40
     np.testing.assert_array_equal(hist["bits_up"].values, res.history["bits_up"])
     assert hist.attrs["bits_up_total"] == res.bits_up == int(res.history["bits_up"].sum())
+    # FedSOUL's final exchange: theta_bar (phi 20x2, mu 2, sigma 1) to all 12 clients, nothing back
+    assert (hist.attrs["final_bits_up"], hist.attrs["final_bits_down"]) == res.final_bits == (0, 12 * 32 * 43)
+    assert hist.attrs["bits_down_total"] == res.bits_down == (int(res.history["bits_down"].sum()) + res.init_bits[1]
+                                                               + res.final_bits[1])
     clients = group(res.idata, "fed_clients")
     np.testing.assert_array_equal(clients["num_observations"].values, [5] * 11 + [10])  # 90% small clients
     assert np.all(clients["step_size"].values > 0)
