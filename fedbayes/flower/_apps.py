@@ -445,6 +445,27 @@ class _Server:
         if missing:
             raise FedbayesError(f"no Flower node hosts client(s) {missing[:10]}: start {num} SuperNodes, one per client")
 
+    def _to_every_client(self, kind: str, k: int, data: bytes, bits: int, reply_template: Any,
+                         header: Mapping[str, Any] | Callable[[int], Mapping[str, Any]]) -> list[Any]:
+        """One payload to every client (message type ``train.<kind>``, group ``k``, or ``"setup"`` when k
+        is -1) and their replies, unpacked with ``reply_template`` in client order (None: no answer).
+        Both directions go into ``message_bytes`` as ``kind`` and ``kind-reply``."""
+        num = self.rt.data.num_clients
+        msgs = []
+        for client in range(num):
+            head = header(client) if callable(header) else header
+            msgs.append(Message(_content(data, head), dst_node_id=self.node_of[client], message_type=f"train.{kind}",
+                                group_id="setup" if k < 0 else str(k)))
+            self.message_bytes.append((kind, k, client, len(data), bits))
+        client_of = {node: client for client, node in self.node_of.items()}
+        uploads: list[Any] = [None] * num
+        for node, reply in self._send(msgs).items():
+            client = client_of[node]
+            uploads[client] = wire.unpack(_data(reply), reply_template)
+            self.message_bytes.append((f"{kind}-reply", k, client, payload_bytes(reply),
+                                       engine.dense_bits(reply_template)))
+        return uploads
+
     def setup(self) -> None:
         """The algorithm's set-up exchange with every client (:func:`fedbayes.engine.staged_setup`), then
         the shared settings; every message's bytes go into ``message_bytes`` as kind ``"setup"``."""
@@ -452,34 +473,20 @@ class _Server:
 
         def exchange(stage: int, k_clients: jax.Array, payload: Any) -> Any:
             data, bits = wire.pack(jax.device_get(payload))
-            msgs = []
-            for client in range(num):
-                msgs.append(Message(_content(data, {"stage": stage}), dst_node_id=self.node_of[client],
-                                    message_type="train.setup", group_id="setup"))
-                self.message_bytes.append(("setup", -1, client, len(data), bits))
-            replies = self._send(msgs)
-            client_of = {node: client for client, node in self.node_of.items()}
-            missing = sorted(set(range(num)) - {client_of[node] for node in replies})
+            uploads = self._to_every_client("setup", -1, data, bits, rt.setup_uploads[stage], {"stage": stage})
+            missing = [c for c in range(num) if uploads[c] is None]
             if missing:
                 raise FedbayesError(f"{run.name}: client(s) {missing[:10]} did not answer set-up stage {stage}; the "
                                     "set-up needs every client (it starts their states and sums their statistics)")
-            uploads = [None] * num
-            for node, reply in replies.items():
-                client = client_of[node]
-                uploads[client] = wire.unpack(_data(reply), rt.setup_uploads[stage])
-                self.message_bytes.append(("setup-reply", -1, client, payload_bytes(reply),
-                                           engine.dense_bits(rt.setup_uploads[stage])))
             return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *uploads)
 
         rt.server_state, rt.broadcast = engine.staged_setup(run, rt.k_init, num, exchange)
         names = tuple(getattr(run, "shared_settings", ()))
         if names:
             data = np.asarray([getattr(run, name) for name in names], np.float64).tobytes()
-            msgs = [Message(_content(data, {"stage": run.setup_stages}), dst_node_id=self.node_of[client],
-                            message_type="train.setup", group_id="setup") for client in range(num)]
-            for client in range(num):
-                self.message_bytes.append(("setup", -1, client, len(data), engine.SETTING_BITS * len(names)))
-            if len(self._send(msgs)) < num:
+            acks = self._to_every_client("setup", -1, data, engine.SETTING_BITS * len(names), (),
+                                         {"stage": run.setup_stages})  # empty acknowledgements
+            if any(ack is None for ack in acks):
                 raise FedbayesError(f"{run.name}: a client did not acknowledge the shared settings {names}")
 
     def round(self, k: int) -> None:
@@ -583,19 +590,8 @@ class _Server:
         payload_t, local_t, upload_t = rt.final_templates()
         data, bits = wire.pack(jax.device_get(rt.final_message(rt.k_final, rt.server_state)))
         sent = wire.decode_tree(wire.unpack(data, payload_t))  # the estimate as the clients read it
-        msgs = []
-        for client in range(num):
-            header = {"accepted": int(self.accepted[client])}
-            msgs.append(Message(_content(data, header), dst_node_id=self.node_of[client], message_type="train.final",
-                                group_id=str(k)))
-            self.message_bytes.append(("final", k, client, len(data), bits))
-        replies = self._send(msgs)
-        client_of = {node: client for client, node in self.node_of.items()}
-        uploads: list[Any] = [None] * num
-        for node, reply in replies.items():
-            client = client_of[node]
-            uploads[client] = wire.unpack(_data(reply), upload_t)
-            self.message_bytes.append(("final-reply", k, client, payload_bytes(reply), engine.dense_bits(upload_t)))
+        uploads = self._to_every_client("final", k, data, bits, upload_t,
+                                        lambda client: {"accepted": int(self.accepted[client])})
         missing = [c for c in range(num) if uploads[c] is None]
         if missing:
             warnings.warn(f"{run.name}: client(s) {missing[:10]} did not answer the final exchange; the result has "
