@@ -22,7 +22,7 @@ SLOW_TESTS := tests/test_fedmm.py tests/test_flower.py tests/test_flower_app.py 
 	tests/test_tamuna.py
 
 test: $(STAMP)
-	MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(SLOW_TESTS) tests
+	MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(SLOW_TESTS) tests
 
 # The ArviZ 1.x line (DataTree) needs Python >= 3.12: run the ArviZ-facing tests there.
 # Usage: make test-arviz1 PYTHON=python3.12
