@@ -247,7 +247,8 @@ def client_key(key: jax.Array, index: jax.Array, num_clients: int) -> jax.Array:
 
 
 def final_bits(payload: PyTree, uploads: PyTree, num_clients: int) -> tuple[int, int]:
-    """``(up, down)`` bits of a final exchange: every client's upload, the payload to every client."""
+    """``(up, down)`` bits of a final exchange: the uploads that arrived (stacked), the payload to every
+    one of ``num_clients`` clients."""
     return dense_bits(uploads), num_clients * dense_bits(payload)
 
 

@@ -181,7 +181,6 @@ class FedMMRun(Staged):
         avg = cfg.average_from if cfg.average_from is not None else (0.5 if self._mc else None)
         self._avg_start = None if avg is None else int(avg * problem.num_rounds)
         self._structure(problem)
-        self._e_step_all = jax.jit(jax.vmap(self._e_step, in_axes=(None, 0, 0, 0, 0)))
         self._m_step_jit = jax.jit(self.m_step)
 
     def _structure(self, problem: Problem) -> None:
@@ -363,16 +362,12 @@ class FedMMRun(Staged):
         standard errors and the normal approximation of the globals (plus the collected local posteriors).
         ``uploads=None`` (a client missed the exchange on a network): the estimate and whatever local
         posteriors were collected."""
-        if uploads is None:
-            parts = self._server_parts(server, theta)
-            if locals_ is not None:
-                parts.update(louis.local_parts(locals_))
-            return parts
-        s_i, tris = uploads
-        statistic = self._unravel(jnp.tensordot(self._mu, s_i, 1) * self._N)  # E-step at theta-hat
-        k_global = jax.random.split(jax.random.split(key)[1])[1]
         parts = self._server_parts(server, theta)
-        parts.update(louis.posterior_summary(self, k_global, theta, statistic, tris))
+        if uploads is not None:
+            s_i, tris = uploads
+            statistic = self._unravel(jnp.tensordot(self._mu, s_i, 1) * self._N)  # E-step at theta-hat
+            k_global = jax.random.split(jax.random.split(key)[1])[1]
+            parts.update(louis.posterior_summary(self, k_global, theta, statistic, tris))
         if locals_ is not None:
             parts.update(louis.local_parts(locals_))
         return parts

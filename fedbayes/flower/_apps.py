@@ -599,10 +599,9 @@ class _Server:
                           RuntimeWarning, stacklevel=3)
         answered = [c for c in range(num) if uploads[c] is not None]
         locals_ = self._collect_locals(local_t, answered) if collect_locals else None
-        stacked = None if missing else jax.tree_util.tree_map(lambda *xs: np.stack(xs), *uploads)
-        parts = run.final_server(rt.k_final, rt.server_state, sent, stacked, locals_)
-        # every client was sent the estimate; the uploads that arrived went back
-        parts["final_bits"] = (len(answered) * engine.dense_bits(upload_t), num * engine.dense_bits(sent))
+        arrived = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *[uploads[c] for c in answered]) if answered else ()
+        parts = run.final_server(rt.k_final, rt.server_state, sent, None if missing else arrived, locals_)
+        parts["final_bits"] = engine.final_bits(sent, arrived, num)  # sent to all, back from those answering
         return parts
 
     def _collect_locals(self, local_t: Any, clients: list[int]) -> Any:
