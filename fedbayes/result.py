@@ -16,9 +16,9 @@ from .engine import ClientData
 from .errors import DataError, FedbayesError, require_int
 from .model import FedModel
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    import arviz as az
+from ._arviz_import import import_arviz
+
+az = import_arviz()
 
 ARVIZ_1 = int(az.__version__.split(".")[0]) >= 1
 """True on the ArviZ 1.x line (``xarray.DataTree``), False on 0.x (``InferenceData``)."""
