@@ -181,6 +181,10 @@ class FedModel:
         self.observed: tuple[str, ...] = ()
         self._classify(tr, tr_longer)
         self._example = {k: jnp.asarray(v) for k, v in example.items()}
+        smallest = int(np.argmin(data.sizes))
+        for i in dict.fromkeys((0, smallest)):
+            self._check_padding_invariance(
+                i, {k: np.asarray(v[i][: data.sizes[i]]) for k, v in data.padded.items()})
         self.global_names = tuple(n for n, s in self.sites.items() if s.role in ("global", "param"))
         self.local_names = tuple(n for n, s in self.sites.items() if s.role == "local")
         self.obs_latent_names = tuple(n for n, s in self.sites.items() if s.role == "obs_latent")
@@ -236,6 +240,76 @@ class FedModel:
         if not observed:
             raise ModelError("the model has no observed site: condition at least one sample site on the data (obs=...)")
         self.observed = tuple(observed)
+
+    def _site_terms(self, tr, rows: int) -> dict[str, np.ndarray]:
+        """Each sample site's log-density over the first ``rows`` rows of its data plate (the whole
+        log-density for sites outside data plates)."""
+        out = {}
+        for name, site in tr.items():
+            if site["type"] != "sample":
+                continue
+            lp = site["fn"].log_prob(site["value"])
+            if site.get("scale") is not None:
+                lp = site["scale"] * lp
+            frame = next((f for f in site["cond_indep_stack"] if f.name in self.data_plates), None)
+            if frame is not None and jnp.ndim(lp) >= -frame.dim and jnp.shape(lp)[frame.dim] > 1:
+                lp = jnp.take(lp, jnp.arange(rows), axis=frame.dim)
+            out[name] = np.asarray(jnp.sum(lp), dtype=np.float64)
+        return out
+
+    def _check_padding_invariance(self, client: int, rows: Mapping[str, np.ndarray]) -> None:
+        """Refuse a model whose log-density changes when its client's data are padded.
+
+        Clients are padded to a common length by repeating their last row, and the padded rows are
+        masked out of the sites inside a data plate. Any other use of the rows (a ``numpyro.factor``
+        of a sum over the data, ``obs=y.mean()``, a prior scaled by ``x.shape[0]``, a per-row site
+        whose parameters reduce over the rows) would silently count the padding. The model is
+        evaluated concretely on client ``client``'s real rows and on the same rows padded to about
+        twice their length, at the same latent values; every site's log-density over the real rows
+        must agree (up to rounding).
+        """
+        n = len(next(iter(rows.values())))
+        extra = max(n, 3)
+        padded = {k: np.concatenate([v, np.repeat(v[-1:], extra, axis=0)]) for k, v in rows.items()}
+        try:
+            base = _trace(self.model, {**rows, **self.model_kwargs})
+        except Exception as err:  # the model fails on this client's own data
+            raise ModelError(
+                f"calling the model on client {client}'s data ({n} rows) failed with "
+                f"{type(err).__name__}: {err}") from err
+
+        def pad_latent(site):  # per-observation latents keep their real rows, padded like the data
+            if site["type"] not in ("sample", "param") or site.get("is_observed") or site["name"] not in base:
+                return None
+            value = base[site["name"]]["value"]
+            if site["type"] == "param":
+                return value
+            frame = next((f for f in site["cond_indep_stack"] if f.name in self.data_plates), None)
+            if frame is None:
+                return value
+            axis = jnp.ndim(value) - site["fn"].event_dim + frame.dim
+            return jnp.concatenate([value, jnp.repeat(jnp.take(value, jnp.array([-1]), axis=axis), extra, axis=axis)],
+                                   axis=axis)
+
+        other = _trace(self.model, {**padded, **self.model_kwargs}, substitute_fn=pad_latent)
+        terms, terms_padded = self._site_terms(base, n), self._site_terms(other, n)
+        tol = 1e-4 if jnp.result_type(float) == jnp.float32 else 1e-9
+        for name, value in terms.items():
+            got = terms_padded.get(name)
+            if got is None or np.isclose(value, got, rtol=tol, atol=tol, equal_nan=True):
+                continue
+            in_plate = any(f.name in self.data_plates for f in base[name]["cond_indep_stack"])
+            where = ("its log-density on the real rows depends on the other rows (e.g. a parameter computed "
+                     "from a reduction over the data)" if in_plate else
+                     "it is outside the data plate but its log-density depends on the client's rows "
+                     "(e.g. numpyro.factor of a sum over the data, obs=y.mean(), or a term using x.shape[0])")
+            raise ModelError(
+                f"site '{name}': {where}. Clients are padded to a common length and only sites inside a "
+                f"data plate are masked, so this term would silently count padded rows (client {client}: "
+                f"{value:.6g} on its {n} rows, {got:.6g} once padded). Write the likelihood per observation "
+                "inside `with numpyro.plate('obs', n):` (e.g. numpyro.sample('y', dist.Normal(mu, s), obs=y) or "
+                "numpyro.factor('lik', per_row_log_lik) inside the plate), and pass data-size constants "
+                "through model_kwargs.")
 
     def require(self, algorithm: str, *, local_continuous: bool = True, allow_obs_latent: bool = False) -> None:
         """Raise ModelError if the model has sites ``algorithm`` cannot handle, naming the site."""
