@@ -18,7 +18,7 @@ from .data import FederatedData
 from .engine import Problem, Stopped, concat_records, fault_events, resolve_cohort_size, run_rounds
 from .errors import CheckpointError, ConfigError, DataError, DivergenceError, ModelError, TooFewClientsError, require_int
 from .faults import FaultPolicy, Faults
-from .model import FedModel
+from .model import FedModel, serialized
 from .result import Result
 
 
@@ -108,6 +108,7 @@ def _validated(model, data, algorithm, num_rounds, clients_per_round, seed, mode
                 model_kwargs, int(chunk_size), faults, fault_policy)
 
 
+@serialized
 def fed_fit(
     model: Callable,
     data: FederatedData | Mapping[str, Any],
@@ -288,6 +289,7 @@ def _check_match(ck: checkpoint_io.Checkpoint, meta: dict[str, Any]) -> None:
         raise CheckpointError(f"checkpoint round {ck.round} is outside the fit's 0..{meta['num_rounds']}")
 
 
+@serialized
 def resume(
     path: str | os.PathLike,
     *,

@@ -29,8 +29,10 @@ The global prior ``log p(theta)`` is kept apart and counted once overall by the 
 
 from __future__ import annotations
 
+import functools
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,27 @@ from .data import FederatedData
 from .errors import ModelError
 
 Params = dict[str, jax.Array]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_NUMPYRO_LOCK = threading.RLock()
+
+
+def serialized(fn: _F) -> _F:
+    """Run ``fn`` holding the lock that serialises fedbayes' use of NumPyro across threads.
+
+    NumPyro keeps its effect-handler stack in one module-level list, so two threads running models
+    at once see each other's handlers (``all sites must have unique names``). Every public entry
+    point that runs a model (``fed_fit``, ``resume``, predictions, references) holds this re-entrant
+    lock: fits started from several threads run one after another and each gives its serial result.
+    Run fits in parallel in separate processes.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _NUMPYRO_LOCK:
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 _LOCAL_FLAG = "fedbayes_local"
 
@@ -157,6 +180,7 @@ class FedModel:
         Extra keyword arguments passed to every model call (not data: same on every client).
     """
 
+    @serialized
     def __init__(self, model: Callable, data: FederatedData, model_kwargs: Mapping[str, Any] | None = None):
         if not callable(model):
             raise ModelError(f"model must be a callable NumPyro model, got {type(model).__name__}")

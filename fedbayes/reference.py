@@ -21,10 +21,11 @@ import xarray as xr
 
 from .data import FederatedData
 from .errors import ModelError, require_int
-from .model import FedModel
+from .model import FedModel, serialized
 from .result import _site_dims, to_arviz
 
 
+@serialized
 def nuts(model: Callable, data: FederatedData | Mapping[str, Any], *, num_warmup: int = 500,
          num_samples: int = 1000, num_chains: int = 2, seed: int = 0, model_kwargs: Mapping[str, Any] | None = None,
          chain_method: str = "sequential", progress: bool = False, **nuts_kwargs: Any) -> Any:

@@ -14,7 +14,7 @@ from numpyro import handlers
 from .data import FederatedData
 from .engine import ClientData
 from .errors import DataError, FedbayesError, require_int
-from .model import FedModel
+from .model import FedModel, serialized
 
 from ._arviz_import import import_arviz
 
@@ -237,6 +237,7 @@ class Result:
             samples.update({k: np.broadcast_to(v, (S,) + v.shape) for k, v in self.params.items()})
         return samples, S
 
+    @serialized
     def predict(self, new_data: Mapping[str, Any], client: int | None = None, *, num_samples: int | None = None,
                 seed: int = 0) -> dict[str, np.ndarray]:
         """Posterior predictive draws of the observed sites at ``new_data``.
@@ -254,6 +255,7 @@ class Result:
         out = pred(jax.random.PRNGKey(seed), **x, **self._fm.model_kwargs)
         return {k: np.asarray(v) for k, v in out.items()}
 
+    @serialized
     def predictive_probs(self, new_data: Mapping[str, Any], client: int | None = None, *,
                          num_samples: int | None = None, seed: int = 0) -> np.ndarray:
         """Posterior draws of the class probabilities p(y = k | x, theta_s, z_s) of a discrete observed site,
@@ -279,6 +281,7 @@ class Result:
         return np.asarray(jax.jit(jax.vmap(one))(keys, {k: jnp.asarray(v) for k, v in samples.items()}))
 
     # ------------------------------------------------------------------ model checking groups
+    @serialized
     def extend_idata(self, *, log_likelihood: bool = True, posterior_predictive: bool = True,
                      observed_data: bool = True, seed: int = 0) -> Any:
         """Add ``log_likelihood``, ``posterior_predictive`` and ``observed_data`` groups to :attr:`idata`.
@@ -350,6 +353,7 @@ class Result:
         glob = {k: v.reshape((chains * draws,) + v.shape[2:]) for k, v in src.items()}
         return {}, glob, chains, draws
 
+    @serialized
     def sample_client(self, new_client_data: Mapping[str, Any], *, num_samples: int = 200, warmup: int = 200,
                       seed: int = 0) -> dict[str, np.ndarray]:
         """Run the local Langevin chain for a client unseen in training, at theta*.

@@ -43,7 +43,7 @@ from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import fault_weight
 from ..kernels import curvature
-from ..model import FedModel
+from ..model import FedModel, serialized
 from .tamuna import check_init, resolve_init
 
 DENSE_CURVATURE = 1000
@@ -170,6 +170,7 @@ def theory_step_size(variant: str, *, L: float, Lbar: float, mu: float, alpha_up
     return min(np.sqrt(p / (1 + beta)) / 14, p / (6 * mu), 1 / (2 * np.sqrt(2) * L))
 
 
+@serialized
 def curvature_step_size(model, data, at: Mapping[str, Any] | None = None, *, scale: float = 0.1,
                         model_kwargs: Mapping[str, Any] | None = None) -> float:
     """A safe Langevin step ``scale / lambda_max``, lambda_max the largest eigenvalue of the Hessian of

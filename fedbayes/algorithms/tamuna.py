@@ -56,7 +56,7 @@ from ..wire import Masked
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
 from ..kernels import power_iteration
-from ..model import FedModel
+from ..model import FedModel, serialized
 
 POPULATION_MEAN = "population-mean"
 
@@ -542,6 +542,7 @@ def client_extremes(run: TAMUNARun, client: ClientData, x: jax.Array, dense_max:
     return big - gap, big
 
 
+@serialized
 def estimate_condition(model, data, *, at: Mapping[str, Any] | None = None, model_kwargs=None,
                        local_latents: str | None = None, jacobian: bool = False) -> dict[str, float]:
     """``{"L": L_max, "mu": mu_min, "kappa": L_max / mu_min}`` of the clients' TAMUNA objectives
