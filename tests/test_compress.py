@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import ClassVar
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import fedbayes.compress as fb_compress
@@ -312,42 +313,58 @@ def test_scaled_compressors_rescale_their_unbiased_base(c: Compressor, d: int) -
         np.testing.assert_allclose(_draws(d)[c][0], _draws(d)[base][0] * 8 / 9, rtol=1e-15)
 
 
+def _bracket_check(draws: np.ndarray, x: np.ndarray, low: np.ndarray, high: np.ndarray) -> None:
+    """Every draw of coordinate j is low_j or high_j, and the mean is x_j within Z SE (unbiased).
+
+    high_j is a nonzero power of two: draws and x_j are divided by it (exactly) so that huge or
+    subnormal values keep their precision in the sample mean and SE."""
+    assert np.all((draws == low) | (draws == high))
+    mean, se = _mean_se(draws.astype(np.float64) / np.abs(high))
+    assert np.all(np.abs(mean - x / np.abs(high)) <= Z * se)
+
+
 def test_natural_edge_cases_and_top_k_ties() -> None:
-    # N draws, one compilation, of: natural on float32 zeros, subnormals, the normal bottom and
-    # the overflowing top of float32; natural(16) on float64 values outside the float16 range;
-    # natural on a vector where the variance bound 1/8 is attained; top_k on tied magnitudes.
-    x32 = jnp.asarray(
-        [0.0, -0.0, 1e-40, 2.0**-130, 2.0**-126, 1.5, -3.0e38, 3.4e38, -jnp.inf], jnp.float32
-    )
-    x16 = jnp.asarray([1e5, 2.0**15, -4e4, 2.0**-16, 1e-300, 0.3, -1e300, 0.0])
+    # N draws, one compilation, of natural on: float32 subnormals (which XLA's CPU flushes to zero
+    # in arithmetic), the top binade of float32 with +-inf and NaN, natural(16) on float64 vectors
+    # beyond float16's range, a vector where the variance bound 1/8 is attained; top_k on tied and
+    # on subnormal magnitudes.
+    sub = np.asarray([0.0, -0.0, 1e-40, -(2.0**-140), 2.0**-149, 3e-41], np.float32)
+    top = np.asarray([3.4e38, -3.0e38, 1.5, -np.inf, np.nan], np.float32)
+    x16 = np.asarray([1e5, 2.0**15, -4e4, 2.0**-16, 0.3, 0.0])
+    far = np.asarray([1e300, -1e-300, 0.0])
     tight = jnp.asarray(4 / 3 * 2.0 ** np.arange(-3, 5) * np.where(np.arange(8) % 3, 1, -1))
     ties = jnp.asarray([1.0, -1.0, 1.0, 0.5, -1.0])
+    tiny = jnp.asarray([0.0, 1e-40, -3e-40, 2e-40], jnp.float32)
 
     @jax.jit
     def run(keys):
         draw = lambda c, x: jax.vmap(c, (0, None))(keys, x)[0]  # noqa: E731
-        cases = [(natural(), x32), (natural(16), x16), (natural(), tight), (top_k(2), ties)]
-        return [draw(c, x) for c, x in cases]
+        cases = [(natural(), sub), (natural(), top), (natural(16), x16), (natural(16), far),
+                 (natural(), tight), (top_k(2), ties), (top_k(1), tiny)]
+        return [draw(c, jnp.asarray(x)) for c, x in cases]
 
-    n32, n16, nt, tk = map(np.asarray, run(jax.random.split(jax.random.key(6), N)))
-    # float32 wire: grid 0, 2^-126 .. 2^127. Zeros stay zero; a subnormal goes to 0 or 2^-126
-    # (the CPU may treat subnormal inputs as zero, so only membership is checked); 2^-126 is on
-    # the grid; the top binade saturates to 2^127 instead of overflowing; -inf stays -inf.
-    assert n32.dtype == np.float32 and not np.isnan(n32).any()
-    assert np.all(n32[:, :2] == 0)
-    assert np.isin(n32[:, 2:4], [0.0, 2.0**-126]).all() and np.all(n32[:, 4] == 2.0**-126)
-    assert np.isin(n32[:, 5], [1.0, 2.0]).all()
-    assert np.all(n32[:, 6] == -(2.0**127)) and np.all(n32[:, 7] == 2.0**127)
-    assert np.all(n32[:, 8] == -np.inf)
-    # float16 wire on float64 input: grid 0, 2^-14 .. 2^15; values at or above 2^15 saturate and
-    # 0 stays 0; 2^-16 goes to 2^-14 with probability 1/4 and 0.3 to 0.5 with probability 0.2,
-    # both unbiased (mean within Z SE).
-    saturated = [2.0**15, 2.0**15, -(2.0**15), -(2.0**15), 0.0]
-    np.testing.assert_array_equal(n16[:, [0, 1, 2, 6, 7]], np.broadcast_to(saturated, (N, 5)))
-    assert np.isin(n16[:, 3], [0.0, 2.0**-14]).all() and np.isin(n16[:, 4], [0.0, 2.0**-14]).all()
-    assert np.isin(n16[:, 5], [0.25, 0.5]).all()
-    mean, se = _mean_se(n16[:, [3, 5]])
-    assert np.all(np.abs(mean - [2.0**-16, 0.3]) <= Z * se)
+    n_sub, n_top, n16, n_far, nt, tk, tk_tiny = map(np.asarray, run(jax.random.split(jax.random.key(6), N)))
+    # The grid is anchored at the largest |x_j| (binade -133 here): subnormals round between their
+    # bracketing powers of two, unbiased, and powers of two are kept; zeros stay zero.
+    assert n_sub.dtype == np.float32 and np.all(n_sub[:, :2] == 0)
+    np.testing.assert_array_equal(n_sub[:, 3:5], np.broadcast_to(sub[3:5], (N, 2)))
+    _bracket_check(n_sub[:, [2, 5]], sub[[2, 5]].astype(np.float64), 2.0 ** np.asarray([-133, -135]),
+                   2.0 ** np.asarray([-132, -134]))
+    # Top binade of float32: rounding up would give 2^128, which saturates to the largest float32
+    # (finite, biased there); 1.5 -> 1 or 2 as usual; -inf and NaN pass.
+    big = np.finfo(np.float32).max
+    assert np.all((n_top[:, 0] == 2.0**127) | (n_top[:, 0] == big))
+    assert np.all((n_top[:, 1] == -(2.0**127)) | (n_top[:, 1] == -big))
+    assert np.isin(n_top[:, 2], [1.0, 2.0]).all() and np.all(n_top[:, 3] == -np.inf) and np.isnan(n_top[:, 4]).all()
+    # natural(16) on float64: the grid 2^-12 .. 2^17 (30 binades below 2^(b + 1), b = 16) holds 1e5,
+    # which rounds unbiased (no saturation at float16's top); 2^-16 is below it and goes to 0 or
+    # 2^-12 with probability 1/16, unbiased; 0.3 to 0.25 or 0.5.
+    assert np.all(n16[:, 1] == 2.0**15) and np.all(n16[:, 5] == 0)
+    _bracket_check(n16[:, [0, 2, 3, 4]], x16[[0, 2, 3, 4]], np.asarray([2.0**16, -(2.0**15), 0.0, 0.25]),
+                   np.asarray([2.0**17, -(2.0**16), 2.0**-12, 0.5]))
+    # ... and far beyond: 1e300 keeps its binade, -1e-300 (2^-1993 of it) is rounded to 0.
+    _bracket_check(n_far[:, :1], far[:1], np.asarray([2.0**996]), np.asarray([2.0**997]))
+    assert np.all(n_far[:, 1:] == 0)
     # |x_j| = (4/3) 2^e: E(C(x)_j - x_j)^2 = x_j^2 / 8, so the MC error matches omega ||x||^2.
     err, err_se = _sq_err(nt, tight)
     assert abs(err - float(tight @ tight) / 8) <= Z * err_se
@@ -355,6 +372,8 @@ def test_natural_edge_cases_and_top_k_ties() -> None:
     assert np.all(tk == tk[0]) and np.count_nonzero(tk[0]) == 2
     assert np.all(np.abs(tk[0][tk[0] != 0]) == 1.0)
     assert np.sum((tk[0] - np.asarray(ties)) ** 2) == 2.25
+    # Subnormal magnitudes are ranked on their bits: the largest, -3e-40, is kept exactly.
+    np.testing.assert_array_equal(tk_tiny[0], np.where(np.arange(4) == 2, np.asarray(tiny), 0).astype(np.float32))
 
 
 def test_require_unbiased_and_contractive_with_the_new_compressors() -> None:
@@ -409,33 +428,35 @@ def test_scale_to_contractive() -> None:
 
 
 def _expected_bits(d: int) -> dict[Compressor, int]:
+    """Bits of the unbiased compressors: 16-bit floats come with one 12-bit shared binade."""
     index_bits = max(1, math.ceil(math.log2(d)))
     return {
         identity(): 32 * d,
-        identity(16): 16 * d,
+        identity(16): 12 + 16 * d,
         rand_k(1): 32 + index_bits,
         rand_k(fraction=0.5): max(1, round(0.5 * d)) * (32 + index_bits),
         rand_k(fraction=1.0, float_bits=64): d * (64 + index_bits),
         qsgd(1): 32 + d * 2,
         qsgd(4): 32 + d * (1 + 3),
-        qsgd(16, float_bits=16): 16 + d * (1 + 5),
+        qsgd(16, float_bits=16): 12 + 16 + d * (1 + 5),
     }
 
 
 def _expected_contractive_bits(d: int) -> dict[Compressor, int]:
     """Bits of the contractive compressors and of natural: sparsifiers send k values and indices,
-    natural a sign bit and a 5, 8 or 11-bit exponent per coordinate, scaling keeps the message."""
+    natural a 12-bit shared binade, then a sign bit and a 5, 8 or 11-bit exponent per coordinate,
+    scaling keeps the message."""
     index_bits = max(1, math.ceil(math.log2(d)))
     return {
         top_k(1): 32 + index_bits,
-        top_k(fraction=0.5, float_bits=16): max(1, round(0.5 * d)) * (16 + index_bits),
+        top_k(fraction=0.5, float_bits=16): 12 + max(1, round(0.5 * d)) * (16 + index_bits),
         rand_k_unscaled(1, float_bits=64): 64 + index_bits,
         rand_k_unscaled(fraction=0.3): max(1, round(0.3 * d)) * (32 + index_bits),
-        natural(): 9 * d,
-        natural(16): 6 * d,
-        natural(64): 12 * d,
-        natural(contractive=True): 9 * d,
-        natural(16, contractive=True): 6 * d,
+        natural(): 12 + 9 * d,
+        natural(16): 12 + 6 * d,
+        natural(64): 12 + 12 * d,
+        natural(contractive=True): 12 + 9 * d,
+        natural(16, contractive=True): 12 + 6 * d,
         qsgd(4, contractive=True): 32 + d * (1 + 3),
         scale_to_contractive(rand_k(1)): 32 + index_bits,
     }
@@ -473,7 +494,9 @@ def test_bits_formulas_property(d: int, k: int, s: int) -> None:
     k = min(k, d)
     assert top_k(k).bits(d) == rand_k_unscaled(k).bits(d) == rand_k(k).bits(d)
     assert qsgd(s, contractive=True).bits(d) == qsgd(s).bits(d)
-    assert natural().bits(d) == 9 * d and natural(64, contractive=True).bits(d) == 12 * d
+    assert natural().bits(d) == 12 + 9 * d and natural(64, contractive=True).bits(d) == 12 + 12 * d
+    assert rand_k(k, float_bits=16).bits(d) == 12 + k * (16 + index_bits)
+    assert qsgd(s, float_bits=16).bits(d) == 12 + 16 + d * (1 + math.ceil(math.log2(s + 1)))
 
 
 def test_constants_and_flags() -> None:
@@ -489,6 +512,10 @@ def test_constants_and_flags() -> None:
     assert bits == [k * (32 + 4) for k in (3, 1, 10)]
     assert top_k(3).alpha(10) == 0.3 and rand_k_unscaled(fraction=0.5).alpha(7) == 4 / 7
     assert natural().omega(5) == 0.125 and natural(contractive=True).alpha(5) == 8 / 9
+    # Coordinates below natural's grid (2^29 times smaller than the largest at 16 bits, 2^253 at 32
+    # and 64) add at most 4^(lo - hi) ||x||^2 each: invisible in omega at 32 and 64 bits.
+    assert natural(64).omega(10**9) == 0.125 and natural(16).omega(1) == 0.125
+    assert natural(16).omega(10**6) == 0.125 + (10**6 - 1) * 2.0**-58
     # omega = min(16 / 1, 4 / 1) = 4 for s = 1, d = 16; min(50 / 16, sqrt(50) / 4) for s = 4,
     # d = 50.
     assert qsgd(1, contractive=True).alpha(16) == pytest.approx(0.2)
@@ -665,3 +692,217 @@ def test_wire_format_of_a_compressor_without_one() -> None:
     message, _, _ = c.coded(jax.random.key(0), jnp.ones(3))
     with pytest.raises(ConfigError, match="no wire format"):
         c.pack(BitWriter(), message.codes, 3)
+
+
+# ------------------------------------------------------------------ range: huge, tiny, subnormal
+# Every compressor maps finite vectors to finite ones, and a vector with a nonzero coordinate to a
+# nonzero one where its definition allows: identity, top_k and natural (and their rescaled
+# versions) always; the sparsifiers rand_k and rand_k_unscaled exactly when a kept coordinate is
+# nonzero (they may drop all of them); qsgd sends a positive norm, and keeps a nonzero level where
+# levels^2 >= 2d (the largest coordinate then has s r_j >= sqrt 2). XLA on CPU flushes subnormal
+# numbers to zero in arithmetic, so these are checked on vectors of any scale, subnormals included.
+
+RANGE = (identity(), identity(16), identity(64), rand_k(1), rand_k(fraction=0.5, float_bits=16),
+         rand_k_unscaled(1, float_bits=16), top_k(1), top_k(1, float_bits=16), top_k(fraction=0.5, float_bits=64),
+         qsgd(1), qsgd(3, float_bits=16), qsgd(16), qsgd(4, contractive=True), natural(), natural(16), natural(64),
+         natural(16, contractive=True), scale_to_contractive(rand_k(1)), scale_to_contractive(rand_k(1, float_bits=16)))
+RANGE_DIMS = (1, 6)
+
+# CI runs a fixed set of examples (derandomised); FB_PROP_EXAMPLES=1000 explores afresh.
+_EXPLORE = os.environ.get("FB_PROP_EXAMPLES")
+RANGE_PROPS = settings(max_examples=int(_EXPLORE or 100), deadline=None, derandomize=_EXPLORE is None,
+                       suppress_health_check=[HealthCheck.too_slow])
+
+
+def _guarantee(c: Compressor) -> str:
+    base = getattr(c, "base", c)
+    if isinstance(base, (fb_compress._RandK, fb_compress._RandKUnscaled)):
+        return "kept"
+    return "levels" if isinstance(base, fb_compress._QSGD) else "always"
+
+
+def _exact_wire(c: Compressor, dtype: np.dtype) -> bool:
+    """Whether the message carries the codes bit for bit: always in float32; in float64 where no float
+    crosses at 32 bits (natural sends exponents; 16-bit floats are float16 with a shared binade)."""
+    return dtype == np.float32 or _float_bits(c) != 32 or "natural" in c.name
+
+
+@functools.cache
+def _range_program(d: int, dtype: np.dtype):
+    return jax.jit(lambda key, x: [c.coded(key, x) for c in RANGE])
+
+
+def _floats(width: int) -> st.SearchStrategy[float]:
+    """Finite floats of a width: hypothesis's (zeros, subnormals, the largest, ...) and m 2^e with e
+    spread over the whole exponent range, so that one vector mixes scales."""
+    e_lo, e_hi = {32: (-150, 127), 64: (-1075, 1023)}[width]
+    spread = st.builds(math.ldexp, st.floats(-1.99, 1.99), st.integers(e_lo, e_hi))
+    return st.one_of(st.just(0.0), st.floats(width=width, allow_nan=False, allow_infinity=False), spread)
+
+
+def _check_range(dtype: type, x: np.ndarray, seed: int) -> None:
+    """The range guarantees on C(x) (see above), and the message: exactly bits(d) bits, from which
+    unpack reads the codes that were sent (decode, a function of the codes, then gives C(x))."""
+    from fedbayes.compress import BitReader, BitWriter
+
+    d = x.shape[0]
+    x = x.astype(dtype)
+    assert np.all(np.isfinite(x))
+    nonzero = bool(np.any(x != 0))
+    results = _range_program(d, np.dtype(dtype))(jax.random.key(seed), jnp.asarray(x))
+    for c, (message, x_hat, bits) in zip(RANGE, results):
+        x_hat, codes = np.asarray(x_hat), tuple(np.asarray(v) for v in message.codes)
+        assert x_hat.dtype == dtype and np.all(np.isfinite(x_hat)), (c, x, x_hat)
+        guarantee = _guarantee(c)
+        if guarantee == "always":
+            assert np.any(x_hat != 0) == nonzero, (c, x, x_hat)
+        elif guarantee == "kept":
+            assert np.any(x_hat != 0) == bool(np.any(x[codes[0]] != 0)), (c, x, x_hat)
+        else:
+            sent = codes[-2]  # the norm (at 16 bits its float16 number, the norm / 2^(b - 14))
+            assert (sent > 0) == nonzero and np.isfinite(sent), (c, x, codes)
+            if getattr(c, "base", c).levels ** 2 >= 2 * d:
+                assert np.any(x_hat != 0) == nonzero, (c, x, x_hat)
+        writer = BitWriter()
+        with np.errstate(over="ignore"):  # float64 values beyond float32 cross at 32 bits as inf
+            c.pack(writer, codes, d)
+        assert writer.bits == int(bits) == c.bits(d), c
+        back = c.unpack(BitReader(writer.tobytes()), d, dtype)
+        assert [(np.shape(v), np.asarray(v).dtype) for v in back] == [(v.shape, v.dtype) for v in codes], c
+        if _exact_wire(c, np.dtype(dtype)):
+            for sent, received in zip(codes, back):
+                np.testing.assert_array_equal(received, sent, err_msg=repr(c))
+
+
+# Besides the random ones, every run checks: all zeros, one nonzero (subnormal) coordinate, d = 1 at
+# the dtype's largest and smallest numbers, and a vector mixing both ends of the range.
+_F32, _F64 = np.finfo(np.float32), np.finfo(np.float64)
+RANGE_EXAMPLES = {
+    32: ([0.0] * 6, [0.0, 0.0, 0.0, -1e-45, 0.0, 0.0], [float(_F32.max)], [1e-45],
+         [float(_F32.max), -1e-45, 1.0, 3e-39, -float(_F32.max), 65520.0]),
+    64: ([0.0] * 6, [0.0, 0.0, 0.0, -5e-324, 0.0, 0.0], [float(_F64.max)], [5e-324],
+         [float(_F64.max), -5e-324, 1.0, 1e-300, -1e300, 65520.0]),
+}
+
+
+def _with_examples(width: int):
+    def decorate(test):
+        for x in RANGE_EXAMPLES[width]:
+            test = example(x=x, seed=0)(test)
+        return test
+    return decorate
+
+
+@RANGE_PROPS
+@given(x=st.sampled_from(RANGE_DIMS).flatmap(lambda d: st.lists(_floats(32), min_size=d, max_size=d)),
+       seed=st.integers(0, 2**16))
+@_with_examples(32)
+def test_range_float32(x: list[float], seed: int) -> None:
+    _check_range(np.float32, np.asarray(x, np.float32), seed)
+
+
+@RANGE_PROPS
+@given(x=st.sampled_from(RANGE_DIMS).flatmap(lambda d: st.lists(_floats(64), min_size=d, max_size=d)),
+       seed=st.integers(0, 2**16))
+@_with_examples(64)
+def test_range_float64(x: list[float], seed: int) -> None:
+    _check_range(np.float64, np.asarray(x), seed)
+
+
+def test_ldexp_and_binade_match_numpy_on_every_kind_of_float() -> None:
+    # fb_compress._ldexp (x 2^n on the bits) against numpy's ldexp, which the CPU does not flush:
+    # random bit patterns (zeros, subnormals, normals, inf, NaN) and shifts across the whole range,
+    # rounding included; a finite result beyond the range saturates. _binade against floor(log2).
+    rng = np.random.default_rng(0)
+    for dtype, span in ((np.float16, 40), (np.float32, 300), (np.float64, 2200)):
+        width = np.dtype(dtype).itemsize * 8
+        x = rng.integers(0, 2**width, size=20_000, dtype=np.uint64).astype(f"uint{width}").view(dtype)
+        n = rng.integers(-span, span, size=x.size).astype(np.int32)
+        n[::2] = rng.integers(-3, 4, size=n[::2].size)
+        got = np.asarray(jax.jit(fb_compress._ldexp)(jnp.asarray(x), jnp.asarray(n)))
+        with np.errstate(all="ignore"):  # float64 holds every float16 or float32 times 2^n exactly here
+            exact = np.ldexp(x.astype(np.float64), n) if dtype != np.float64 else np.ldexp(x, n)
+            expected = exact.astype(dtype)
+            expected = np.where(np.isfinite(x) & np.isinf(expected), np.copysign(np.finfo(dtype).max, x), expected)
+        same = (got.view(f"uint{width}") == expected.astype(dtype).view(f"uint{width}")) | (np.isnan(got) & np.isnan(x))
+        assert same.all(), (dtype, x[~same][:3], n[~same][:3])
+        b = np.asarray(jax.jit(fb_compress._binade)(jnp.asarray(x)))
+        finite = np.isfinite(x) & (x != 0)
+        np.testing.assert_array_equal(b[finite], np.floor(np.log2(np.abs(x[finite].astype(np.float64)))))
+        assert np.all(b[~finite] == fb_compress._NO_BINADE)
+
+
+def test_range_exact_references() -> None:
+    # Float32 vectors beyond float16's range, beyond float32's squares, at float32's top and among
+    # its subnormals, with the expected codes and outputs computed in numpy (which does not flush).
+    f32 = np.float32
+    big = np.finfo(f32).max
+    key = jax.random.key(0)
+
+    def run(c, x):
+        message, x_hat, bits = jax.jit(c.coded)(key, jnp.asarray(x, f32))
+        assert int(bits) == c.bits(len(x))
+        return tuple(np.asarray(v) for v in message.codes), np.asarray(x_hat)
+
+    # identity(16): b = 16 for 1e5, sent as float16(x / 4); 1e-10 / 4 is below float16: 0.
+    x = np.asarray([1e5, -3.0, 1e-10, 0.0], f32)
+    (b, h), x_hat = run(identity(16), x)
+    assert b == 16
+    np.testing.assert_array_equal(h, (x / f32(4)).astype(np.float16).astype(f32))
+    np.testing.assert_array_equal(x_hat, h * f32(4))
+    assert x_hat[0] == 99_968 and x_hat[1] == -3 and x_hat[2] == 0  # 25000 is a tie: to even, 24992
+    # ... at float32's top: b = 127, the largest float32 rounds up to 2^15 2^113 = 2^128, which
+    # saturates to the largest float32 (not inf).
+    (b, h), x_hat = run(identity(16), np.asarray([big, -1.0], f32))
+    assert b == 127 and h[0] == 2.0**15 and h[1] == 0
+    np.testing.assert_array_equal(x_hat, [big, 0.0])
+    # top_k(1, float_bits=16) on tiny normal and subnormal vectors: the kept value survives.
+    for x in (np.asarray([5e-31, -1e-30, 0.0], f32), np.asarray([0.0, 3e-44, 1e-45], f32)):
+        (idx, b, h), x_hat = run(top_k(1, float_bits=16), x)
+        j = int(np.argmax(np.abs(x)))
+        assert idx.tolist() == [j] and b == np.floor(np.log2(abs(float(x[j]))))
+        assert h[0] == np.float16(np.ldexp(float(x[j]), 14 - int(b)))
+        expected = np.where(np.arange(3) == j, np.ldexp(float(h[0]), int(b) - 14), 0).astype(f32)
+        np.testing.assert_array_equal(x_hat, expected)
+        assert x_hat[j] != 0
+    # qsgd: ||(1e20, 1e20)|| overflows float32 squares; it is computed on x 2^-66 (b = 66) and sent
+    # exactly as numpy's float32 arithmetic gives it. Beyond float32 it saturates, and so do the outputs.
+    x = np.asarray([1e20, -1e20], f32)
+    y = x * f32(2.0**-66)
+    (norm, signed), x_hat = run(qsgd(1), x)
+    assert norm == np.sqrt(y[0] * y[0] + y[1] * y[1]) * f32(2.0**66)
+    np.testing.assert_array_equal(x_hat, norm * np.sign(signed).astype(f32) * np.abs(signed).astype(f32))
+    (norm, signed), x_hat = run(qsgd(1), np.asarray([3e38, 3e38], f32))
+    assert norm == big and np.all(np.isin(x_hat, [0.0, big]))
+    # qsgd(16): the norm 1e5 (beyond float16; 1e5 in float32, as 1e10 + 9 is 1e10) is sent as
+    # b = 16 and float16(norm / 4) = 24992 (25000 is a tie: to even).
+    (b, h, signed), x_hat = run(qsgd(4, float_bits=16), np.asarray([1e5, 3.0], f32))
+    assert b == 16 and h == 24_992
+    assert signed[0] == 4 and x_hat[0] == f32(h) * 4
+    # rand_k(1) on d = 2 sends 2 x_j: beyond float32 it saturates.
+    (idx, values), x_hat = run(rand_k(1), np.asarray([3e38, -3e38], f32))
+    np.testing.assert_array_equal(values, [np.copysign(big, [3e38, -3e38][int(idx[0])])])
+    # rand_k(fraction=1.0) and natural(contractive=True) on subnormals: kept, not flushed (the
+    # division by 9/8 is done at 2^0, then scaled to 2^-140).
+    x = np.asarray([0.0, 1e-40, -(2.0**-140)], f32)
+    np.testing.assert_array_equal(run(rand_k(fraction=1.0), x)[1], x)
+    shrunk = run(natural(contractive=True), np.asarray([2.0**-140], f32))[1]
+    np.testing.assert_array_equal(shrunk, [np.ldexp(f32(1) / f32(9 / 8), -140).astype(f32)])
+    assert shrunk[0] != 0
+
+
+@pytest.mark.parametrize("dtype, shifts", [(np.float32, (-110, 110)), (np.float64, (-1000, 1000))],
+                         ids=["float32", "float64"])
+def test_compressors_commute_with_powers_of_two(dtype, shifts) -> None:
+    # With the same key, C(2^e x) = 2^e C(x) bit for bit for every compressor (16-bit floats and
+    # natural's grid follow the vector's binade; qsgd's norm is computed on x 2^-b): at these far
+    # scales the Monte Carlo tests of omega and alpha, run on x, hold draw for draw.
+    x = np.asarray(_vector(10), dtype)
+    keys = jax.random.split(jax.random.key(8), 4)
+    scaled = np.stack([x] + [np.ldexp(x, e) for e in shifts])
+    run = jax.jit(lambda keys, xs: [jax.vmap(lambda x: jax.vmap(c, (0, None))(keys, x)[0])(xs) for c in WIRE])
+    for c, out in zip(WIRE, run(keys, jnp.asarray(scaled))):
+        out = np.asarray(out)
+        assert out.dtype == dtype and np.all(np.isfinite(out)), c
+        for i, e in enumerate(shifts, start=1):
+            np.testing.assert_array_equal(out[i], np.ldexp(out[0], e), err_msg=f"{c} at 2^{e}")
