@@ -7,12 +7,13 @@ from .algorithms import tamuna
 from .expfam import CustomStatistics
 from .api import fed_fit, resume
 from .data import FederatedData, partition_dirichlet, partition_iid, partition_shards
-from .errors import (CheckpointError, ConfigError, DataError, DivergenceError, FedbayesError, ModelError,
-                     TooFewClientsError)
+from .errors import (CallbackError, CheckpointError, CheckpointWarning, ClientIndexError, ConfigError, DataError,
+                     DivergenceError, FedbayesError, ModelError, PrecisionWarning, StalledError, TooFewClientsError)
 from .faults import Aggregation, FaultPolicy, Faults
 from .kernels import ULA
 from .model import FedModel, local
 from .result import Result
+from .wire import WireError
 
 __version__ = "0.1.0"
 
@@ -20,5 +21,6 @@ __all__ = [
     "BELF", "TAMUNA", "Scaffnew", "GD", "FedAvg", "tamuna", "CustomStatistics", "DELF", "FedEM", "FedMM", "ParamAveragingEM", "LMC", "PELF", "QLSD", "ConfigError", "DataError", "DivergenceError", "FedModel", "FedSOUL", "FederatedData", "FedbayesError", "ModelError",
     "Result", "ULA", "compress", "diagnostics", "reference", "fed_fit", "local", "models", "partition_dirichlet", "partition_iid",
     "partition_shards", "curvature_step_size", "theory_step_size", "resume", "checkpoint", "faults", "Faults",
-    "FaultPolicy", "Aggregation", "TooFewClientsError", "CheckpointError",
+    "FaultPolicy", "Aggregation", "TooFewClientsError", "CheckpointError", "CallbackError", "CheckpointWarning",
+    "ClientIndexError", "PrecisionWarning", "StalledError", "WireError",
 ]

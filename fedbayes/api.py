@@ -7,16 +7,20 @@ import os
 import pickle
 import re
 import sys
+import warnings
 from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 import numpy as np
 
 from . import checkpoint as checkpoint_io
+from ._keys import require_seed, seed_key
 from .algorithms import ALGORITHMS
 from .data import FederatedData
-from .engine import Problem, Stopped, concat_records, fault_events, resolve_cohort_size, run_rounds
+from .engine import (STALL_TIMEOUT, Problem, Stopped, concat_records, fault_events, resolve_cohort_size, run_rounds,
+                     wait_ready)
 from .errors import CheckpointError, ConfigError, DataError, DivergenceError, ModelError, TooFewClientsError, require_int
+from .errors import CallbackError, CheckpointWarning, is_real
 from .faults import FaultPolicy, Faults
 from .model import FedModel, serialized
 from .result import Result
@@ -45,10 +49,20 @@ def _public(history: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def _stopped(err: Stopped, run: Any, problem: Problem, fm: FedModel, data: FederatedData, seed: int,
              key: jax.Array, history: dict[str, np.ndarray]) -> Exception:
     """The user-facing error of a fit stopped early, with the fit finalised at the last good round."""
+    hint = getattr(getattr(run, "cfg", None), "divergence_hint", None)
+    hint = f"Likely fixes: {hint}." if hint else _DEFAULT_HINT
     if err.reason == "diverged":
-        hint = getattr(getattr(run, "cfg", None), "divergence_hint", None)
-        message = (f"{run.name} diverged: the global parameters became non-finite at round {err.round}. "
-                   + (f"Likely fixes: {hint}." if hint else _DEFAULT_HINT))
+        message = f"{run.name} diverged: the global parameters became non-finite at round {err.round}. {hint}"
+        kind = DivergenceError
+    elif err.reason == "nonfinite_uploads":
+        c = err.counts
+        message = (f"{run.name} diverged on the clients at round {err.round}: the global parameters were still "
+                   f"finite, but no client answered usefully and {c['nonfinite']} of the "
+                   f"{c['nonfinite'] + c['dropped'] + c['too_large']} taking part sent non-finite uploads, so their "
+                   f"local computation overflowed or produced NaN at these parameters. {hint} If that is not it, "
+                   "look for what else overflows on a client: a compressor whose wire format cannot hold the "
+                   "values, or a model term that is NaN/inf there (err.history['nonfinite'] counts such clients "
+                   "per round).")
         kind = DivergenceError
     else:
         message = (f"{run.name} stopped: at round {err.round} client faults left fewer answering clients than "
@@ -95,8 +109,9 @@ def _validated(model, data, algorithm, num_rounds, clients_per_round, seed, mode
             data = FederatedData(data)
         else:
             raise DataError(f"data must be fb.FederatedData or a dict of per-client lists, got {type(data).__name__}")
-    for what, value, low in (("num_rounds", num_rounds, 1), ("seed", seed, 0), ("chunk_size", chunk_size, 1)):
+    for what, value, low in (("num_rounds", num_rounds, 1), ("chunk_size", chunk_size, 1)):
         require_int(value, what, low)
+    require_seed(seed)
     if model_kwargs is not None and not isinstance(model_kwargs, Mapping):
         raise ConfigError(f"model_kwargs must be a dict of keyword arguments or None, got {type(model_kwargs).__name__}")
     if faults is not None and not isinstance(faults, Faults):
@@ -125,6 +140,7 @@ def fed_fit(
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
     callback: Callable[[int, dict[str, np.ndarray]], Any] | None = None,
+    stall_timeout: float | None = STALL_TIMEOUT,
 ) -> Result:
     """Fit ``model`` (a NumPyro model of one client's data) across the clients of ``data``.
 
@@ -144,7 +160,7 @@ def fed_fit(
     clients_per_round:
         Cohort size per round: an int, a fraction in (0, 1], or None for all clients.
     seed:
-        The fit is a deterministic function of ``seed`` on a given machine.
+        An integer in ``[0, 2**64)``; the fit is a deterministic function of ``seed`` on a given machine.
     progress:
         Show a progress line (default: only when stderr is a terminal).
     chunk_size:
@@ -159,15 +175,33 @@ def fed_fit(
     checkpoint, checkpoint_every:
         A file to which the full state (server, clients, ledger, history) is written atomically every
         ``checkpoint_every`` rounds (default: every chunk), at the end of a chunk; ``fb.resume(path)``
-        continues from it and gives exactly the result of an uninterrupted fit.
+        continues from it and gives exactly the result of an uninterrupted fit. A write that fails (disk
+        full, read-only) gives a ``fb.errors.CheckpointWarning`` saying where and why: the previous
+        checkpoint is kept, the fit goes on in memory and the next chunk tries to write again.
     callback:
         Called after each chunk as ``callback(rounds_done, chunk_history)`` (the chunk's public records).
+        An exception in it stops the fit with ``fb.errors.CallbackError`` (``round``; the exception
+        chained), after the checkpoint due at that round is written.
+    stall_timeout:
+        Seconds (default 300; None: off) that a compiled computation (the set-up exchange, a chunk of
+        rounds) may stay unfinished while the process uses no CPU before ``fb.errors.StalledError``
+        (``rounds``, ``history``) is raised instead of waiting for ever. The clock starts once the
+        computation is dispatched (compilation does not count) and restarts whenever the process
+        computes, so a slow fit is never stopped, only a deadlocked one (see the error's message for
+        causes and remedies). A deadlocked computation cannot be cancelled: its threads stay blocked
+        and the process cannot exit normally afterwards (end it with ``os._exit``).
     """
     fit = _validated(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults,
                      fault_policy)
     _check_run_options(checkpoint, checkpoint_every, callback)
+    _check_stall_timeout(stall_timeout)
     return _execute(fit, progress=progress, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-                    callback=callback)
+                    callback=callback, stall_timeout=stall_timeout)
+
+
+def _check_stall_timeout(stall_timeout: Any) -> None:
+    if stall_timeout is not None and not (is_real(stall_timeout) and stall_timeout > 0):
+        raise ConfigError(f"stall_timeout must be a number of seconds > 0 or None (no watchdog), got {stall_timeout!r}")
 
 
 def _check_run_options(checkpoint: Any, checkpoint_every: Any, callback: Any) -> None:
@@ -215,14 +249,15 @@ def _spec_bytes(fit: _Fit) -> bytes:
         return b""
 
 
-def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, resumed: Any = None) -> Result:
+def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, stall_timeout=STALL_TIMEOUT,
+             resumed: Any = None) -> Result:
     data = fit.data
     cohort = resolve_cohort_size(fit.clients_per_round, data.num_clients)
     fm = FedModel(fit.model, data, fit.model_kwargs)
     problem = Problem(fm, data, fit.num_rounds, cohort)
     run = fit.algorithm.build(problem)
-    k_init, k_rounds, k_final = jax.random.split(jax.random.PRNGKey(fit.seed), 3)
-    carry = run.init(k_init, problem)
+    k_init, k_rounds, k_final = jax.random.split(seed_key(fit.seed), 3)
+    carry = wait_ready(run.init(k_init, problem), stall_timeout, f"{run.name}: the set-up exchange")
     plain = {"clients_per_round": fit.clients_per_round, "chunk_size": fit.chunk_size,
              "faults": None if fit.faults is None else dataclasses.asdict(fit.faults),
              "fault_policy": None if fit.fault_policy is None else dataclasses.asdict(fit.fault_policy)}
@@ -239,16 +274,28 @@ def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, res
 
     def on_chunk(done: int, state: Any, records: list[dict[str, np.ndarray]]) -> None:
         if checkpoint is not None and done < fit.num_rounds and done - last_saved[0] >= every:
-            checkpoint_io.save(checkpoint, dict(meta, round=done), spec, state, concat_records(past + records))
-            last_saved[0] = done
+            try:
+                checkpoint_io.save(checkpoint, dict(meta, round=done), spec, state, concat_records(past + records))
+                last_saved[0] = done
+            except CheckpointError as err:  # the fit goes on in memory; the next chunk tries again
+                warnings.warn(f"{err}. The fit goes on in memory (round {done} of {fit.num_rounds}) and tries to "
+                              "write the checkpoint again after the next chunk", CheckpointWarning, stacklevel=2)
         if callback is not None:
-            callback(done, _public(records[-1]))
+            try:
+                callback(done, _public(records[-1]))
+            except Exception as err:  # noqa: BLE001 - KeyboardInterrupt & co. pass through unchanged
+                kept = (f" The checkpoint {os.fspath(checkpoint)!r} holds round {last_saved[0]}; fb.resume continues "
+                        "from it." if checkpoint is not None and last_saved[0] > start else "")
+                raise CallbackError(f"the callback failed after round {done} of {fit.num_rounds} "
+                                    f"({type(err).__name__}: {err}); the fit is stopped.{kept} Fix the callback "
+                                    "(its traceback is above).", round=done) from err
 
     try:
         if start < fit.num_rounds:
             carry, history = run_rounds(run, problem, carry, base_key=k_rounds, cohort_size=cohort, start=start,
                                         chunk_size=fit.chunk_size, progress=progress, stop_on_divergence=True,
-                                        faults=fit.faults, policy=fit.fault_policy, on_chunk=on_chunk)
+                                        faults=fit.faults, policy=fit.fault_policy, on_chunk=on_chunk,
+                                        stall_timeout=stall_timeout)
             history = concat_records(past + [history])
         else:
             history = past[0]
@@ -301,6 +348,7 @@ def resume(
     checkpoint: str | os.PathLike | None | bool = True,
     checkpoint_every: int | None = None,
     callback: Callable[[int, dict[str, np.ndarray]], Any] | None = None,
+    stall_timeout: float | None = STALL_TIMEOUT,
 ) -> Result:
     """Continue the fit saved in the checkpoint ``path``; the result equals the uninterrupted fit's, bit
     for bit (same machine, same library versions).
@@ -310,7 +358,7 @@ def resume(
     ``model_kwargs=``) again. Whatever is passed is checked against the checkpoint's fingerprints, and
     the re-initialised state against the saved digest: a checkpoint of a different fit, or a corrupted
     one, raises :class:`fb.CheckpointError` and is never used. ``checkpoint=True`` keeps writing to
-    ``path`` (``False``/None: no more checkpoints, or another path).
+    ``path`` (``False``/None: no more checkpoints, or another path). ``stall_timeout`` as in ``fed_fit``.
     """
     ck = checkpoint_io.load(path)
     try:
@@ -335,5 +383,6 @@ def resume(
     fit = _validated(**fields)
     target = path if checkpoint is True else (None if checkpoint is False else checkpoint)
     _check_run_options(target, checkpoint_every, callback)
+    _check_stall_timeout(stall_timeout)
     return _execute(fit, progress=progress, checkpoint=target, checkpoint_every=checkpoint_every, callback=callback,
-                    resumed=ck)
+                    stall_timeout=stall_timeout, resumed=ck)

@@ -26,14 +26,13 @@ import io
 import json
 import os
 import pickle
-import zipfile
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 
 FORMAT = 1
 
@@ -74,7 +73,15 @@ def _entries_digest(entries: dict[str, np.ndarray]) -> str:
 
 
 def save(path: str | os.PathLike, meta: dict[str, Any], spec: bytes, carry: Any, history: dict[str, np.ndarray]) -> None:
-    """Write a checkpoint atomically (temporary file in the same directory, fsync, rename)."""
+    """Write a checkpoint atomically (temporary file in the same directory, fsync, rename).
+
+    Raises
+    ------
+    CheckpointError
+        If the file cannot be written (disk full, read-only file system, no permission: the
+        ``OSError`` is the ``__cause__``); the previous checkpoint at ``path``, if any, is unchanged
+        and no temporary file is left behind.
+    """
     path = os.fspath(path)
     leaves = jax.tree_util.tree_leaves(carry)
     meta = dict(meta, format=FORMAT, weak=[bool(getattr(x, "weak_type", False)) for x in leaves])
@@ -91,9 +98,16 @@ def save(path: str | os.PathLike, meta: dict[str, Any], spec: bytes, carry: Any,
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        raise CheckpointError(f"cannot write the checkpoint {path!r} ({type(err).__name__}: {err}); the previous "
+                              f"checkpoint there, if any, is unchanged. Free disk space, make {directory!r} "
+                              "writable, or choose another checkpoint path") from err
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        try:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        except OSError:  # pragma: no cover - the write error above says what is wrong
+            pass
     try:  # make the rename itself durable
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -116,9 +130,15 @@ class Checkpoint:
         return int(self.meta["round"])
 
     def unpickle_spec(self) -> dict[str, Any] | None:
+        """The fit specification (a dict), or None if the checkpoint has none; unpickling runs code
+        named in the file, so resume only checkpoints you trust."""
         if not self.spec:
             return None
-        return pickle.loads(self.spec)
+        spec = pickle.loads(self.spec)
+        if not isinstance(spec, dict) or not all(isinstance(k, str) for k in spec):
+            raise CheckpointError(f"the checkpoint's fit specification is a {type(spec).__name__}, not a dict of "
+                                  "the fit's arguments; it was not written by fedbayes")
+        return spec
 
     def restore_carry(self, template: Any) -> Any:
         """The saved carry in the structure of ``template`` (a freshly initialised carry of the same fit)."""
@@ -136,27 +156,75 @@ class Checkpoint:
         return jax.tree_util.tree_unflatten(treedef, out)
 
 
+_META_TYPES = {"format": int, "round": int, "num_rounds": int, "seed": int, "algorithm": str, "versions": dict,
+               "plain": dict, "fingerprints": dict, "init_digest": str, "weak": list}
+_NESTED_KEYS = {"plain": ("clients_per_round", "chunk_size", "faults", "fault_policy"),
+                "fingerprints": ("model", "data", "options")}
+
+
+def _check_meta(meta: dict[str, Any], num_leaves: int) -> str | None:
+    """What is wrong with a checkpoint's (digest-verified) metadata dict, or None."""
+    for field, kind in _META_TYPES.items():
+        if not isinstance(meta.get(field), kind) or isinstance(meta.get(field), bool):
+            return f"metadata field {field!r} is missing or not of type {kind.__name__}"
+    for field, keys in _NESTED_KEYS.items():
+        absent = [k for k in keys if k not in meta[field]]
+        if absent:
+            return f"metadata field {field!r} lacks {absent}"
+    if not all(isinstance(meta["fingerprints"][k], str) for k in _NESTED_KEYS["fingerprints"]):
+        return "its fingerprints are not strings"
+    if not all(v is None or isinstance(v, dict) for v in (meta["plain"]["faults"], meta["plain"]["fault_policy"])):
+        return "its fault settings are not dicts"
+    if len(meta["weak"]) != num_leaves or not all(isinstance(w, bool) for w in meta["weak"]):
+        return f"it lists {len(meta['weak'])} state flags for {num_leaves} state arrays"
+    return None
+
+
 def load(path: str | os.PathLike) -> Checkpoint:
-    """Read and verify a checkpoint; :class:`CheckpointError` if it is missing, truncated or altered."""
-    path = os.fspath(path)
+    """Read and verify a checkpoint.
+
+    Raises
+    ------
+    CheckpointError
+        If it is missing, unreadable, truncated, altered, not a fedbayes checkpoint, or of another format.
+    ConfigError
+        If ``path`` is not a path.
+    """
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise ConfigError(f"a checkpoint path must be a str or os.PathLike, got {path!r}") from None
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path!r}")
     try:
         with open(path, "rb") as f:
             raw = f.read()
+    except OSError as err:
+        raise CheckpointError(f"checkpoint {path!r} cannot be read ({type(err).__name__}: {err})") from err
+    try:
         with np.load(io.BytesIO(raw), allow_pickle=False) as z:
             entries = {name: z[name] for name in z.files}
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError, KeyError) as err:
+    except Exception as err:  # noqa: BLE001 - whatever a damaged zip raises (BadZipFile, NotImplementedError for
+        # an unknown compression, zlib.error, EOFError, ValueError, MemoryError for an absurd size, ...)
         raise CheckpointError(f"checkpoint {path!r} is corrupted or incomplete ({type(err).__name__}: {err}); "
-                              "it cannot be used") from None
+                              "it cannot be used") from err
     digest = entries.pop("digest", None)
-    if digest is None or "meta" not in entries or bytes(digest).decode(errors="replace") != _entries_digest(entries):
+    if (digest is None or "meta" not in entries
+            or np.asarray(digest).tobytes().decode(errors="replace") != _entries_digest(entries)):
         raise CheckpointError(f"checkpoint {path!r} fails its integrity check (altered or corrupted); it cannot be used")
-    meta = json.loads(bytes(entries.pop("meta")).decode())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path!r} has format {meta.get('format')}, this version reads {FORMAT}")
-    spec = bytes(entries.pop("spec", np.zeros(0, np.uint8)))
+    try:
+        meta = json.loads(entries.pop("meta").tobytes().decode())
+    except ValueError as err:  # UnicodeDecodeError and JSONDecodeError
+        raise CheckpointError(f"checkpoint {path!r} has unreadable metadata ({err}); it was not written by "
+                              "fedbayes") from err
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"checkpoint {path!r} has format {found}, this version reads {FORMAT}")
+    spec = entries.pop("spec", np.zeros(0, np.uint8)).tobytes()
     leaves = [entries[k] for k in sorted(k for k in entries if k.startswith("carry/"))]
+    problem = _check_meta(meta, len(leaves))
+    if problem:
+        raise CheckpointError(f"checkpoint {path!r} is not a valid fedbayes checkpoint: {problem}")
     history = {k[len("history/"):]: v for k, v in entries.items() if k.startswith("history/")}
     return Checkpoint(meta, spec, leaves, history)
 

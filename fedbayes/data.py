@@ -10,6 +10,8 @@ label skew, or a fixed number of classes per client) and return one client id pe
 from __future__ import annotations
 
 import operator
+import sys
+import warnings
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -17,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from numpy.typing import ArrayLike
 
-from fedbayes.errors import ConfigError, DataError
+from fedbayes.errors import ClientIndexError, ConfigError, DataError, PrecisionWarning
 
 __all__ = ["FederatedData", "partition_dirichlet", "partition_iid", "partition_shards"]
 
@@ -36,14 +38,63 @@ def _check_keys(data: Mapping[str, object]) -> None:
             )
 
 
-def _to_numpy(value: ArrayLike, where: str) -> np.ndarray:
-    """Convert one array to numpy, checking it is numeric with a leading observation axis."""
+_ENABLE_X64 = "enable 64-bit JAX (jax.config.update('jax_enable_x64', True))"
+
+
+def _pandas_type(value: object, *names: str) -> bool:
+    """Whether ``value`` is an instance of one of the pandas classes ``names`` ("ExtensionArray": any
+    pandas array); False when pandas is not imported (then ``value`` cannot be a pandas object)."""
+    pd = sys.modules.get("pandas")
+    if pd is None:
+        return False
+    classes = tuple(pd.api.extensions.ExtensionArray if n == "ExtensionArray" else getattr(pd, n) for n in names)
+    return isinstance(value, classes)
+
+
+def _as_array(value: ArrayLike, where: str) -> np.ndarray:
+    """``value`` as a NumPy array, refusing what would silently become wrong data: masked entries of
+    a masked array, and missing values (``pd.NA``, ``NaN``, ``None``) of a pandas object."""
+    if isinstance(value, np.ma.MaskedArray):
+        masked = int(np.count_nonzero(np.ma.getmaskarray(value)))
+        if masked:
+            raise DataError(
+                f"{where}: masked array with {masked} masked entries, whose hidden values would be "
+                "used as data; fill them (a.filled(value)) or drop the rows holding them "
+                "(a[~np.ma.getmaskarray(a).reshape(len(a), -1).any(axis=1)].data)."
+            )
+        value = np.ma.getdata(value)
+    if _pandas_type(value, "Series", "DataFrame", "Index", "ExtensionArray"):
+        import pandas as pd
+
+        missing = int(np.count_nonzero(pd.isna(value)))
+        if missing:
+            raise DataError(
+                f"{where}: {missing} missing values (pd.NA, NaN or None) in a pandas "
+                f"{type(value).__name__}; drop those rows (.dropna()) or impute them."
+            )
+        if isinstance(value, pd.DataFrame):  # column by column: nullable dtypes would give object
+            names = [f"{where}, column {c!r}" for c in value.columns]
+            columns = [_to_numpy(value.iloc[:, j], name) for j, name in enumerate(names)]
+            if not columns:
+                return np.empty((len(value), 0))
+            dtype = _target_dtype(columns)
+            return np.stack([_cast(a, dtype, name) for a, name in zip(columns, names)], axis=1)
     try:
-        array = np.asarray(value)
+        return np.asarray(value)
     except (TypeError, ValueError) as err:
         raise DataError(
             f"{where}: cannot be converted to an array ({err}); pass a rectangular numeric array."
         ) from err
+
+
+def _to_numpy(value: ArrayLike, where: str) -> np.ndarray:
+    """Convert one array to numpy, checking it is numeric with a leading observation axis."""
+    array = _as_array(value, where)
+    if array.dtype.kind == "V":  # JAX's extra types (ml_dtypes: bfloat16, float8_*, int4, ...) are exact in these
+        if jnp.issubdtype(array.dtype, jnp.floating):
+            array = array.astype(np.float32)
+        elif jnp.issubdtype(array.dtype, jnp.integer):
+            array = array.astype(np.int64)
     if array.dtype.kind not in "biuf":
         raise DataError(
             f"{where}: dtype {array.dtype} is not numeric; pass float, integer or bool arrays "
@@ -67,15 +118,50 @@ def _target_dtype(arrays: Sequence[np.ndarray]) -> np.dtype:
     return np.dtype(jnp.result_type(int))
 
 
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of a warning issued here that names the first caller outside this module."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _warn_if_rounded(array: np.ndarray, dtype: np.dtype, where: str) -> None:
+    """A :class:`PrecisionWarning` if the integers of ``array`` are not all exact in float ``dtype``."""
+    if array.dtype.kind not in "iu" or dtype.kind != "f" or not array.size:
+        return
+    limit = 2 ** (np.finfo(dtype).nmant + 1)  # every integer up to this is exact
+    if -limit <= int(array.min()) and int(array.max()) <= limit:
+        return
+    big = array[(array > limit) | (array < -limit)]
+    # Python int == float compares exactly
+    rounded = big[big.astype(object) != big.astype(dtype).astype(object)]
+    if rounded.size:
+        example = rounded[0]
+        warnings.warn(
+            f"{where}: {rounded.size} integer values are not exactly representable as {dtype} and "
+            f"were rounded (e.g. {int(example)} -> {int(example.astype(dtype))}): integers and floats "
+            f"of one key all become {dtype}. To keep them exact, "
+            + ("" if jax.config.jax_enable_x64 else f"{_ENABLE_X64}, where float64 holds integers exactly up to "
+               "2**53, or ")
+            + "pass the key as integers in every client.",
+            PrecisionWarning,
+            stacklevel=_caller_stacklevel(),
+        )
+
+
 def _cast(array: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
-    """Cast to ``dtype``, rejecting integer overflow and non-finite floats."""
-    if dtype.kind == "i" and array.dtype.kind in "iu":
+    """Cast to ``dtype``: integer overflow and non-finite floats are refused, integers that a float
+    ``dtype`` rounds give a :class:`PrecisionWarning`."""
+    if dtype.kind == "i" and array.dtype.kind in "iu" and array.size:
         info = np.iinfo(dtype)
-        if array.min() < info.min or array.max() > info.max:
+        if int(array.min()) < info.min or int(array.max()) > info.max:
             raise DataError(
                 f"{where}: integer values outside the {dtype} range [{info.min}, {info.max}]; "
-                "enable jax_enable_x64 or rescale the values."
+                + ("rescale or re-encode the values." if jax.config.jax_enable_x64
+                   else f"{_ENABLE_X64} or rescale the values.")
             )
+    _warn_if_rounded(array, dtype, where)
     with np.errstate(over="ignore"):
         out = array.astype(dtype)
     if dtype.kind == "f":
@@ -88,10 +174,23 @@ def _cast(array: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
     return out
 
 
-def _check_index(value: object, name: str, size: int) -> int:
-    i = operator.index(value)
+def _check_index(value: object, size: int) -> int:
+    """``value`` as a client index in ``0..size-1`` (negative counts from the end)."""
+    if isinstance(value, (bool, np.bool_)):
+        i = None
+    else:
+        try:
+            i = operator.index(value)
+        except TypeError:
+            i = None
+    if i is None:
+        raise ClientIndexError(
+            f"a client index must be an integer; got {value!r} of type {type(value).__name__}."
+        )
     if not -size <= i < size:
-        raise IndexError(f"{name} {i} out of range for {size} clients.")
+        raise ClientIndexError(
+            f"client index {i} out of range for {size} clients; use -{size}..{size - 1}."
+        )
     return i % size
 
 
@@ -128,13 +227,24 @@ class FederatedData:
     Raises
     ------
     DataError
-        If keys, shapes, dtypes or values are invalid; the message names the key and client.
+        If keys, shapes, dtypes or values are invalid (NaN/inf, integers outside JAX's int range,
+        masked entries of a masked array, missing values of a pandas object); the message names
+        the key and client.
+
+    Warns
+    -----
+    PrecisionWarning
+        If integers are rounded by the conversion to JAX's float (a key mixing integer and float
+        arrays across clients, with integers beyond 2**24 for float32 or 2**53 for float64).
 
     Notes
     -----
     Float arrays become JAX's default float (float64 only under ``jax_enable_x64``), integer
     arrays JAX's default int, and bool arrays stay bool. A key mixing kinds across clients is
-    promoted in that order.
+    promoted in that order. A per-client array may be a NumPy array (a masked one without masked
+    entries), a list, or a pandas Series / DataFrame (nullable dtypes included) without missing
+    values; JAX's bfloat16, float8 and int4 arrays are converted exactly. Trailing dimensions of
+    size 0 are kept.
     """
 
     def __init__(self, clients: Mapping[str, Sequence[ArrayLike]]) -> None:
@@ -217,7 +327,8 @@ class FederatedData:
         Parameters
         ----------
         data
-            Mapping from key to an array with leading axis ``N``.
+            Mapping from key to an array with leading axis ``N``, or a pandas DataFrame (one key
+            per column).
         client_ids
             1-D integer array of length ``N``; row ``r`` goes to client ``client_ids[r]``, and
             rows with id ``-1`` are dropped. Rows keep their relative order within a client.
@@ -231,8 +342,17 @@ class FederatedData:
         Raises
         ------
         DataError
-            If the arrays or ids are malformed, or a client in ``0..num_clients-1`` has no rows.
+            If the arrays or ids are malformed, or a client in ``0..num_clients-1`` has no rows
+            (checked before anything of size ``num_clients`` is allocated).
         """
+        if _pandas_type(data, "DataFrame"):
+            if not data.columns.is_unique:
+                duplicated = sorted(set(data.columns[data.columns.duplicated()]))
+                raise DataError(
+                    f"the DataFrame has duplicate column names {duplicated}; rename them so that "
+                    "each key is one column."
+                )
+            data = {key: data[key] for key in data.columns}
         _check_keys(data)
         arrays = {key: _to_numpy(value, f"pooled key {key!r}") for key, value in data.items()}
         n = _common_count(
@@ -240,39 +360,45 @@ class FederatedData:
             "pooled arrays have different leading lengths ({listing}); each needs one row per "
             "observation.",
         )
-        ids = np.asarray(client_ids)
+        ids = _as_array(client_ids, "client_ids")
         if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) != n:
             raise DataError(
                 f"client_ids must be a 1-D integer array of length {n} (one id per pooled row); "
                 f"got shape {ids.shape} and dtype {ids.dtype}."
             )
-        if n and ids.min() < -1:
+        if n and int(ids.min()) < -1:
             row = int(np.argmax(ids < -1))
             raise DataError(
                 f"client_ids[{row}] is {ids[row]}; ids must be >= 0, or -1 for unassigned rows."
             )
-        needed = int(ids.max(initial=-1)) + 1
+        needed = int(ids.max()) + 1 if n else 0
         if num_clients is None:
             num_clients = needed
         elif isinstance(num_clients, bool) or not isinstance(num_clients, (int, np.integer)):
             raise DataError(f"num_clients must be an int or None; got {num_clients!r}.")
-        elif num_clients < needed:
+        elif needed and num_clients < needed:
             raise DataError(
                 f"num_clients={num_clients} but client_ids contains id {needed - 1}; pass "
                 f"num_clients >= {needed} or leave it None."
             )
+        num_clients = int(num_clients)
         if num_clients < 1:
             raise DataError(
                 "federated data has zero clients: every client id is -1 or num_clients < 1; "
                 "assign rows to clients 0..C-1."
             )
-        counts = np.bincount(ids[ids >= 0], minlength=num_clients)
-        empty = np.flatnonzero(counts == 0)
-        if empty.size:
+        present, counts = np.unique(ids[ids >= 0], return_counts=True)
+        if present.size < num_clients:  # without allocating anything of size num_clients
+            first = min(num_clients, present.size + 5)
+            shown = np.setdiff1d(np.arange(first), present[present < first].astype(np.int64))[:5]
+            missing = num_clients - present.size
             raise DataError(
-                f"client {empty[0]} has no rows in client_ids (clients without rows: "
-                f"{empty.tolist()}); renumber the clients or lower num_clients."
+                f"client {shown[0]} has no rows in client_ids ({missing} of {num_clients} clients "
+                f"have none: {', '.join(map(str, shown.tolist()))}{', ...' if missing > shown.size else ''}); "
+                "renumber the clients (np.unique(client_ids, return_inverse=True)[1]) or lower "
+                "num_clients."
             )
+        # here the ids are exactly 0..num_clients-1, each with counts[id] rows
         order = np.argsort(ids, kind="stable")[n - int(counts.sum()) :]
         splits = np.cumsum(counts)[:-1]
         return cls({key: np.split(a[order], splits) for key, a in arrays.items()})
@@ -313,8 +439,14 @@ class FederatedData:
         return self._mask
 
     def client(self, i: int) -> dict[str, np.ndarray]:
-        """Unpadded arrays of client ``i`` (negative indices count from the end)."""
-        i = _check_index(i, "client index", self.num_clients)
+        """Unpadded arrays of client ``i`` (negative indices count from the end).
+
+        Raises
+        ------
+        ClientIndexError
+            If ``i`` is not an integer or is out of range (a DataError, IndexError and TypeError).
+        """
+        i = _check_index(i, self.num_clients)
         return {key: arrays[i].copy() for key, arrays in self._data.items()}
 
     def pooled(self) -> dict[str, np.ndarray]:
@@ -326,8 +458,27 @@ class FederatedData:
         return np.repeat(np.arange(self.num_clients, dtype=np.int64), self._sizes)
 
     def subset(self, indices: Sequence[int]) -> FederatedData:
-        """New data with the clients ``indices``, in that order (negative indices allowed)."""
-        idx = [_check_index(i, "client index", self.num_clients) for i in indices]
+        """New data with the clients ``indices``, in that order (negative indices allowed).
+
+        Raises
+        ------
+        ClientIndexError
+            If ``indices`` is not a sequence of integers, or one is out of range.
+        DataError
+            If ``indices`` is empty.
+        """
+        try:
+            items = None if isinstance(indices, (str, bytes)) else list(indices)
+        except TypeError:
+            items = None
+        if items is None:
+            raise ClientIndexError(
+                f"subset needs a sequence of client indices such as [0, 2]; got {indices!r} of type "
+                f"{type(indices).__name__} (for one client pass [i])."
+            )
+        if not items:
+            raise DataError("subset needs at least one client index; got an empty sequence.")
+        idx = [_check_index(i, self.num_clients) for i in items]
         return FederatedData({key: [arrays[i] for i in idx] for key, arrays in self._data.items()})
 
     def blank(self) -> FederatedData:

@@ -39,6 +39,7 @@ Randomness is a pure function of ``(seed, round, client id)``, so a fit is repro
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from typing import Any, Callable, NamedTuple, Protocol
 
@@ -47,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .data import FederatedData
-from .errors import ConfigError, FedbayesError
+from .errors import ConfigError, FedbayesError, StalledError
 from .faults import DROPPED, KIND_NAMES, NONFINITE, OK, TOO_LARGE, FaultPolicy, Faults, screen
 from .wire import FLOAT_BITS as WIRE_FLOAT_BITS
 from .wire import decode_tree
@@ -533,12 +534,17 @@ def first_short_round(records: dict[str, np.ndarray], min_clients: int) -> int |
 
 class Stopped(FedbayesError):
     """Raised by :func:`run_rounds` when a round fails a stop check: ``reason`` is ``"diverged"`` (the
-    global state is not finite) or ``"too_few_clients"``; ``round`` is the first bad round, ``carry``
-    the state after the last good round and ``history`` the records of the good rounds."""
+    global state is not finite), ``"nonfinite_uploads"`` (the global state is finite, but no member
+    answered usefully and most sent non-finite uploads: the clients' computation blew up) or
+    ``"too_few_clients"``; ``round`` is the first bad round, ``carry`` the state after the last good
+    round, ``history`` the records of the good rounds and ``counts`` the bad round's ``active``,
+    ``dropped``, ``nonfinite`` and ``too_large`` counts."""
 
-    def __init__(self, reason: str, round: int, carry: Any, history: dict[str, np.ndarray]):
+    def __init__(self, reason: str, round: int, carry: Any, history: dict[str, np.ndarray],
+                 counts: dict[str, int] | None = None):
         super().__init__(f"{reason} at round {round}")
         self.reason, self.round, self.carry, self.history = reason, round, carry, history
+        self.counts = counts if counts is not None else {}
 
 
 def _host_records(rec: dict[str, Any], seconds: float) -> dict[str, np.ndarray]:
@@ -552,6 +558,70 @@ def _host_records(rec: dict[str, Any], seconds: float) -> dict[str, np.ndarray]:
 
 def concat_records(records: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {name: np.concatenate([r[name] for r in records]) for name in records[0]} if records else {}
+
+
+STALL_TIMEOUT = 300.0
+"""Default seconds of idleness after which an unfinished computation is declared stalled (``fed_fit``)."""
+
+_IDLE_CPU = 0.02  # the process is idle when it uses less than 2% of one core
+
+
+def stall_advice(stall_timeout: float) -> str:
+    """What a :class:`StalledError` message says after naming what stalled: the likely cause, what to
+    try, and what becomes of the process."""
+    return (f"made no progress for {stall_timeout:g} s: it is unfinished and the process has used no CPU in that "
+            "time, so the computation is deadlocked, not slow. The known cause is jaxlib's CPU LAPACK kernels "
+            "(Cholesky, triangular solves, LU, eigh over a batch of matrices): they split a large batch over "
+            "XLA's thread pool and deadlock when several such batches run at once. fedbayes' own E-steps avoid "
+            "them, but a model can still reach them (e.g. a MultivariateNormal whose covariance differs per "
+            "client or per row). Try fewer clients per round (clients_per_round=), which keeps the batches "
+            "small; or run the process on one core (e.g. `taskset -c 0 python ...`: slower, but XLA then never "
+            "splits a batch); or another jax/jaxlib version; and please report the model to the fedbayes "
+            "issue tracker. If the computation is legitimately idle that long (a host callback waiting, a long "
+            "accelerator kernel), raise stall_timeout or pass None. The stalled computation cannot be "
+            "cancelled: its threads stay blocked in this process, which will not exit normally (the interpreter "
+            "waits for them at shutdown); keep what you need and end it with os._exit(), or run fits in a "
+            "subprocess.")
+
+
+def wait_ready(tree: PyTree, stall_timeout: float | None, what: str, *,
+               rounds: tuple[int, int] | None = None) -> PyTree:
+    """``tree`` once its arrays are computed; :class:`StalledError` (naming ``what``) if they are not and the
+    process has been idle for ``stall_timeout`` seconds (None: wait as long as it takes).
+
+    XLA runs a dispatched computation on its own threads, and ``jax.block_until_ready`` would wait for
+    ever on one that deadlocked. Instead a daemon thread waits for it and sets an event, while this
+    thread wakes every ``min(1 s, stall_timeout / 4)`` and reads the process's CPU time
+    (``time.process_time``, all threads): a window in which the process used less than 2% of one core
+    is idle. The event wakes this thread as soon as the computation ends, so waiting adds no latency.
+    The clock starts when dispatch returned (jit compiles before that, so compilation never counts) and
+    restarts at every busy window, so a computation that is slow but computing is never stopped. A
+    device computation that leaves the host idle also counts as idle. (XLA runs programs of under 1000
+    flops, and programs with host callbacks, within the dispatch call itself: those are finished before
+    this is called.)
+    """
+    if stall_timeout is None:
+        return jax.block_until_ready(tree)
+    done = threading.Event()
+
+    def wait() -> None:
+        try:
+            jax.block_until_ready(tree)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="fedbayes-wait-ready", daemon=True).start()
+    window = min(1.0, stall_timeout / 4)
+    busy = mark = time.monotonic()
+    cpu_mark = time.process_time()
+    while not done.wait(window):
+        now, cpu = time.monotonic(), time.process_time()
+        if cpu - cpu_mark >= _IDLE_CPU * (now - mark):
+            busy = now
+        mark, cpu_mark = now, cpu
+        if now - busy >= stall_timeout:
+            raise StalledError(f"{what} {stall_advice(stall_timeout)}", rounds=rounds)
+    return jax.block_until_ready(tree)  # an error raised by the computation surfaces here
 
 
 def run_rounds(
@@ -568,6 +638,7 @@ def run_rounds(
     faults: Faults | None = None,
     policy: FaultPolicy | None = None,
     on_chunk: Callable[[int, Any, list[dict[str, np.ndarray]]], None] | None = None,
+    stall_timeout: float | None = STALL_TIMEOUT,
 ) -> tuple[tuple[PyTree, PyTree, Message], dict[str, np.ndarray]]:
     """Run rounds ``start .. problem.num_rounds - 1`` and return the final carry and the history.
 
@@ -578,14 +649,17 @@ def run_rounds(
     Rounds run in the chunks of ``chunk_plan(0, num_rounds, chunk_size)``; a run continued from a
     chunk boundary ``start`` runs the remaining chunks of that same plan, so a continued run performs
     exactly the computations of an uninterrupted one. ``on_chunk(rounds_done, carry, records)`` is
-    called after each chunk (``records``: this call's chunk records so far).
+    called after each chunk (``records``: this call's chunk records so far). A chunk idle for
+    ``stall_timeout`` seconds raises :class:`fedbayes.errors.StalledError` (:func:`wait_ready`).
 
     A round fails a stop check when faults leave fewer than ``policy.min_clients`` answers, or, with
-    ``stop_on_divergence``, when the global state turns non-finite or no member answered and at least
-    half of them sent non-finite updates (a blow-up of the clients' computation, not random faults). Then the state after the last good
-    round is recomputed by replaying the chunk's good rounds from its starting state (round keys depend
-    only on the seed and the round, so the replay is the same computation) and :class:`Stopped` is
-    raised with it and the good rounds' history.
+    ``stop_on_divergence``, when the global state turns non-finite (``"diverged"``) or no member answered
+    and at least half of them sent non-finite updates (``"nonfinite_uploads"``: a blow-up of the clients'
+    computation, not random faults; with ``faults.nan > 0`` such a round counts as too few clients,
+    since the NaN may be the injected ones). Then the state after the last good round is recomputed by
+    replaying the chunk's good rounds from its starting state (round keys depend only on the seed and
+    the round, so the replay is the same computation) and :class:`Stopped` is raised with it and the
+    good rounds' history.
     """
     num_rounds = problem.num_rounds
     clients = stack_clients(problem.data)
@@ -599,15 +673,21 @@ def run_rounds(
     for first, length in plan:
         t0 = time.perf_counter()
         before = carry
-        carry, rec = run_chunk(carry, jnp.arange(first, first + length), clients, base_key)
-        rec = jax.block_until_ready(rec)  # dispatch is asynchronous: time the computation, not its launch
+        try:
+            carry, rec = wait_ready(run_chunk(carry, jnp.arange(first, first + length), clients, base_key),
+                                    stall_timeout, f"{bar.label}: the chunk of rounds {first}..{first + length - 1}",
+                                    rounds=(first, first + length - 1))
+        except StalledError as err:
+            err.history = concat_records(records)
+            raise
         rec = _host_records(rec, time.perf_counter() - t0)
         short = first_short_round(rec, min_clients)
         reason = "too_few_clients"
-        if short is not None and stop_on_divergence and rec["active"][short] == 0:
+        simulated_nan = faults is not None and faults.nan > 0  # injected NaN uploads are faults, not a blow-up
+        if short is not None and stop_on_divergence and rec["active"][short] == 0 and not simulated_nan:
             expected = rec["dropped"][short] + rec["nonfinite"][short] + rec["too_large"][short]
             if 2 * rec["nonfinite"][short] >= expected:  # most members blew up at once: a divergence, not faults
-                reason = "diverged"
+                reason = "nonfinite_uploads"
         checks = [(reason, short)]
         if stop_on_divergence:
             checks.append(("diverged", first_nonfinite_round(rec)))
@@ -616,7 +696,8 @@ def run_rounds(
             bad, reason = min(checks, key=lambda c: (c[0], c[1] == "diverged"))
             records.append({name: v[:bad] for name, v in rec.items()})
             good = run_chunk(before, jnp.arange(first, first + bad), clients, base_key)[0] if bad else before
-            raise Stopped(reason, first + bad, good, concat_records(records))
+            counts = {name: int(rec[name][bad]) for name in ("active", "dropped", "nonfinite", "too_large")}
+            raise Stopped(reason, first + bad, good, concat_records(records), counts)
         records.append(rec)
         bar.update(first + length)
         if on_chunk is not None:

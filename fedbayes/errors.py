@@ -42,8 +42,47 @@ class TooFewClientsError(_StoppedFit, FedbayesError, RuntimeError):
     ``history``, ``result``)."""
 
 
+class StalledError(FedbayesError, RuntimeError):
+    """A compiled computation (a chunk of rounds, or the set-up exchange) made no progress for
+    ``fed_fit(stall_timeout=...)`` seconds: unfinished while the process used no CPU, i.e. deadlocked.
+
+    ``rounds`` is ``(first, last)`` of the stalled chunk (None for the set-up) and ``history`` the
+    records of the rounds finished before it. The computation cannot be cancelled: its threads stay
+    blocked, and the interpreter waits for them at exit (end the process with ``os._exit``)."""
+
+    def __init__(self, message: str, *, rounds: tuple[int, int] | None = None):
+        super().__init__(message)
+        self.rounds, self.history = rounds, {}
+
+
 class CheckpointError(FedbayesError, ValueError):
-    """A checkpoint file is corrupted, incomplete, or does not match the fit it is resumed with."""
+    """A checkpoint file is corrupted, incomplete, or does not match the fit it is resumed with, or it
+    cannot be written (the ``OSError`` is the ``__cause__``)."""
+
+
+class ClientIndexError(DataError, IndexError, TypeError):
+    """A client index (``FederatedData.client``, ``FederatedData.subset``) is not an integer or is out of
+    range; also an ``IndexError`` and a ``TypeError``, as Python's own indexing raises."""
+
+
+class CallbackError(FedbayesError, RuntimeError):
+    """The ``callback`` of ``fed_fit`` / ``resume`` raised; ``round`` is the number of rounds done when it
+    was called and the callback's exception is the ``__cause__``. A checkpoint due at that round was
+    written before the callback ran."""
+
+    def __init__(self, message: str, *, round: int):
+        super().__init__(message)
+        self.round = round
+
+
+class PrecisionWarning(UserWarning):
+    """Data values were rounded when converted to JAX's float type (e.g. integers above 2**24 in a key
+    that becomes float32); the message names the key, the client and how to keep them exact."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint could not be written (disk full, read-only, ...): the fit goes on in memory, the
+    previous checkpoint is kept, and the next checkpoint due is tried again."""
 
 
 def require_int(value: object, what: str, minimum: int = 1) -> int:

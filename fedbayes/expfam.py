@@ -55,7 +55,9 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 from jax.scipy.special import gammaln
 from numpyro import distributions as dist
+from numpyro.distributions.distribution import validation_enabled
 
+from ._keys import seed_key
 from .errors import ModelError
 from .model import FedModel, Params, _sum_log_prob
 
@@ -73,6 +75,89 @@ def _base(fn: dist.Distribution) -> dist.Distribution:
 def _param(fn: dist.Distribution, name: str, extra: tuple[int, ...] = ()) -> jax.Array:
     """A parameter of the innermost distribution broadcast to the site's sample shape (+ ``extra``)."""
     return jnp.broadcast_to(getattr(_base(fn), name), fn.batch_shape + fn.event_shape + extra)
+
+
+# ------------------------------------------------------------------------------------ Gaussian algebra
+# jaxlib's CPU LAPACK kernels (Cholesky, triangular solve, LU, eigh, ...) split a batch of matrices
+# over XLA's intra-op thread pool from inside a pool thread and block until the pieces are done. When
+# as many such calls run at once as the pool has threads (XLA runs independent operations
+# concurrently: one per mixture component, say), every pool thread waits for work queued behind it:
+# a deadlock (jaxlib 0.10.2, batches of about 200,000 matrix elements or more). The client step runs
+# under the engine's vmap, so a LAPACK call on anything that varies over clients or rows is such a
+# batch. The E-step therefore factors a covariance shared by rows once (one matrix, never split;
+# :func:`_shared_factor`) and factors per-client / per-row matrices with array operations below.
+
+
+def lapack_free_cholesky(a: jax.Array) -> jax.Array:
+    """Lower Cholesky factor L (L L^T = a) of symmetric positive-definite matrices ``(..., n, n)``.
+
+    Column j of L, by the Cholesky-Crout recursion with array operations (no LAPACK call, whatever the
+    batch; a ``fori_loop`` over the n columns, so the program does not grow with n):
+
+        c = a[:, j] - L[:, :j] L[j, :j]^T,   L_jj = sqrt(c_j),   L_ij = c_i / L_jj  (i > j).
+
+    The columns of L not yet computed are zero, so the full-width product adds exact zeros only.
+    """
+    a = jnp.asarray(a)
+    n = a.shape[-1]
+    rows = jnp.arange(n)
+
+    def column(j, L):
+        c = a[..., :, j] - jnp.einsum("...ik,...k->...i", L, L[..., j, :])
+        d = jnp.sqrt(c[..., j])[..., None]
+        return L.at[..., :, j].set(jnp.where(rows > j, c / d, jnp.where(rows == j, d, 0.0)))
+
+    return jax.lax.fori_loop(0, n, column, jnp.zeros_like(a))
+
+
+def lapack_free_tril_inverse(L: jax.Array) -> jax.Array:
+    """X = L^{-1} for lower-triangular ``(..., n, n)`` by forward substitution on the identity, row by row
+    (rows of X not yet computed are zero): X_i = (e_i - L[i, :i] X[:i]) / L_ii. No LAPACK call."""
+    L = jnp.asarray(L)
+    n = L.shape[-1]
+    eye = jnp.eye(n, dtype=L.dtype)
+
+    def row(i, X):
+        r = (eye[i] - jnp.einsum("...k,...kj->...j", L[..., i, :], X)) / L[..., i, i][..., None]
+        return X.at[..., i, :].set(r)
+
+    return jax.lax.fori_loop(0, n, row, jnp.zeros_like(L))
+
+
+def lapack_free_spd_inverse(p: jax.Array) -> jax.Array:
+    """P^{-1} = X^T X with X = C^{-1}, P = C C^T (symmetric positive-definite ``(..., n, n)``, no LAPACK call)."""
+    x = lapack_free_tril_inverse(lapack_free_cholesky(p))
+    return jnp.swapaxes(x, -1, -2) @ x
+
+
+def _rebase(fn: dist.Distribution, base: dist.Distribution) -> dist.Distribution:
+    """``fn`` with its innermost distribution replaced by ``base`` (the wrappers :func:`_base` unwraps kept)."""
+    if isinstance(fn, dist.Independent):
+        return dist.Independent(_rebase(fn.base_dist, base), fn.reinterpreted_batch_ndims)
+    if isinstance(fn, dist.ExpandedDistribution):
+        return dist.ExpandedDistribution(_rebase(fn.base_dist, base), fn.batch_shape)
+    if isinstance(fn, dist.MaskedDistribution):
+        return dist.MaskedDistribution(_rebase(fn.base_dist, base), fn._mask)
+    return base
+
+
+def _shared_factor(fn: dist.Distribution, axis: int) -> dist.Distribution:
+    """A table term's MultivariateNormal ``fn`` (rows on ``axis``) evaluated with one Cholesky factor.
+
+    A table term's covariance Sigma is the same on every row, so with Sigma = L L^T from row 0,
+
+        log N(x_j | m_j, Sigma) = -1/2 |L^{-1} (x_j - m_j)|^2 - sum_i log L_ii - D/2 log(2 pi),
+
+    one D x D factorisation and one triangular solve with every row (and, under the engine's vmap, every
+    client) as a right-hand side: single-matrix LAPACK calls, which are never split over the thread
+    pool. NumPyro's own evaluation factors and solves with each row's copy of Sigma, a batch over the
+    rows (see the section comment above). Sigma depends on theta alone in a mixture's E-step, so this
+    is one factorisation per component and round. Unchanged when row 0 holds more than one matrix.
+    """
+    cov = _first(axis, _param(fn, "covariance_matrix", fn.event_shape))
+    if cov.ndim != 2:
+        return fn
+    return _rebase(fn, dist.MultivariateNormal(_base(fn).loc, scale_tril=jnp.linalg.cholesky(cov)))
 
 
 def family_of(fn: dist.Distribution) -> str | None:
@@ -303,7 +388,12 @@ class Derived:
 
     # ------------------------------------------------------------------ evaluation helpers
     def _trace(self, theta_c: Params, latents_c: Params, data, mask):
-        return self.fm._client_trace({**theta_c, **latents_c}, data, mask)
+        """The client's trace with every sample value an array (``obs=1.0`` gives a Python float)."""
+        tr = self.fm._client_trace({**theta_c, **latents_c}, data, mask)
+        for site in tr.values():
+            if site["type"] == "sample":
+                site["value"] = jnp.asarray(site["value"])
+        return tr
 
     def _rows(self, site: dict) -> int | None:
         """The axis of a site's value that runs over the data plate (None outside it)."""
@@ -387,14 +477,17 @@ class Derived:
     def component_log_probs(self, theta_c: Params, data, mask) -> jax.Array:
         """(N, K): sum over the data-plate sites of log p(x_j, z_j = k | theta) per row and component."""
         name = self.latent_sites[0]
+        shared = {t.site for t in self.tables if t.family == "mvn" and t.in_plate}  # one covariance for all rows
 
         def one(k):
             tr = self._trace(theta_c, {name: jnp.full(mask.shape, k, jnp.int32)}, data, mask)
             total = jnp.zeros(mask.shape)
             for n, site in tr.items():
-                if site["type"] != "sample" or self._rows(site) is None:
+                axis = self._rows(site)
+                if site["type"] != "sample" or axis is None:
                     continue
-                lp = jnp.moveaxis(site["fn"].log_prob(site["value"]), self._rows(site), 0)
+                fn = _shared_factor(site["fn"], axis) if n in shared else site["fn"]
+                lp = jnp.moveaxis(fn.log_prob(site["value"]), axis, 0)
                 total = total + jnp.reshape(lp, (mask.shape[0], -1)).sum(-1)
             return total
 
@@ -440,26 +533,26 @@ class Derived:
         return sum((_sum_log_prob(tr[n]) for n in names), jnp.zeros(()))
 
     def gaussian_posterior(self, theta_c: Params, data, mask):
-        """Exact N(m, V) of the latents (per row for per-observation latents): m = P^{-1} g(0), V = P^{-1}."""
+        """Exact N(m, V) of the latents (per row for per-observation latents): m = P^{-1} g(0), V = P^{-1}
+        with P the negative Hessian (:func:`lapack_free_spd_inverse`: P varies over clients and rows)."""
         h0, unravel = self._latent_vector(self._zero_latents(data, mask))
         f = lambda h: self.complete_log_joint(theta_c, unravel(h), data, mask)  # noqa: E731
         g = jax.grad(f)(h0)
         if not self.latent_per_obs:
-            P = -jax.hessian(f)(h0)
-            V = jnp.linalg.inv(P)
+            V = lapack_free_spd_inverse(-jax.hessian(f)(h0))
             return V @ g, V
         q = h0.shape[1]
         cols = [jax.jvp(jax.grad(f), (h0,), (jnp.zeros_like(h0).at[:, a].set(1.0),))[1] for a in range(q)]
         P = -jnp.stack(cols, -1)  # (N, q, q): the block diagonal of the Hessian
         P = P + (1.0 - mask)[:, None, None] * jnp.eye(q)  # padded rows: any proper law (they carry no weight)
-        V = jnp.linalg.inv(P)
+        V = lapack_free_spd_inverse(P)
         return jnp.einsum("nij,nj->ni", V, g), V
 
     def _gaussian_expectation(self, fn, m, V, mask):
         """E[fn(h)] for h ~ N(m, V) and fn at most quadratic in h (exact)."""
         _, unravel = self._latent_vector(self._zero_latents(None, mask))
         f = lambda h: fn(unravel(h))  # noqa: E731
-        L = jnp.linalg.cholesky(V)
+        L = lapack_free_cholesky(V)
         base = f(m)
         q = m.shape[-1]
         for a in range(q):
@@ -473,8 +566,8 @@ class Derived:
 
     # ------------------------------------------------------------------ the surrogate and T
     def _row0_data(self):
-        """Client 0's first row (numpy, so that under jit it is a constant, not a tracer)."""
-        return {k: np.asarray(v)[:1] for k, v in self.fm._example.items()}, np.ones((1,), bool)
+        """The first row of :func:`_layout_data` (numpy, so that under jit it is a constant, not a tracer)."""
+        return {k: v[:1] for k, v in _layout_data(self.fm).items()}, np.ones((1,), bool)
 
     def _row0_latents(self, k: int) -> Params:
         data, mask = self._row0_data()
@@ -574,8 +667,8 @@ class Derived:
                     if kk != k or isinstance(target, tuple):
                         continue
                     v = ml[p] if p in ml else ml["covariance_matrix"]
-                    if target.kind == "scale_tril":
-                        v = jnp.linalg.cholesky(v)
+                    if target.kind == "scale_tril":  # per client in ParamAveragingEM's local M-step
+                        v = lapack_free_cholesky(v)
                     _assign(values, target, v, self.fm)
         for lin in self.linears:
             beta, unravel = ravel_pytree({n: jnp.zeros(self.fm.sites[n].shape) for n in lin.coef_sites})
@@ -638,6 +731,16 @@ def _spread(fn):
         return jnp.zeros(())
 
 
+def _moments(fn: dist.Distribution, value: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(mean, spread) of a site broadcast to its value, through which :func:`derive` sees whether the site
+    depends on theta; a distribution without a mean (``numpyro.factor``'s Unit) shows its log-density."""
+    try:
+        mean = fn.mean
+    except NotImplementedError:
+        return fn.log_prob(value), jnp.zeros(())
+    return jnp.broadcast_to(mean, value.shape), jnp.broadcast_to(_spread(fn), value.shape)
+
+
 def _first(axis: int | None, arr):
     """Row 0 of ``arr`` along its data-plate ``axis`` (``arr`` itself outside a plate)."""
     return arr if axis is None else jnp.moveaxis(arr, axis, 0)[0]
@@ -650,6 +753,28 @@ def _rows_equal(axis: int | None, arr) -> bool:
     return bool(np.allclose(a, a[:1], rtol=1e-9, atol=1e-12, equal_nan=True))
 
 
+def _layout_data(fm: FedModel) -> dict[str, np.ndarray]:
+    """Data of client 0's layout (keys, padded length, trailing shapes, dtypes) with fixed generic
+    values, on which the structure of S and T is read: floats uniform in (0.1, 0.9) (non-zero, so a
+    design shows every coefficient it can use; in the support of the table's families), integers
+    0, 1, 2, ... (every index up to the length), booleans alternating. The structure is then a function
+    of the model and the layout alone, the same at every end of a federation: a server that holds
+    only the layout (``FederatedData.blank()``, every value zero) derives the statistic its clients
+    send, and one client's values (an all-zero column, a category it lacks) cannot change it.
+    """
+    rng = np.random.default_rng(0)
+    out = {}
+    for k, v in fm._example.items():
+        v = np.asarray(v)
+        if np.issubdtype(v.dtype, np.floating):
+            out[k] = rng.uniform(0.1, 0.9, v.shape).astype(v.dtype)
+        elif v.dtype == np.bool_:
+            out[k] = (np.arange(v.size) % 2 == 0).reshape(v.shape)
+        else:
+            out[k] = np.arange(v.size).reshape(v.shape).astype(v.dtype)
+    return out
+
+
 class _Probe:
     """The model evaluated (under one jit) at random parameters and latents, to read its structure.
 
@@ -660,7 +785,7 @@ class _Probe:
     def __init__(self, d: Derived, key: jax.Array, thetas: list | None = None):
         fm = d.fm
         self.d, self.fm = d, fm
-        self.data = fm._example
+        self.data = {k: jnp.asarray(v) for k, v in _layout_data(fm).items()}
         self.mask = jnp.ones(next(iter(self.data.values())).shape[0], bool)
         keys = jax.random.split(key, 4)
         if thetas is None:
@@ -694,8 +819,8 @@ class _Probe:
             fn, value = site["fn"], site["value"]
             fam = family_of(fn)
             self.meta[name] = {"family": fam, "rows": self.d._rows(site), "cls": type(_base(fn)).__name__}
-            v = {"value": value, "mean": jnp.broadcast_to(fn.mean, value.shape),
-                 "spread": jnp.broadcast_to(_spread(fn), value.shape)}
+            mean, spread = _moments(fn, value)
+            v = {"value": value, "mean": mean, "spread": spread}
             if fam is not None:
                 v["params"] = FAMILIES[fam].get(fn)
             if fam == "normal":
@@ -766,7 +891,7 @@ def derive(fm: FedModel, *, m_step_iters: int = 200, seed: int = 0) -> Derived:
             raise ModelError(f"EM: global site '{n}' is discrete; global parameters must be continuous")
     mode, latent_sites, per_obs = _latent_mode(fm)
     d = Derived(fm, mode, latent_sites, 1, (), (), None, per_obs, False, m_step_iters)
-    key = jax.random.PRNGKey(seed)
+    key = seed_key(seed)
     thetas = None
     if mode == "enumerate":
         probe = _Probe(d, key)  # value k = 0 for every row
@@ -803,6 +928,11 @@ def derive(fm: FedModel, *, m_step_iters: int = 200, seed: int = 0) -> Derived:
                       for k in range(K) for key in keys)
         if not depends:
             continue  # theta-free: enters the E-step only
+        if fam is None and meta["cls"] == "Unit":
+            raise ModelError(f"EM: site '{name}' is a numpyro.factor whose log-density depends on the global "
+                             "parameters; EM needs every term that involves them as a sample site of an "
+                             f"exponential family {sorted(FAMILIES)} (a factor free of them is fine), or S and T "
+                             "supplied with fb.CustomStatistics")
         if fam is None:
             raise ModelError(f"EM: site '{name}' has distribution {meta['cls']}, which is not in the "
                              f"exponential-family table {sorted(FAMILIES)}; supply S and T with fb.CustomStatistics")
@@ -852,7 +982,11 @@ def _is_quadratic(probe: _Probe, key) -> bool:
     h0, unravel = d._latent_vector(d._zero_latents(probe.data, probe.mask))
     f = lambda h: d.complete_log_joint(probe.thetas[0], unravel(h.reshape(h0.shape)), probe.data, probe.mask)  # noqa: E731
     hess = jax.jit(jax.hessian(f))
-    hs = [hess(jax.random.normal(jax.random.fold_in(key, i), (h0.size,))) for i in range(2)]
+    # The layout data's observations need not lie in their family's support (a Poisson count of 0.6);
+    # NumPyro's support check would set such a term to -inf and hide its curvature, so the check reads
+    # the log-densities as formulas (the curvature in the latents is the family's, whatever the value).
+    with validation_enabled(False):
+        hs = [hess(jax.random.normal(jax.random.fold_in(key, i), (h0.size,))) for i in range(2)]
     return bool(np.all(np.isfinite(hs[0]))) and _close(hs[0], hs[1])
 
 

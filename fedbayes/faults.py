@@ -18,11 +18,17 @@ estimator needs (stated in its docstring and the README):
   members that answered: a uniform random subset of a uniform cohort is a uniform cohort;
 * plain sums over the expected members (LMC, P-ELF's uplink, FedMM's H) are scaled by
   ``expected / answered``, which is unbiased conditional on the number of answers when faults
-  strike members at random;
+  strike members at random (a round nobody answered has no estimate: FedMM steps along its mirror
+  V, LMC and P-ELF hold x). Unbiased is not exact for a sampler: the re-weighting adds gradient
+  noise that widens LMC's stationary law by O(step size), as in SGLD (computed exactly for a
+  Gaussian target in ``tests/test_faults.py``); the EF21 mirrors below do not add it;
 * memories mirrored on the server (D-/B-ELF's g = sum_i g_i, FedMM's V, QLSD's H) keep the faulty
   client's stale memory, the EF21 / control-variate fallback;
 * TAMUNA averages each coordinate over the holders that answered (a coordinate no holder answered
-  keeps its previous value), which keeps sum_i h_i = 0 exactly;
+  keeps its previous value), which keeps sum_i h_i = 0 exactly. GD and FedAvg keep no control
+  variates, so the same mean makes them their stochastic, partial-participation versions: GD then
+  hovers around x* at a distance of order step size x the spread of the clients' gradients (Scaffnew
+  with p = 1, GD with control variates, stays exact);
 * a client that keeps a copy of a compressed downlink (P-/B-ELF's w) is re-sent the server's copy in
   full after a fault, and the bits are counted.
 
@@ -198,7 +204,9 @@ def as_aggregation(value: Any) -> Aggregation:
 
 def fault_weight(info: Any, dtype: Any) -> jax.Array:
     """``expected / answered`` for a round (1 without faults), in ``dtype``: the factor that keeps a
-    sum over the expected members unbiased when random members fail."""
+    sum over the expected members unbiased when random members fail. With no answer the sum it
+    scales is 0, so the caller needs a fallback for such rounds (they occur only under
+    ``FaultPolicy(min_clients=0)``)."""
     if info.faulty is None:
         return jnp.asarray(1.0, dtype)
     answered = jnp.sum(info.active)

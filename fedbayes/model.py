@@ -205,10 +205,7 @@ class FedModel:
         self.observed: tuple[str, ...] = ()
         self._classify(tr, tr_longer)
         self._example = {k: jnp.asarray(v) for k, v in example.items()}
-        smallest = int(np.argmin(data.sizes))
-        for i in dict.fromkeys((0, smallest)):
-            self._check_padding_invariance(
-                i, {k: np.asarray(v[i][: data.sizes[i]]) for k, v in data.padded.items()})
+        self._check_padding_invariance({k: v[: data.sizes[0]] for k, v in example.items()}, tr)
         self.global_names = tuple(n for n, s in self.sites.items() if s.role in ("global", "param"))
         self.local_names = tuple(n for n, s in self.sites.items() if s.role == "local")
         self.obs_latent_names = tuple(n for n, s in self.sites.items() if s.role == "obs_latent")
@@ -265,7 +262,7 @@ class FedModel:
             raise ModelError("the model has no observed site: condition at least one sample site on the data (obs=...)")
         self.observed = tuple(observed)
 
-    def _site_terms(self, tr, rows: int) -> dict[str, np.ndarray]:
+    def _site_terms(self, tr, rows: int) -> dict[str, jax.Array]:
         """Each sample site's log-density over the first ``rows`` rows of its data plate (the whole
         log-density for sites outside data plates)."""
         out = {}
@@ -278,61 +275,71 @@ class FedModel:
             frame = next((f for f in site["cond_indep_stack"] if f.name in self.data_plates), None)
             if frame is not None and jnp.ndim(lp) >= -frame.dim and jnp.shape(lp)[frame.dim] > 1:
                 lp = jnp.take(lp, jnp.arange(rows), axis=frame.dim)
-            out[name] = np.asarray(jnp.sum(lp), dtype=np.float64)
+            out[name] = jnp.sum(lp)
         return out
 
-    def _check_padding_invariance(self, client: int, rows: Mapping[str, np.ndarray]) -> None:
-        """Refuse a model whose log-density changes when its client's data are padded.
+    def _check_padding_invariance(self, rows: Mapping[str, np.ndarray], tr) -> None:
+        """Refuse a model whose log-density changes when a client's data are padded.
 
         Clients are padded to a common length by repeating their last row, and the padded rows are
         masked out of the sites inside a data plate. Any other use of the rows (a ``numpyro.factor``
         of a sum over the data, ``obs=y.mean()``, a prior scaled by ``x.shape[0]``, a per-row site
         whose parameters reduce over the rows) would silently count the padding. The model is
-        evaluated concretely on client ``client``'s real rows and on the same rows padded to about
-        twice their length, at the same latent values; every site's log-density over the real rows
-        must agree (up to rounding).
+        evaluated on client 0's real rows and on the same rows padded to about twice their length, at
+        the same latent values (per-observation latents padded like the data); every site's
+        log-density over the real rows must agree up to rounding. Each evaluation is one compiled
+        program (two compilations in all, instead of one per eager operation). ``tr`` is the model's
+        trace on client 0 (for the sites' plates).
         """
         n = len(next(iter(rows.values())))
         extra = max(n, 3)
         padded = {k: np.concatenate([v, np.repeat(v[-1:], extra, axis=0)]) for k, v in rows.items()}
+
+        def latents(tr) -> Params:
+            return {name: site["value"] for name, site in tr.items()
+                    if site["type"] in ("sample", "param") and not site.get("is_observed")}
+
+        def base(data):
+            tr = _trace(self.model, {**data, **self.model_kwargs})
+            return self._site_terms(tr, n), latents(tr)
+
+        def again(data, values):
+            def pad_latent(site):  # the base's latent values; per-observation ones padded like the data
+                if site["type"] not in ("sample", "param") or site.get("is_observed") or site["name"] not in values:
+                    return None
+                value = values[site["name"]]
+                frame = next((f for f in site["cond_indep_stack"] if f.name in self.data_plates), None)
+                if site["type"] == "param" or frame is None:
+                    return value
+                axis = jnp.ndim(value) - site["fn"].event_dim + frame.dim
+                last = jnp.take(value, jnp.array([-1]), axis=axis)
+                return jnp.concatenate([value, jnp.repeat(last, extra, axis=axis)], axis=axis)
+
+            tr = _trace(self.model, {**data, **self.model_kwargs}, substitute_fn=pad_latent)
+            return self._site_terms(tr, n)
+
         try:
-            base = _trace(self.model, {**rows, **self.model_kwargs})
-        except Exception as err:  # the model fails on this client's own data
-            raise ModelError(
-                f"calling the model on client {client}'s data ({n} rows) failed with "
-                f"{type(err).__name__}: {err}") from err
-
-        def pad_latent(site):  # per-observation latents keep their real rows, padded like the data
-            if site["type"] not in ("sample", "param") or site.get("is_observed") or site["name"] not in base:
-                return None
-            value = base[site["name"]]["value"]
-            if site["type"] == "param":
-                return value
-            frame = next((f for f in site["cond_indep_stack"] if f.name in self.data_plates), None)
-            if frame is None:
-                return value
-            axis = jnp.ndim(value) - site["fn"].event_dim + frame.dim
-            return jnp.concatenate([value, jnp.repeat(jnp.take(value, jnp.array([-1]), axis=axis), extra, axis=axis)],
-                                   axis=axis)
-
-        other = _trace(self.model, {**padded, **self.model_kwargs}, substitute_fn=pad_latent)
-        terms, terms_padded = self._site_terms(base, n), self._site_terms(other, n)
+            terms, values = jax.jit(base)(rows)
+        except Exception as err:  # the model fails on client 0's own rows
+            raise ModelError(f"calling the model on client 0's data ({n} rows) failed with "
+                             f"{type(err).__name__}: {err}") from err
+        terms_padded = jax.jit(again)(padded, values)
         tol = 1e-4 if jnp.result_type(float) == jnp.float32 else 1e-9
         for name, value in terms.items():
-            got = terms_padded.get(name)
-            if got is None or np.isclose(value, got, rtol=tol, atol=tol, equal_nan=True):
+            value, got = float(value), terms_padded.get(name)
+            if got is None or np.isclose(value, float(got), rtol=tol, atol=tol, equal_nan=True):
                 continue
-            in_plate = any(f.name in self.data_plates for f in base[name]["cond_indep_stack"])
+            in_plate = any(f.name in self.data_plates for f in tr[name]["cond_indep_stack"])
             where = ("its log-density on the real rows depends on the other rows (e.g. a parameter computed "
                      "from a reduction over the data)" if in_plate else
                      "it is outside the data plate but its log-density depends on the client's rows "
                      "(e.g. numpyro.factor of a sum over the data, obs=y.mean(), or a term using x.shape[0])")
             raise ModelError(
                 f"site '{name}': {where}. Clients are padded to a common length and only sites inside a "
-                f"data plate are masked, so this term would silently count padded rows (client {client}: "
-                f"{value:.6g} on its {n} rows, {got:.6g} once padded). Write the likelihood per observation "
-                "inside `with numpyro.plate('obs', n):` (e.g. numpyro.sample('y', dist.Normal(mu, s), obs=y) or "
-                "numpyro.factor('lik', per_row_log_lik) inside the plate), and pass data-size constants "
+                f"data plate are masked, so this term would silently count padded rows (client 0: "
+                f"{value:.6g} on its {n} rows, {float(got):.6g} once padded). Write the likelihood per "
+                "observation inside `with numpyro.plate('obs', n):` (e.g. numpyro.sample('y', dist.Normal(mu, s), "
+                "obs=y) or numpyro.factor('lik', per_row_log_lik) inside the plate), and pass data-size constants "
                 "through model_kwargs.")
 
     def require(self, algorithm: str, *, local_continuous: bool = True, allow_obs_latent: bool = False) -> None:
@@ -351,6 +358,11 @@ class FedModel:
                 )
             if site.role == "global" and site.discrete:
                 raise ModelError(f"global site '{site.name}' is discrete; {algorithm} needs continuous globals")
+        if not any(s.role in ("global", "param") for s in self.sites.values()):
+            raise ModelError(
+                f"{algorithm} needs at least one global site to estimate or sample, and the model has none "
+                f"(its latent sites: {sorted(self.sites) or 'none'}); add a global sample site with a prior "
+                "outside fb.local() or a numpyro.param")
 
     # ----------------------------------------------------------------------------- transforms
     def _constrain(self, u: Params) -> Params:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
+from ._keys import seed_key
 from .data import FederatedData
 from .errors import ModelError, require_int
 from .model import FedModel, serialized
@@ -59,7 +60,7 @@ def nuts(model: Callable, data: FederatedData | Mapping[str, Any], *, num_warmup
         per_client = jax.vmap(fm.client_log_joint, in_axes=(None, 0, 0, 0))(theta, z, padded, mask)
         return -(fm.log_prior(theta, jacobian=True) + jnp.sum(per_client))
 
-    key_init, key_run = jax.random.split(jax.random.PRNGKey(seed))
+    key_init, key_run = jax.random.split(seed_key(seed))
     theta0 = fm.init_globals(key_init)
     z0 = jax.vmap(fm.sample_local_prior, in_axes=(0, None, 0, 0))(jax.random.split(key_init, C), theta0, padded, mask)
     init = {**theta0, **z0}

@@ -11,9 +11,10 @@ import numpy as np
 import xarray as xr
 from numpyro import handlers
 
+from ._keys import require_seed, seed_key
 from .data import FederatedData
 from .engine import ClientData
-from .errors import DataError, FedbayesError, require_int
+from .errors import DataError, FedbayesError
 from .model import FedModel, serialized
 
 from ._arviz_import import import_arviz
@@ -252,7 +253,7 @@ class Result:
         x = self._client_arrays(new_data)
         samples, _ = self._draws(client, num_samples, seed)
         pred = Predictive(self._fm.model, posterior_samples=samples, return_sites=list(self._fm.observed))
-        out = pred(jax.random.PRNGKey(seed), **x, **self._fm.model_kwargs)
+        out = pred(seed_key(seed), **x, **self._fm.model_kwargs)
         return {k: np.asarray(v) for k, v in out.items()}
 
     @serialized
@@ -267,7 +268,7 @@ class Result:
         site = fm.observed[0]
         x = self._client_arrays(new_data)
         samples, S = self._draws(client, num_samples, seed)
-        keys = jax.random.split(jax.random.PRNGKey(seed), S)
+        keys = jax.random.split(seed_key(seed), S)
 
         def one(key, values):
             fn = handlers.seed(handlers.substitute(fm.model, data=values), key)
@@ -293,7 +294,7 @@ class Result:
         draws (samplers; EM fits' normal approximation). The log-likelihood is log p(y_ij | theta, z_i),
         the observed sites summed per observation. Returns the extended ``res.idata``.
         """
-        require_int(seed, "seed", 0)
+        require_seed(seed)
         fm = self._fm
         local_vals, global_vals, chains, draws = self._training_draws()
         data, mask = self._data.padded, self._data.mask
@@ -315,7 +316,7 @@ class Result:
             groups["log_likelihood"] = xr.Dataset(
                 {name: (["chain", "draw", "obs"], pooled(ll(local_vals, global_vals, data, mask)))}, coords=coords)
         if posterior_predictive:
-            keys = jax.vmap(lambda c: jax.random.split(jax.random.fold_in(jax.random.PRNGKey(seed), c), S))(
+            keys = jax.vmap(lambda c: jax.random.split(jax.random.fold_in(seed_key(seed), c), S))(
                 jnp.arange(self._data.num_clients))
             per_draw = lambda k, lv, gv, d: fm.sample_observed(k, {**gv, **lv}, d)  # noqa: E731
             rep = jax.jit(jax.vmap(jax.vmap(per_draw, in_axes=(0, 0, 0, None)), in_axes=(0, 0, None, 0)))(
@@ -365,5 +366,5 @@ class Result:
         if missing:
             raise DataError(f"new_client_data lacks keys {sorted(missing)} the model was fitted with")
         client = ClientData({k: v[0] for k, v in one.padded.items()}, one.mask[0], jnp.asarray(one.sizes[0]), jnp.asarray(-1))
-        z = self._run.sample_new_client(jax.random.PRNGKey(seed), self._theta_u, client, num_samples, warmup)
+        z = self._run.sample_new_client(seed_key(seed), self._theta_u, client, num_samples, warmup)
         return {k: np.asarray(v) for k, v in jax.vmap(self._fm.constrain)(z).items()}

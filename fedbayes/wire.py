@@ -24,9 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from .compress import BitReader, BitWriter, Coded
-from .errors import ConfigError
+from .errors import ConfigError, FedbayesError
 
 FLOAT_BITS = 32
+
+
+class WireError(FedbayesError, ValueError):
+    """A message's bytes do not fit the structure its receiver expects (:func:`unpack`): the two ends
+    built different runs. Both must run the same fedbayes version, model, algorithm settings and data
+    layout (keys, client sizes, shapes, dtypes)."""
 
 
 class Masked:
@@ -119,6 +125,24 @@ def unpack(data: bytes, template: Any, context: Context = Context()) -> Any:
     leaves may be ``jax.ShapeDtypeStruct``, e.g. from :func:`template`)."""
     reader = BitReader(data)
     parts, treedef = jax.tree_util.tree_flatten(template, is_leaf=_is_part)
+    try:
+        out = _unpack_parts(reader, parts, context)
+    except FedbayesError:
+        raise
+    except ValueError as err:  # the reader ran out of bits
+        raise WireError(f"a message of {len(data)} bytes is shorter than the structure its receiver expects "
+                        f"({err}); {_MISMATCH}") from err
+    if len(data) != -(-reader.pos // 8):
+        raise WireError(f"a message of {len(data)} bytes is longer than the structure its receiver expects "
+                        f"({reader.pos} bits); {_MISMATCH}")
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+_MISMATCH = ("the sender and the receiver built different runs: run the same fedbayes version, model, algorithm "
+             "settings and data layout (keys, client sizes, shapes, dtypes) at both ends")
+
+
+def _unpack_parts(reader: BitReader, parts: list, context: Context) -> list:
     out = []
     for part in parts:
         if isinstance(part, Coded):
@@ -140,7 +164,7 @@ def unpack(data: bytes, template: Any, context: Context = Context()) -> Any:
             else:
                 vals = reader.take(size, width).astype(np.uint32).view(np.int32)
             out.append(np.asarray(vals, dtype=part.dtype).reshape(part.shape))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return out
 
 
 def template(payload: Any) -> Any:

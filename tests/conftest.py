@@ -35,3 +35,20 @@ if _shared:  # a size limit turns on JAX's file lock (8 GiB: never reached by th
 jax.config.update("jax_compilation_cache_dir", _cache)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+# The fuzzing harness (tests/fuzz_harness.py) records its outcomes per process in one folder; the
+# controller prints their sum at the end of the run.
+_FUZZ_ENV = "FEDBAYES_FUZZ_REPORT_DIR"
+if _FUZZ_ENV not in os.environ:
+    os.environ[_FUZZ_ENV] = tempfile.mkdtemp(prefix="fedbayes-fuzz-")
+    atexit.register(shutil.rmtree, os.environ[_FUZZ_ENV], ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    import fuzz_harness
+
+    lines = fuzz_harness.report(os.environ[_FUZZ_ENV])
+    if lines:
+        terminalreporter.section("fuzzing harness: outcome of every fuzzed call")
+        for line in lines:
+            terminalreporter.line(line)

@@ -356,11 +356,15 @@ class LangevinRun(Staged):
     def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
         """g = sum_i g^i. With EF21 (D-/B-ELF) the server adds the answers' corrections to its mirror of
         the memories, so a faulty client counts with its stale memory; without (LMC, P-ELF) the sum of
-        the answers' gradients is scaled by expected / answered (unbiased under random faults)."""
+        the answers' gradients is scaled by expected / answered (unbiased under random faults), and a round
+        nobody answered (``FaultPolicy(min_clients=0)``) leaves x where it is: with no gradient, a noise step
+        without drift would widen the stationary law by a factor that does not vanish with the step size,
+        while holding x keeps it (P-/B-ELF's w still moves toward x)."""
         total = jnp.sum(uploads.payload, 0)  # faulty and inactive members' uploads arrive zeroed
         g = state.g + total if self.cfg.uplink_ef else total * fault_weight(info, total.dtype)
+        gamma = None if self.cfg.uplink_ef else jnp.where(jnp.any(info.active), self._gamma, jnp.zeros_like(self._gamma))
         sample = state.x  # x_{k+1}, the point the clients just used (through w for P-/B-ELF)
-        new, broadcast = self._move(key, ServerState(state.x, state.w, g))
+        new, broadcast = self._move(key, ServerState(state.x, state.w, g), gamma)
         return new, broadcast, {"_sample": sample}
 
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray]) -> dict[str, Any]:

@@ -36,13 +36,14 @@ from jax.flatten_util import ravel_pytree
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import (FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, client_key, final_exchange,
                       stack_clients)
-from ..errors import ConfigError, require_choice, require_fraction, require_int
+from ..errors import ConfigError, ModelError, require_choice, require_fraction, require_int
 from ..expfam import CustomStatistics, Derived, derive
 from ..faults import fault_weight
 from ..kernels import curvature, ula_chain
 from ..model import FedModel, Params
 from ..optim import as_schedule
 from . import louis
+from .tamuna import check_init, resolve_init
 
 
 class ServerState(NamedTuple):
@@ -87,7 +88,9 @@ class FedMM:
     projection:
         Project S onto its valid set each round (False: FedEM).
     init:
-        Initial constrained values of global sites (others: ``param`` inits / prior medians).
+        Initial constrained values of global sites (others: ``param`` inits / prior medians): a dict, a
+        previous fit ``Result`` (its ``params``), or ``"map"``: a TAMUNA fit of the model first (local
+        latents at their population mean; 300 rounds), as for ``fb.FedSOUL``.
     statistics:
         ``fb.CustomStatistics`` to supply S and T by hand; default: derived from the model.
     langevin_steps, burn_in, langevin_step:
@@ -111,7 +114,7 @@ class FedMM:
     alpha: float | None = None
     control_variates: str = "e_step"
     projection: bool = True
-    init: Mapping[str, Any] | None = None
+    init: Any = None
     statistics: CustomStatistics | None = None
     langevin_steps: int = 20
     burn_in: int = 10
@@ -136,6 +139,7 @@ class FedMM:
                                        or not 0 <= self.alpha <= 1):
             raise ConfigError(f"{self.name} alpha must lie in [0, 1], got {self.alpha!r}")
         require_choice(self.control_variates, f"{self.name} control_variates", ("e_step", "zero"))
+        check_init(self.init, self.name)
         require_choice(self.projection, f"{self.name} projection", (True, False))
         require_choice(self.uncertainty, f"{self.name} uncertainty", (True, False))
         require_int(self.langevin_steps, f"{self.name} langevin_steps", 1)
@@ -150,7 +154,12 @@ class FedMM:
         fm: FedModel = problem.model
         fm.require(self.name, local_continuous=False, allow_obs_latent=True)
         stats = self.statistics if self.statistics is not None else derive(fm, m_step_iters=self.m_step_iters)
-        return FedMMRun(self, fm, stats, problem)
+        try:
+            init = resolve_init(self.init, problem)
+        except ModelError as err:  # init="map": the TAMUNA warm start cannot fit this model
+            raise ModelError(f"{self.name}(init='map') starts from a TAMUNA fit of the model, which fails: {err}. "
+                             "Pass init={site: value} (or a previous fit's Result) instead.") from None
+        return FedMMRun(dataclasses.replace(self, init=init), fm, stats, problem)
 
 
 @dataclass(frozen=True)

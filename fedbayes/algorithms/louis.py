@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from ..engine import ClientData
+from ..expfam import lapack_free_cholesky
 from ..kernels import ula_chain
 from ..model import Params
 
@@ -59,7 +60,7 @@ def _client_information(run, key, theta_u: Params, state, client: ClientData) ->
         H = jax.jacfwd(jax.jacfwd(score))(m)  # (d, q, q), constant: the score is quadratic in h
         HV = H @ V
         cov = J @ V @ J.T + 0.5 * jnp.einsum("aij,bji->ab", HV, HV)
-        draws = m + jax.random.normal(key, (NUM_DRAWS, m.size)) @ jnp.linalg.cholesky(V).T
+        draws = m + jax.random.normal(key, (NUM_DRAWS, m.size)) @ lapack_free_cholesky(V).T
         return cov, {"draws": jax.vmap(unravel_h)(draws)}
     # Monte Carlo: draws of the exact per-row Gaussian posteriors, or of the client's Langevin chain
     S = run.cfg.louis_draws
@@ -67,7 +68,7 @@ def _client_information(run, key, theta_u: Params, state, client: ClientData) ->
         m, V = d.gaussian_posterior(theta_c, client.data, client.mask)
         _, unravel_h = d._latent_vector(d._zero_latents(client.data, client.mask))
         eps = jax.random.normal(key, (S,) + m.shape)
-        hs = m + jnp.einsum("nij,snj->sni", jnp.linalg.cholesky(V), eps)
+        hs = m + jnp.einsum("nij,snj->sni", lapack_free_cholesky(V), eps)
         lats = jax.vmap(unravel_h)(hs)
         extra = {"mean": m, "cov": V}
     else:

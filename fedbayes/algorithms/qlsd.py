@@ -111,7 +111,12 @@ class QLSDRun(LangevinRun):
     def server_step(
         self, key: jax.Array, state: QLSDServer, uploads: Message, info: RoundInfo
     ) -> tuple[QLSDServer, Message, dict[str, jax.Array]]:
-        """x_{k+1} = x_k - gamma G + sqrt(2 gamma) Z_k (LangevinRun._move), recording x_k as the draw."""
+        """x_{k+1} = x_k - gamma G + sqrt(2 gamma) Z_k (LangevinRun._move), recording x_k as the draw.
+
+        Without memory a round nobody answered (``FaultPolicy(min_clients=0)``) has no gradient at all and
+        leaves x where it is, as LMC does (a noise step without drift would widen the stationary law);
+        with memory, G = H still carries the clients' last gradients and the step is taken."""
         g, h = self.gradient_estimate(state.h, uploads.payload, info)
-        moved, broadcast = self._move(key, ServerState(state.x, state.x, g))
+        gamma = None if self.cfg.memory else jnp.where(jnp.any(info.active), self._gamma, jnp.zeros_like(self._gamma))
+        moved, broadcast = self._move(key, ServerState(state.x, state.x, g), gamma)
         return QLSDServer(moved.x, h), broadcast, {"_sample": state.x}

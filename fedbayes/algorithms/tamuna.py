@@ -52,6 +52,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, run_rounds, Staged, stack_clients
+from .._keys import seed_key
 from ..wire import Masked
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
@@ -597,7 +598,7 @@ def map_estimate(problem: Problem, *, jacobian: bool = False, num_rounds: int = 
     run = cfg.build(full)
     if has_locals:
         run.gamma_factor = 0.5
-    k_init, k_rounds = jax.random.split(jax.random.PRNGKey(seed))
+    k_init, k_rounds = jax.random.split(seed_key(seed))
     carry = run.init(k_init, full)
     carry, _ = run_rounds(run, full, carry, base_key=k_rounds, cohort_size=problem.data.num_clients, progress=False)
     x = carry[0].x

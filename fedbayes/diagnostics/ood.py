@@ -160,6 +160,7 @@ def client_novelty(fit: Any, new_client_data: Any, *, kind: str = "mahalanobis",
     """
     import jax
 
+    from .._keys import seed_key
     from ..data import FederatedData
 
     fm = fit._fm
@@ -168,7 +169,7 @@ def client_novelty(fit: Any, new_client_data: Any, *, kind: str = "mahalanobis",
     new = fit.sample_client(new_client_data, num_samples=num_samples, warmup=warmup, seed=seed)
     one = FederatedData({k: [np.asarray(v)] for k, v in new_client_data.items()})
     data = {k: v[0] for k, v in one.padded.items()}
-    keys = jax.random.split(jax.random.PRNGKey(seed + 1), prior_samples)
+    keys = jax.random.split(seed_key(seed + 1, "seed + 1"), prior_samples)
     prior_u = jax.vmap(fm.sample_local_prior, in_axes=(0, None, None, None))(keys, fit._theta_u, data, one.mask[0])
 
     def flat(u: dict[str, Any]) -> np.ndarray:  # {site: (S, ...)} -> (S, d)

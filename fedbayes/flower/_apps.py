@@ -20,6 +20,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from .. import engine, wire
+from .._keys import seed_key
 from ..api import _fault_table, _public, _validated
 from ..data import FederatedData
 from ..engine import (ClientData, Problem, Progress, _host_records, first_short_round, has_final, has_setup,
@@ -81,7 +82,7 @@ class _Runtime:
         if not has_setup(run):
             raise ConfigError(f"{run.name} has no set-up exchange (fedbayes.engine.Setup: setup_server, setup_client, "
                               "setup_server_step), so it cannot start on a network")
-        self.k_init, self.k_rounds, self.k_final = jax.random.split(jax.random.PRNGKey(fit.seed), 3)
+        self.k_init, self.k_rounds, self.k_final = jax.random.split(seed_key(fit.seed), 3)
         self.k_server, self.k_clients = setup_keys(self.k_init)
         self.clients = stack_clients(data)
         self.participation = float(getattr(run, "participation", 1.0))

@@ -1,0 +1,48 @@
+"""Seeds to JAX PRNG keys: the one place where a user's ``seed`` becomes a key.
+
+``jax.random.PRNGKey(seed)`` keeps only the low 32 bits of ``seed`` when ``jax_enable_x64`` is off
+(seeds ``s`` and ``s + 2**32`` give the same fit) and overflows above ``2**63``. :func:`seed_key`
+builds the key from both 32-bit halves of any seed in ``[0, 2**64)``: for the default threefry PRNG
+that is exactly ``PRNGKey(seed)``'s ``[seed >> 32, seed & 0xFFFFFFFF]`` wherever ``PRNGKey`` is
+correct (every seed below 2**63 under x64, below 2**32 without), so earlier fits are unchanged.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .errors import ConfigError, require_int
+
+SEED_LIMIT = 2**64
+"""Seeds are integers in ``[0, SEED_LIMIT)``."""
+
+
+def require_seed(seed: object, what: str = "seed") -> int:
+    """``seed`` as an int in ``[0, 2**64)``.
+
+    Raises
+    ------
+    ConfigError
+        If ``seed`` is not an integer (bools refused), is negative, or is ``2**64`` or more.
+    """
+    value = require_int(seed, what, 0)
+    if value >= SEED_LIMIT:
+        raise ConfigError(f"{what} must be below 2**64, got {seed!r}; reduce it, e.g. {what} % 2**64")
+    return value
+
+
+def seed_key(seed: object, what: str = "seed") -> jax.Array:
+    """The raw (uint32) PRNG key of ``seed``, distinct for every seed in ``[0, 2**64)``.
+
+    Raises
+    ------
+    ConfigError
+        As :func:`require_seed`.
+    """
+    value = require_seed(seed, what)
+    high, low = value >> 32, value & 0xFFFFFFFF
+    if jax.config.jax_default_prng_impl == "threefry2x32":
+        return jnp.array([high, low], dtype=jnp.uint32)
+    key = jax.random.PRNGKey(low)  # another PRNG: its own seeding of the low half, the high half folded in
+    return key if high == 0 else jax.random.fold_in(key, high)
