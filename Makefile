@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedbayes-installed
 
-.PHONY: demo test test-arviz1 bench clean
+.PHONY: demo test test-slow test-arviz1 bench fuzz clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,10 +19,16 @@ demo: $(STAMP)
 # The longest test files are listed first so that the two processes finish together (pytest collects
 # each file once; the rest of tests/ follows in name order).
 SLOW_TESTS := tests/test_fedmm.py tests/test_flower.py tests/test_flower_app.py tests/test_fedsoul.py tests/test_expfam.py tests/test_elf.py tests/test_faults.py \
-	tests/test_tamuna.py
+	tests/test_tamuna.py tests/test_fuzz.py
 
+# The suite in two tiers: `make test` (under 10 minutes on 2 cores) runs every test not marked slow;
+# `make test-slow` runs the heavier end-to-end checks marked slow (Flower's Ray engine and `flwr run`,
+# FedMM on Flower for mixed models, whole compiled rounds). .ci/run runs both.
 test: $(STAMP)
-	MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 $(SLOW_TESTS) tests
+	MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not slow" $(SLOW_TESTS) tests
+
+test-slow: $(STAMP)
+	MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 -m slow tests
 
 # The ArviZ 1.x line (DataTree) needs Python >= 3.12: run the ArviZ-facing tests there.
 # Usage: make test-arviz1 PYTHON=python3.12
@@ -34,8 +40,14 @@ test-arviz1: .venv312/.fedbayes-installed
 	.venv312/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev,plot]"
 	@touch $@
 
+# A longer random run of the fuzzing harness (tests/fuzz_harness.py): FUZZ_EXAMPLES examples per domain,
+# the outcome counts (documented error / success / deep crash) printed at the end.
+FUZZ_EXAMPLES ?= 300
+fuzz: $(STAMP)
+	FEDBAYES_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) tests/test_fuzz.py tests/test_fuzz_regressions.py
+
 bench: $(STAMP)
-	for b in fedsoul langevin fedmm tamuna flower; do $(PY) benchmarks/bench_$$b.py || exit 1; done
+	for b in fedsoul langevin fedmm tamuna flower faults; do $(PY) benchmarks/bench_$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .venv312 build *.egg-info .pytest_cache
