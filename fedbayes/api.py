@@ -188,7 +188,8 @@ def fed_fit(
         (``rounds``, ``history``) is raised instead of waiting for ever. The clock starts once the
         computation is dispatched (compilation does not count) and restarts whenever the process
         computes, so a slow fit is never stopped, only a deadlocked one (see the error's message for
-        causes and remedies). A deadlocked computation cannot be cancelled: its threads stay blocked
+        causes and remedies). It watches CPU runs only: on a GPU the host is idle while a long kernel runs,
+        so idleness says nothing there. A deadlocked computation cannot be cancelled: its threads stay blocked
         and the process cannot exit normally afterwards (end it with ``os._exit``).
     """
     fit = _validated(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults,

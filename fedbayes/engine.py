@@ -596,11 +596,14 @@ def wait_ready(tree: PyTree, stall_timeout: float | None, what: str, *,
     is idle. The event wakes this thread as soon as the computation ends, so waiting adds no latency.
     The clock starts when dispatch returned (jit compiles before that, so compilation never counts) and
     restarts at every busy window, so a computation that is slow but computing is never stopped. A
-    device computation that leaves the host idle also counts as idle. (XLA runs programs of under 1000
+    device computation that leaves the host idle would also count as idle, so on an accelerator
+    backend the watchdog is off and this simply blocks. (XLA runs programs of under 1000
     flops, and programs with host callbacks, within the dispatch call itself: those are finished before
     this is called.)
     """
-    if stall_timeout is None:
+    if stall_timeout is None or jax.default_backend() != "cpu":
+        # On an accelerator the host is idle while a long kernel runs, so idleness is no sign of a
+        # deadlock there (and the deadlock this guards against is in the CPU LAPACK kernels).
         return jax.block_until_ready(tree)
     done = threading.Event()
 
