@@ -149,6 +149,10 @@ def _abstract_trace(model: Callable, kwargs: Mapping[str, Any]):
     return box["trace"]
 
 
+def _as_jax(data: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+    return {k: jnp.asarray(v) for k, v in data.items()}
+
+
 def _support_transform(site: dict[str, Any]) -> Transform:
     if site["type"] == "param":
         constraint = site["kwargs"].get("constraint")
@@ -193,13 +197,15 @@ class FedModel:
         example = {k: np.asarray(v[0]) for k, v in data.padded.items()}
         longer = {k: np.concatenate([v, v[-1:]], axis=0) for k, v in example.items()}
         try:
-            tr = _abstract_trace(model, {**example, **self.model_kwargs})
-            tr_longer = _abstract_trace(model, {**longer, **self.model_kwargs})
+            # JAX arrays, as the model sees its data in a fit (NumPy arrays cannot be indexed by tracers)
+            tr = _abstract_trace(model, {**_as_jax(example), **self.model_kwargs})
+            tr_longer = _abstract_trace(model, {**_as_jax(longer), **self.model_kwargs})
         except Exception as err:  # the user's model failed on a client's data
             raise ModelError(
                 f"calling the model on client 0's data failed with {type(err).__name__}: {err}. "
                 f"The model is called as model(**client_data, **model_kwargs) with data keys {list(data.keys)}."
             ) from err
+        self._refuse_subsampling(tr)
         self.data_plates = self._find_data_plates(tr, tr_longer)
         self.sites: dict[str, Site] = {}
         self.observed: tuple[str, ...] = ()
@@ -211,6 +217,21 @@ class FedModel:
         self.obs_latent_names = tuple(n for n, s in self.sites.items() if s.role == "obs_latent")
 
     # ----------------------------------------------------------------------------- introspection
+    @staticmethod
+    def _refuse_subsampling(tr) -> None:
+        """Refuse ``numpyro.plate(name, N, subsample_size=B)`` with B < N: fedbayes evaluates each
+        client's likelihood on all its rows (padded and masked); a subsampled plate would draw its own
+        rows with NumPyro's key and rescale by N / B behind the algorithms' backs."""
+        for name, site in tr.items():
+            if site["type"] != "plate":
+                continue
+            size, subsample = site["args"]
+            if subsample is not None and subsample != size:
+                raise ModelError(
+                    f"plate '{name}' subsamples {subsample} of its {size} rows (subsample_size={subsample}); "
+                    "fedbayes evaluates each client's likelihood on all of its rows, so remove subsample_size "
+                    "(minibatch clients, with the N_i / B scaling done by the algorithm, are not available yet)")
+
     @staticmethod
     def _find_data_plates(tr, tr_longer) -> frozenset[str]:
         plates = set()

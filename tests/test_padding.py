@@ -98,3 +98,26 @@ def test_gd_map_of_per_row_model_equals_closed_form(ragged):
     exact = float(x @ y / (1.0 + x @ x))
     res = fb.fed_fit(per_row_factor, ragged, fb.GD(), num_rounds=400, progress=False)
     np.testing.assert_allclose(float(res.params["w"]), exact, rtol=1e-6)
+
+
+def subsampled(x, y):
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0))
+    with numpyro.plate("obs", x.shape[0], subsample_size=2) as idx:
+        numpyro.sample("y", dist.Normal(w * x[idx], 1.0), obs=y[idx])
+
+
+def test_a_subsampled_plate_is_refused_before_computing(ragged):
+    """A plate with subsample_size draws its own rows and rescales by N / B: refused, never silently
+    wrong (minibatch clients belong to the algorithms)."""
+    with pytest.raises(fb.ModelError, match=r"plate 'obs' subsamples 2 of its 4 rows.*remove subsample_size"):
+        fb.fed_fit(subsampled, ragged, fb.GD(), num_rounds=5, progress=False)
+
+
+def test_a_plate_whose_subsample_is_the_whole_client_is_accepted(ragged):
+    def full(x, y):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0))
+        with numpyro.plate("obs", x.shape[0], subsample_size=x.shape[0]):
+            numpyro.sample("y", dist.Normal(w * x, 1.0), obs=y)
+
+    fm = fb.FedModel(full, ragged)
+    assert fm.data_plates == frozenset({"obs"})
