@@ -251,6 +251,12 @@ class FedModel:
             if site["type"] not in ("sample", "param"):
                 continue
             in_data_plate = any(f.name in self.data_plates for f in site["cond_indep_stack"])
+            if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(site["value"])):
+                raise ModelError(
+                    f"{site['type']} site '{name}' holds a pytree of arrays (e.g. a flax / equinox / haiku module's "
+                    "parameters through numpyro.contrib.module), which fedbayes does not handle yet: give each "
+                    "array its own numpyro.param / numpyro.sample site (a small network can be written with "
+                    "explicit weight sites)")
             shape = tuple(jnp.shape(site["value"]))
             grows = tuple(jnp.shape(tr_longer[name]["value"])) != shape if name in tr_longer else False
             if site["type"] == "sample" and site["is_observed"]:

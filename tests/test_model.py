@@ -191,3 +191,19 @@ def test_fisher_identity_with_ula_samples_has_exact_fixed_effect_gradient(lme):
     g = np.asarray(_per_sample_grads(fm, theta_u, final, data))[..., :2]  # beta is first in sorted order
     total, se = g.mean(1).sum(0), np.sqrt((g.var(1) / g.shape[1]).sum(0))
     np.testing.assert_array_less(np.abs(total - exact), 5 * se)
+
+
+def test_a_pytree_valued_site_is_refused_with_a_model_error():
+    """A module's parameter pytree (numpyro.contrib.module's flax_module registers one param site holding a
+    dict of arrays) is refused naming the site, not a TypeError from inside init_globals."""
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=(5, 3)) for _ in range(3)]
+    data = fb.FederatedData({"x": x, "y": [xi.sum(1) for xi in x]})
+
+    def model(x, y):
+        net = numpyro.param("net", {"w": jnp.zeros(3), "b": jnp.zeros(())})
+        with numpyro.plate("obs", x.shape[0]):
+            numpyro.sample("y", dist.Normal(x @ net["w"] + net["b"], 1.0), obs=y)
+
+    with pytest.raises(fb.ModelError, match="param site 'net' holds a pytree of arrays"):
+        fb.fed_fit(model, data, fb.GD(), num_rounds=3, progress=False)
