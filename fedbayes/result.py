@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
 import warnings
 from typing import Any, Mapping
 
@@ -51,6 +53,14 @@ def loo_summary(data: Any) -> dict[str, float]:
             "max_pareto_k": float(np.max(np.asarray(out["pareto_k"])))}
 
 
+def _options(cfg: Any) -> dict[str, Any]:
+    """The scalar options of an algorithm's configuration (numbers, strings, flags, None), by name."""
+    if cfg is None or not dataclasses.is_dataclass(cfg):
+        return {}
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    return {k: v for k, v in values.items() if v is None or isinstance(v, (numbers.Number, str))}
+
+
 def _site_dims(name: str, shape: tuple[int, ...]) -> list[str]:
     return [f"{name}_dim_{i}" for i in range(len(shape))]
 
@@ -88,8 +98,9 @@ class Result:
     information:
         EM fits: the observed information matrix (unconstrained coordinates, prior included).
     settings:
-        The hyper-parameters the fit resolved (e.g. TAMUNA's gamma, p, eta, s, and the estimated
-        L_max, mu_min when they were not given).
+        The algorithm's scalar options, overridden by the hyper-parameters the fit resolved (the
+        samplers' ``step_size``; TAMUNA's gamma, p, eta, s, and the estimated L_max, mu_min when they
+        were not given).
     """
 
     def __init__(self, *, model: FedModel, data: FederatedData, run: Any, algorithm: str, seed: int,
@@ -112,7 +123,7 @@ class Result:
         self.local_info = {k: np.asarray(v) for k, v in parts.get("local_info", {}).items()}
         self.information = None if parts.get("information") is None else np.asarray(parts["information"])
         self.statistic = parts.get("statistic")
-        self.settings = dict(parts.get("settings", {}))
+        self.settings = {**_options(getattr(run, "cfg", None)), **parts.get("settings", {})}
         self.history = history
         self.faults = None  # a DataFrame (round, client, kind) of the client faults, set by fed_fit
         self._idata = None

@@ -165,3 +165,25 @@ def test_client_novelty_flags_a_client_far_from_the_population(res):
     # the local posterior of a 10-point client sits near its data's z: 8 prior sds is beyond every training client
     assert b["p_value"] == 0.0 and b["score"] > 4 * a["score"]
     assert a["p_value"] > 0.2
+
+
+def test_settings_hold_the_options_and_the_resolved_hyper_parameters():
+    """res.settings: every algorithm's scalar options, overridden by what the fit resolved. For
+    w ~ N(0, 1), y ~ N(w x, 1) the potential's curvature is 1 + sum x^2 everywhere, so the samplers'
+    automatic step 0.1 / lambda_max is known exactly."""
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=8) for _ in range(3)]
+    data = fb.FederatedData({"x": x, "y": [xi + rng.normal(size=8) for xi in x]})
+
+    def model(x, y):
+        w = numpyro.sample("w", dist.Normal(0.0, 1.0))
+        with numpyro.plate("obs", x.shape[0]):
+            numpyro.sample("y", dist.Normal(w * x, 1.0), obs=y)
+
+    lmc = fb.fed_fit(model, data, fb.LMC(num_chains=2), num_rounds=20, progress=False).settings
+    np.testing.assert_allclose(lmc["step_size"], 0.1 / (1.0 + sum(xi @ xi for xi in x)), rtol=1e-10)
+    assert lmc["num_chains"] == 2 and lmc["warmup"] == 0
+    tam = fb.fed_fit(model, data, fb.TAMUNA(s=2), num_rounds=20, progress=False).settings
+    assert tam["s"] == 2 and tam["c"] == 3 and 0 < tam["p"] <= 1 and tam["gamma"] > 0
+    em = fb.fed_fit(model, data, fb.FedMM(uncertainty=False), num_rounds=5, progress=False).settings
+    assert em["step_size"] == 1.0 and em["uncertainty"] is False

@@ -381,5 +381,6 @@ class LangevinRun(Staged):
             "client_info": {},
             "init_bits": self.init_bits,
             "step_size": float(self._gamma),
+            "settings": {"step_size": float(self._gamma)},
             "final_state": server,
         }
