@@ -202,6 +202,53 @@ def _common_count(counts: dict[str, int], message: str) -> int:
     return next(iter(counts.values()))
 
 
+def _check_names(names: object, num_clients: int) -> tuple:
+    """``names`` as a tuple of ``num_clients`` distinct hashable client names."""
+    try:
+        items = None if isinstance(names, (str, bytes)) or hasattr(names, "keys") else tuple(names)
+    except TypeError:
+        items = None
+    if items is None:
+        raise DataError(
+            f"client_names must be a sequence with one name per client, such as ['a', 'b']; got "
+            f"{names!r} of type {type(names).__name__}."
+        )
+    if len(items) != num_clients:
+        raise DataError(
+            f"client_names has {len(items)} names but there are {num_clients} clients; give one "
+            "name per client."
+        )
+    seen: dict = {}
+    for i, name in enumerate(items):
+        try:
+            j = seen.setdefault(name, i)
+        except TypeError as err:
+            raise DataError(
+                f"client_names[{i}] = {name!r} is not hashable ({type(name).__name__}); use str or "
+                "int names."
+            ) from err
+        if j != i:
+            raise DataError(
+                f"client_names[{j}] and client_names[{i}] are both {name!r}; client names must be "
+                "distinct."
+            )
+    return items
+
+
+def _factorize(ids: object) -> tuple[np.ndarray, tuple]:
+    """Integer codes ``0..C-1`` of client ids of any hashable kind, and the ``C`` names they stand for,
+    in sorted order (a pandas categorical: in the order of its categories, unused ones left out)."""
+    import pandas as pd
+
+    try:
+        codes, uniques = pd.factorize(ids, sort=True)
+    except TypeError as err:
+        raise DataError(
+            f"client ids cannot be used as names ({err}); use str or int ids."
+        ) from err
+    return codes.astype(np.int64), tuple(uniques.tolist())
+
+
 class FederatedData:
     """Per-client data dictionaries, stored both ragged and padded with a mask.
 
@@ -211,6 +258,9 @@ class FederatedData:
         Mapping from key to a sequence with one array per client, e.g.
         ``{"x": [x1, x2], "y": [y1, y2]}``. All arrays of one client share a leading observation
         axis; a key's trailing shape is the same for every client.
+    client_names
+        Optional distinct hashable name of each client (e.g. county names), used as the ``client``
+        coordinate of a fit's ArviZ data; defaults to the positions ``0..C-1``.
 
     Attributes
     ----------
@@ -218,6 +268,8 @@ class FederatedData:
         Data keys in insertion order.
     num_clients : int
         Number of clients ``C``.
+    client_names : tuple
+        Name of each client, ``(0, 1, ..., C-1)`` unless given.
     padded : dict of str to jax.Array
         Arrays of shape ``(C, max_size, *trailing)``. Rows past a client's size repeat its last
         real row, so per-row log-densities stay finite there.
@@ -229,7 +281,8 @@ class FederatedData:
     DataError
         If keys, shapes, dtypes or values are invalid (NaN/inf, integers outside JAX's int range,
         masked entries of a masked array, missing values of a pandas object); the message names
-        the key and client.
+        the key and client. Also if ``client_names`` has the wrong length, repeats a name or holds an
+        unhashable one.
 
     Warns
     -----
@@ -247,7 +300,9 @@ class FederatedData:
     size 0 are kept.
     """
 
-    def __init__(self, clients: Mapping[str, Sequence[ArrayLike]]) -> None:
+    def __init__(
+        self, clients: Mapping[str, Sequence[ArrayLike]], client_names: Sequence[object] | None = None
+    ) -> None:
         _check_keys(clients)
         for key, value in clients.items():
             if (
@@ -267,6 +322,9 @@ class FederatedData:
         )
         if num_clients == 0:
             raise DataError("federated data has zero clients; pass at least one array per key.")
+        self._client_names = (
+            tuple(range(num_clients)) if client_names is None else _check_names(client_names, num_clients)
+        )
 
         raw = {
             key: [_to_numpy(a, f"key {key!r}, client {i}") for i, a in enumerate(value)]
@@ -330,20 +388,29 @@ class FederatedData:
             Mapping from key to an array with leading axis ``N``, or a pandas DataFrame (one key
             per column).
         client_ids
-            1-D integer array of length ``N``; row ``r`` goes to client ``client_ids[r]``, and
-            rows with id ``-1`` are dropped. Rows keep their relative order within a client.
+            1-D array of length ``N``. Integer ids are positions: row ``r`` goes to client
+            ``client_ids[r]``, and rows with id ``-1`` are dropped. String (or other object) ids
+            are names: each distinct id is a client, in sorted order, and becomes its entry of
+            :attr:`client_names`. Rows keep their relative order within a client.
         num_clients
-            Number of clients; defaults to ``max(client_ids) + 1``.
+            Number of clients; defaults to ``max(client_ids) + 1``. Only for integer ids.
 
         Returns
         -------
         FederatedData
+            With the default :attr:`client_names` ``0..C-1`` for integer ids, the sorted distinct
+            ids for string ids.
 
         Raises
         ------
         DataError
-            If the arrays or ids are malformed, or a client in ``0..num_clients-1`` has no rows
-            (checked before anything of size ``num_clients`` is allocated).
+            If the arrays or ids are malformed (float ids, missing ids), ``num_clients`` is given
+            with string ids, or a client in ``0..num_clients-1`` has no rows (checked before
+            anything of size ``num_clients`` is allocated).
+
+        See Also
+        --------
+        from_dataframe : a long-format DataFrame with a client-id column.
         """
         if _pandas_type(data, "DataFrame"):
             if not data.columns.is_unique:
@@ -361,10 +428,18 @@ class FederatedData:
             "observation.",
         )
         ids = _as_array(client_ids, "client_ids")
+        names = None
+        if ids.ndim == 1 and ids.dtype.kind in "USO" and len(ids) == n:  # ids are names
+            if num_clients is not None:
+                raise DataError(
+                    "num_clients is only for integer client_ids; with string ids every distinct "
+                    "id is a client. Leave num_clients None."
+                )
+            ids, names = _factorize(ids)
         if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) != n:
             raise DataError(
-                f"client_ids must be a 1-D integer array of length {n} (one id per pooled row); "
-                f"got shape {ids.shape} and dtype {ids.dtype}."
+                f"client_ids must be a 1-D integer array of length {n} (one id per pooled row), or "
+                f"of string names; got shape {ids.shape} and dtype {ids.dtype}."
             )
         if n and int(ids.min()) < -1:
             row = int(np.argmax(ids < -1))
@@ -401,7 +476,88 @@ class FederatedData:
         # here the ids are exactly 0..num_clients-1, each with counts[id] rows
         order = np.argsort(ids, kind="stable")[n - int(counts.sum()) :]
         splits = np.cumsum(counts)[:-1]
-        return cls({key: np.split(a[order], splits) for key, a in arrays.items()})
+        return cls({key: np.split(a[order], splits) for key, a in arrays.items()}, client_names=names)
+
+    @classmethod
+    def from_dataframe(
+        cls,
+        df: object,
+        client: object,
+        columns: Sequence[str] | Mapping[str, str | Sequence[str]] | None = None,
+    ) -> FederatedData:
+        """Split a long-format pandas DataFrame (one row per observation) into clients by a column.
+
+        Parameters
+        ----------
+        df
+            pandas DataFrame with unique column names.
+        client
+            Name of the column holding each row's client id: any hashable values (str, int,
+            categories). Each distinct id is a client, its name in :attr:`client_names`. Clients
+            are in sorted id order (as ``df.groupby(client)``; a categorical column: in the order
+            of its categories, unused ones left out), and rows keep their order within a client.
+        columns
+            The data keys. None: every other column is a key of shape ``(n,)``. A list of column
+            names: those, each a key. A dict ``{key: column}`` or ``{key: [column, ...]}``: a list
+            stacks its columns as the key's trailing dimension, e.g.
+            ``{"x": ["days", "age"], "y": "reaction"}`` gives ``x`` of shape ``(n, 2)``.
+
+        Returns
+        -------
+        FederatedData
+            As :meth:`from_pooled` with the client column's codes, plus :attr:`client_names`.
+
+        Raises
+        ------
+        DataError
+            If ``df`` is not a DataFrame, a column is missing or duplicated, the client column or
+            a data column has missing values, a data column is not numeric, or no data column is
+            left (and as :meth:`from_pooled`).
+        """
+        import pandas as pd
+
+        if not isinstance(df, pd.DataFrame):
+            raise DataError(f"from_dataframe needs a pandas DataFrame; got {type(df).__name__}.")
+        if not df.columns.is_unique:
+            duplicated = sorted(set(df.columns[df.columns.duplicated()]), key=str)
+            raise DataError(f"the DataFrame has duplicate column names {duplicated}; rename them.")
+        if columns is None:
+            spec: Mapping[str, object] = {c: c for c in df.columns if c != client}
+        elif isinstance(columns, Mapping):
+            spec = columns
+        elif isinstance(columns, (str, bytes)):
+            raise DataError(f"columns must be a list or dict of column names; got the string {columns!r} "
+                            f"(for one column pass [{columns!r}]).")
+        else:
+            spec = {c: c for c in columns}
+        if not spec:
+            raise DataError(f"the DataFrame has no data column besides the client column {client!r}; "
+                            "pass columns with at least one.")
+        wanted = [client] + [c for v in spec.values() for c in (v if isinstance(v, (list, tuple)) else [v])]
+        missing = [c for c in dict.fromkeys(wanted) if c not in df.columns]
+        if missing:
+            raise DataError(
+                f"columns {missing} are not in the DataFrame; its columns are {list(df.columns)}."
+            )
+        for c in wanted[1:]:
+            if not (pd.api.types.is_numeric_dtype(df[c]) or pd.api.types.is_bool_dtype(df[c])):
+                raise DataError(
+                    f"column {c!r} has dtype {df[c].dtype}, which is not numeric; encode categories as "
+                    f"integer codes (df[{c!r}].astype('category').cat.codes) or drop the column."
+                )
+        _as_array(df[client], f"client column {client!r}")  # refuses missing ids
+        codes, names = _factorize(df[client])
+        out = cls.from_pooled(
+            {
+                key: _as_array(df[list(col)], f"key {key!r}")
+                if isinstance(col, (list, tuple))
+                else _as_array(df[col], f"column {col!r}")
+                for key, col in spec.items()
+            },
+            codes,
+        )
+        out._client_names = names
+        return out
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -438,8 +594,56 @@ class FederatedData:
         """Boolean ``(C, max_size)`` mask, True on real rows."""
         return self._mask
 
+    @property
+    def client_names(self) -> tuple:
+        """Name of each client in client order: ``(0, 1, ..., C-1)`` unless given to the constructor,
+        taken from string ids by :meth:`from_pooled` or from the client column by
+        :meth:`from_dataframe`."""
+        return self._client_names
+
+    def client_index(self, name: object) -> int:
+        """Position of the client named ``name`` (for :meth:`client`, :meth:`subset` and the
+        algorithms' per-client outputs).
+
+        Parameters
+        ----------
+        name
+            An entry of :attr:`client_names`.
+
+        Returns
+        -------
+        int
+            The ``i`` with ``client_names[i] == name``.
+
+        Raises
+        ------
+        ClientIndexError
+            If no client has that name.
+        """
+        try:
+            i = {known: i for i, known in enumerate(self._client_names)}.get(name)
+        except TypeError:  # an unhashable name
+            i = None
+        if i is not None:
+            return i
+        shown = ", ".join(map(repr, self._client_names[:5])) + (", ..." if self.num_clients > 5 else "")
+        raise ClientIndexError(f"no client is named {name!r}; the client names are {shown}.")
+
+    def client_coordinate(self) -> np.ndarray:
+        """:attr:`client_names` as the ``(C,)`` array of an xarray ``client`` coordinate: ints
+        ``0..C-1`` by default, a str or int array for names of one such type, else object."""
+        names = self._client_names
+        kinds = {type(n) for n in names}
+        if kinds <= {int} or kinds <= {str}:
+            return np.asarray(names)
+        out = np.empty(len(names), dtype=object)
+        for i, name in enumerate(names):
+            out[i] = name
+        return out
+
     def client(self, i: int) -> dict[str, np.ndarray]:
-        """Unpadded arrays of client ``i`` (negative indices count from the end).
+        """Unpadded arrays of client ``i``, a position (negative counts from the end); for a client's
+        name use ``client(data.client_index(name))``.
 
         Raises
         ------
@@ -458,7 +662,8 @@ class FederatedData:
         return np.repeat(np.arange(self.num_clients, dtype=np.int64), self._sizes)
 
     def subset(self, indices: Sequence[int]) -> FederatedData:
-        """New data with the clients ``indices``, in that order (negative indices allowed).
+        """New data with the clients at positions ``indices``, in that order (negative indices
+        allowed), keeping their :attr:`client_names`.
 
         Raises
         ------
@@ -479,12 +684,23 @@ class FederatedData:
         if not items:
             raise DataError("subset needs at least one client index; got an empty sequence.")
         idx = [_check_index(i, self.num_clients) for i in items]
-        return FederatedData({key: [arrays[i] for i in idx] for key, arrays in self._data.items()})
+        return FederatedData(
+            {key: [arrays[i] for i in idx] for key, arrays in self._data.items()},
+            client_names=[self._client_names[i] for i in idx],
+        )
 
     def blank(self) -> FederatedData:
         """The same layout (keys, client sizes, trailing shapes, dtypes) with every value zero: what
         a federation's server knows of the data (:mod:`fedbayes.flower` builds its server on it)."""
-        return FederatedData({key: [np.zeros_like(a) for a in arrays] for key, arrays in self._data.items()})
+        return FederatedData(
+            {key: [np.zeros_like(a) for a in arrays] for key, arrays in self._data.items()},
+            client_names=self._client_names,
+        )
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling; data pickled before client names existed gets the default names ``0..C-1``."""
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_client_names", tuple(range(len(self._sizes))))
 
     def __len__(self) -> int:
         return self.num_clients

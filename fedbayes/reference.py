@@ -72,7 +72,7 @@ def nuts(model: Callable, data: FederatedData | Mapping[str, Any], *, num_warmup
     flat = jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:]), u)
     theta_c = jax.vmap(fm.constrain)({n: flat[n] for n in fm.global_names})
     z_c = jax.vmap(jax.vmap(fm.constrain))({n: flat[n] for n in fm.local_names}) if fm.local_names else {}
-    post, coords = {}, {"chain": np.arange(num_chains), "draw": np.arange(num_samples), "client": np.arange(C)}
+    post, coords = {}, {"chain": np.arange(num_chains), "draw": np.arange(num_samples), "client": data.client_coordinate()}
     for n, v in theta_c.items():
         v = np.asarray(v).reshape((num_chains, num_samples) + v.shape[1:])
         post[n] = (["chain", "draw", *_site_dims(n, v.shape[2:])], v)

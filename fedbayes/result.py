@@ -158,7 +158,7 @@ class Result:
 
     def _groups(self) -> dict[str, xr.Dataset | None]:
         C = self._data.num_clients
-        coords = {"client": np.arange(C)}
+        coords = {"client": self._data.client_coordinate()}  # the data's client names, 0..C-1 by default
         post = {}
         for name, arr in self._local_chains.items():
             a = np.moveaxis(arr, 0, 2)  # (chain, draw, client, ...)
@@ -310,7 +310,7 @@ class Result:
         local_vals, global_vals, chains, draws = self._training_draws()
         data, mask = self._data.padded, self._data.mask
         keep = np.asarray(mask)
-        obs_client = self._data.pooled_client_ids()
+        obs_client = self._data.client_coordinate()[self._data.pooled_client_ids()]  # each row's client name
         coords = {"chain": np.arange(chains), "draw": np.arange(draws), "client": ("obs", obs_client)}
         S = chains * draws
 

@@ -220,5 +220,6 @@ def loo_per_client(data: Any) -> Any:
     for c in np.unique(clients):
         sub_post = post.sel(client=c) if "client" in post.dims else post
         sub = to_arviz({"posterior": sub_post, "log_likelihood": ll.isel(obs=np.flatnonzero(clients == c))})
-        rows.append({"client": int(c), "n": int(np.sum(clients == c)), **loo_summary(sub)})
+        name = c.item() if isinstance(c, np.generic) else c  # the client's name (an int by default)
+        rows.append({"client": name, "n": int(np.sum(clients == c)), **loo_summary(sub)})
     return pd.DataFrame(rows).set_index("client")
