@@ -12,7 +12,7 @@ from .errors import (CallbackError, CheckpointError, CheckpointWarning, ClientIn
 from .faults import Aggregation, FaultPolicy, Faults
 from .kernels import ULA
 from .model import FedModel, local
-from .result import Result
+from .result import Result, load
 from .wire import WireError
 
 __version__ = "0.1.0"
@@ -22,5 +22,5 @@ __all__ = [
     "Result", "ULA", "compress", "diagnostics", "reference", "fed_fit", "local", "models", "partition_dirichlet", "partition_iid",
     "partition_shards", "curvature_step_size", "theory_step_size", "resume", "checkpoint", "faults", "Faults",
     "FaultPolicy", "Aggregation", "TooFewClientsError", "CheckpointError", "CallbackError", "CheckpointWarning",
-    "ClientIndexError", "PrecisionWarning", "StalledError", "WireError",
+    "ClientIndexError", "PrecisionWarning", "StalledError", "WireError", "load",
 ]

@@ -72,23 +72,20 @@ def _entries_digest(entries: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def save(path: str | os.PathLike, meta: dict[str, Any], spec: bytes, carry: Any, history: dict[str, np.ndarray]) -> None:
-    """Write a checkpoint atomically (temporary file in the same directory, fsync, rename).
+def write_sealed(path: str | os.PathLike, entries: dict[str, np.ndarray], what: str = "checkpoint") -> None:
+    """Write ``entries`` as an uncompressed ``.npz`` sealed by a ``digest`` entry (SHA-256 of the others),
+    atomically: temporary file in the same directory, fsync, rename. Shared by checkpoints and saved
+    results (:meth:`fedbayes.Result.save`); ``what`` names the file in error messages.
 
     Raises
     ------
     CheckpointError
         If the file cannot be written (disk full, read-only file system, no permission: the
-        ``OSError`` is the ``__cause__``); the previous checkpoint at ``path``, if any, is unchanged
-        and no temporary file is left behind.
+        ``OSError`` is the ``__cause__``); the previous file at ``path``, if any, is unchanged and no
+        temporary file is left behind.
     """
     path = os.fspath(path)
-    leaves = jax.tree_util.tree_leaves(carry)
-    meta = dict(meta, format=FORMAT, weak=[bool(getattr(x, "weak_type", False)) for x in leaves])
-    entries = {"meta": np.frombuffer(json.dumps(meta, sort_keys=True, default=_plain).encode(), np.uint8),
-               "spec": np.frombuffer(spec, np.uint8)}
-    entries.update({f"carry/{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})
-    entries.update({f"history/{k}": np.asarray(v) for k, v in history.items()})
+    entries = dict(entries)
     entries["digest"] = np.frombuffer(_entries_digest(entries).encode(), np.uint8)
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
@@ -99,9 +96,9 @@ def save(path: str | os.PathLike, meta: dict[str, Any], spec: bytes, carry: Any,
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as err:
-        raise CheckpointError(f"cannot write the checkpoint {path!r} ({type(err).__name__}: {err}); the previous "
-                              f"checkpoint there, if any, is unchanged. Free disk space, make {directory!r} "
-                              "writable, or choose another checkpoint path") from err
+        raise CheckpointError(f"cannot write the {what} {path!r} ({type(err).__name__}: {err}); the previous "
+                              f"{what} there, if any, is unchanged. Free disk space, make {directory!r} "
+                              f"writable, or choose another {what} path") from err
     finally:
         try:
             if os.path.exists(tmp):
@@ -116,6 +113,25 @@ def save(path: str | os.PathLike, meta: dict[str, Any], spec: bytes, carry: Any,
             os.close(fd)
     except OSError:
         pass
+
+
+def save(path: str | os.PathLike, meta: dict[str, Any], spec: bytes, carry: Any, history: dict[str, np.ndarray]) -> None:
+    """Write a checkpoint atomically (:func:`write_sealed`).
+
+    Raises
+    ------
+    CheckpointError
+        If the file cannot be written (disk full, read-only file system, no permission: the
+        ``OSError`` is the ``__cause__``); the previous checkpoint at ``path``, if any, is unchanged
+        and no temporary file is left behind.
+    """
+    leaves = jax.tree_util.tree_leaves(carry)
+    meta = dict(meta, format=FORMAT, weak=[bool(getattr(x, "weak_type", False)) for x in leaves])
+    entries = {"meta": np.frombuffer(json.dumps(meta, sort_keys=True, default=_plain).encode(), np.uint8),
+               "spec": np.frombuffer(spec, np.uint8)}
+    entries.update({f"carry/{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})
+    entries.update({f"history/{k}": np.asarray(v) for k, v in history.items()})
+    write_sealed(path, entries)
 
 
 class Checkpoint:
@@ -180,8 +196,53 @@ def _check_meta(meta: dict[str, Any], num_leaves: int) -> str | None:
     return None
 
 
+def read_sealed(path: str | os.PathLike, fmt: int,
+                what: str = "checkpoint") -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Read and verify a file of :func:`write_sealed`: its JSON ``meta`` (a dict of format ``fmt``) and its
+    other entries (digest removed). ``what`` names the file in error messages.
+
+    Raises
+    ------
+    CheckpointError
+        If it is missing, unreadable, truncated, altered, not written by fedbayes, or of another format.
+    ConfigError
+        If ``path`` is not a path.
+    """
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise ConfigError(f"a {what} path must be a str or os.PathLike, got {path!r}") from None
+    if not os.path.exists(path):
+        raise CheckpointError(f"no {what} at {path!r}")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as err:
+        raise CheckpointError(f"{what} {path!r} cannot be read ({type(err).__name__}: {err})") from err
+    try:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+            entries = {name: z[name] for name in z.files}
+    except Exception as err:  # noqa: BLE001 - whatever a damaged zip raises (BadZipFile, NotImplementedError for
+        # an unknown compression, zlib.error, EOFError, ValueError, MemoryError for an absurd size, ...)
+        raise CheckpointError(f"{what} {path!r} is corrupted or incomplete ({type(err).__name__}: {err}); "
+                              "it cannot be used") from err
+    digest = entries.pop("digest", None)
+    if (digest is None or "meta" not in entries
+            or np.asarray(digest).tobytes().decode(errors="replace") != _entries_digest(entries)):
+        raise CheckpointError(f"{what} {path!r} fails its integrity check (altered or corrupted); it cannot be used")
+    try:
+        meta = json.loads(entries.pop("meta").tobytes().decode())
+    except ValueError as err:  # UnicodeDecodeError and JSONDecodeError
+        raise CheckpointError(f"{what} {path!r} has unreadable metadata ({err}); it was not written by "
+                              "fedbayes") from err
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise CheckpointError(f"{what} {path!r} has format {found}, this version reads {fmt}")
+    return meta, entries
+
+
 def load(path: str | os.PathLike) -> Checkpoint:
-    """Read and verify a checkpoint.
+    """Read and verify a checkpoint (:func:`read_sealed`).
 
     Raises
     ------
@@ -190,36 +251,8 @@ def load(path: str | os.PathLike) -> Checkpoint:
     ConfigError
         If ``path`` is not a path.
     """
-    try:
-        path = os.fspath(path)
-    except TypeError:
-        raise ConfigError(f"a checkpoint path must be a str or os.PathLike, got {path!r}") from None
-    if not os.path.exists(path):
-        raise CheckpointError(f"no checkpoint at {path!r}")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as err:
-        raise CheckpointError(f"checkpoint {path!r} cannot be read ({type(err).__name__}: {err})") from err
-    try:
-        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
-            entries = {name: z[name] for name in z.files}
-    except Exception as err:  # noqa: BLE001 - whatever a damaged zip raises (BadZipFile, NotImplementedError for
-        # an unknown compression, zlib.error, EOFError, ValueError, MemoryError for an absurd size, ...)
-        raise CheckpointError(f"checkpoint {path!r} is corrupted or incomplete ({type(err).__name__}: {err}); "
-                              "it cannot be used") from err
-    digest = entries.pop("digest", None)
-    if (digest is None or "meta" not in entries
-            or np.asarray(digest).tobytes().decode(errors="replace") != _entries_digest(entries)):
-        raise CheckpointError(f"checkpoint {path!r} fails its integrity check (altered or corrupted); it cannot be used")
-    try:
-        meta = json.loads(entries.pop("meta").tobytes().decode())
-    except ValueError as err:  # UnicodeDecodeError and JSONDecodeError
-        raise CheckpointError(f"checkpoint {path!r} has unreadable metadata ({err}); it was not written by "
-                              "fedbayes") from err
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else None
-        raise CheckpointError(f"checkpoint {path!r} has format {found}, this version reads {FORMAT}")
+    meta, entries = read_sealed(path, FORMAT)
+    path = os.fspath(path)
     spec = entries.pop("spec", np.zeros(0, np.uint8)).tobytes()
     leaves = [entries[k] for k in sorted(k for k in entries if k.startswith("carry/"))]
     problem = _check_meta(meta, len(leaves))

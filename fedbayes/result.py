@@ -16,7 +16,7 @@ from numpyro import handlers
 from ._keys import require_seed, seed_key
 from .data import FederatedData
 from .engine import ClientData
-from .errors import DataError, FedbayesError
+from .errors import CheckpointError, DataError, FedbayesError
 from .model import FedModel, serialized
 
 from ._arviz_import import import_arviz
@@ -157,7 +157,6 @@ class Result:
         return self._idata
 
     def _groups(self) -> dict[str, xr.Dataset | None]:
-        C = self._data.num_clients
         coords = {"client": self._data.client_coordinate()}  # the data's client names, 0..C-1 by default
         post = {}
         for name, arr in self._local_chains.items():
@@ -204,7 +203,7 @@ class Result:
 
     def _draw_rounds(self, draws: int) -> np.ndarray:
         """The round index of each kept draw (after warm-up and thinning)."""
-        cfg = self._run.cfg
+        cfg = self._algorithm_config()
         return cfg.warmup + cfg.thinning * np.arange(draws)
 
     # ------------------------------------------------------------------ prediction
@@ -377,5 +376,135 @@ class Result:
         if missing:
             raise DataError(f"new_client_data lacks keys {sorted(missing)} the model was fitted with")
         client = ClientData({k: v[0] for k, v in one.padded.items()}, one.mask[0], jnp.asarray(one.sizes[0]), jnp.asarray(-1))
-        z = self._run.sample_new_client(seed_key(seed), self._theta_u, client, num_samples, warmup)
+        z = self._live_run().sample_new_client(seed_key(seed), self._theta_u, client, num_samples, warmup)
         return {k: np.asarray(v) for k, v in jax.vmap(self._fm.constrain)(z).items()}
+
+    # ------------------------------------------------------------------ saving and loading
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle support: everything but the algorithm's compiled run object, which holds local functions.
+
+        The run is replaced by its configuration (the algorithm instance it was built from, with the
+        hyper-parameters it resolved) and rebuilt on first need after loading (:meth:`sample_client`); the
+        cached ``idata`` is dropped and recomputed. The model function is pickled by reference: it must be
+        importable by name where the result is loaded (a module's top-level function, not a lambda or a
+        closure such as ``fb.models.logistic_regression()``'s).
+        """
+        state = dict(self.__dict__)
+        run = state.pop("_run")
+        state["_run"] = None
+        state["_run_cfg"] = run.cfg if run is not None else self.__dict__.get("_run_cfg")
+        state["_idata"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def _algorithm_config(self) -> Any:
+        """The configuration (algorithm instance) of the run that made this result."""
+        return self._run.cfg if self._run is not None else self._run_cfg
+
+    def _live_run(self) -> Any:
+        """The algorithm's run object; after loading it is rebuilt from the saved configuration."""
+        if self._run is None:
+            from .engine import Problem
+
+            self._run = self._run_cfg.build(Problem(self._fm, self._data, len(self.history["bits_up"])))
+        return self._run
+
+    def save(self, path: Any) -> None:
+        """Save the result to one file, read back by :func:`fedbayes.load`.
+
+        What is stored: everything the result holds: estimates, history, samples (each known client's
+        local draws, which :meth:`predict` / :meth:`predictive_probs` for that client use), the EM
+        outputs, the groups added by :meth:`extend_idata`, the fault table, the algorithm's configuration,
+        the :class:`~fedbayes.FedModel` (the model function by reference and ``model_kwargs``) and the
+        training data (:meth:`extend_idata` and :meth:`sample_client` need it; mind this before sharing
+        the file). The loaded result's ``params``, ``history``, ``idata`` and predictions (same ``seed``)
+        equal this one's bit for bit on the same library versions and float width.
+
+        Format: a sealed ``.npz`` written atomically, as checkpoints are (:mod:`fedbayes.checkpoint`):
+        ``meta`` (JSON: format version, library / JAX / NumPy versions, float width, algorithm, seed),
+        ``result`` (the pickled result, :meth:`__getstate__`) and a SHA-256 ``digest``. A truncated or
+        altered file is refused. Loading unpickles, which can run code named in the file: load only files
+        you trust. ``pickle.dumps(res)`` works too (without the seal).
+
+        Raises
+        ------
+        CheckpointError
+            If something in the result does not pickle (a lambda or closure as the model function, or
+            in the algorithm's options), or the file cannot be written (the previous file at ``path``,
+            if any, is unchanged).
+        """
+        import json
+        import pickle
+
+        from . import checkpoint as checkpoint_io
+
+        try:
+            blob = pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:  # noqa: BLE001 - PicklingError, AttributeError (local object), TypeError
+            raise CheckpointError(f"this result cannot be saved: part of it does not pickle ({type(err).__name__}: "
+                                  f"{err}). The model function must be importable by name (a top-level function "
+                                  "of a module, not a lambda or a closure), and so must anything in the "
+                                  "algorithm's options") from err
+        meta = {"format": RESULT_FORMAT, "kind": "fedbayes.Result", "versions": _versions(),
+                "algorithm": self.algorithm, "seed": self.seed}
+        checkpoint_io.write_sealed(path, {"meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8),
+                                          "result": np.frombuffer(blob, np.uint8)}, what="saved result")
+
+
+RESULT_FORMAT = 1
+"""Version of the file format of :meth:`Result.save`; :func:`load` reads this version only."""
+
+
+def _versions() -> dict[str, Any]:
+    """Library versions, float width and backend, as checkpoints record them."""
+    from .api import _versions as versions  # api imports this module: import at call time
+
+    return versions()
+
+
+def load(path: Any) -> Result:
+    """Load a result saved by :meth:`Result.save`.
+
+    The file is verified (format version, SHA-256 seal) before anything is unpickled. Unpickling runs
+    code named in the file (the model function is imported by name): load only files you trust. The
+    model function must be importable here under the name it had when saved.
+
+    Raises
+    ------
+    CheckpointError
+        If the file is missing, truncated, altered, of another format or kind, or its model function
+        cannot be imported here.
+    ConfigError
+        If ``path`` is not a path.
+
+    Warns
+    -----
+    CheckpointWarning
+        If it was saved with other library versions or float width: it loads, but predictions may
+        differ in the last bits.
+    """
+    import os
+    import pickle
+
+    from . import checkpoint as checkpoint_io
+    from .errors import CheckpointWarning
+
+    meta, entries = checkpoint_io.read_sealed(path, RESULT_FORMAT, what="saved result")
+    path = os.fspath(path)
+    if meta.get("kind") != "fedbayes.Result" or "result" not in entries:
+        raise CheckpointError(f"{path!r} is not a saved fedbayes result (kind {meta.get('kind')!r}); a fit's "
+                              "checkpoint is read by fb.resume")
+    if meta.get("versions") != _versions():
+        warnings.warn(f"{path!r} was saved with {meta.get('versions')}, this process has {_versions()}; predictions "
+                      "may differ in the last bits", CheckpointWarning, stacklevel=2)
+    try:
+        res = pickle.loads(entries["result"].tobytes())
+    except Exception as err:  # noqa: BLE001 - e.g. a model defined in a script that is not importable here
+        raise CheckpointError(f"the saved result {path!r} cannot be loaded here ({type(err).__name__}: {err}); its "
+                              "model function (and algorithm) must be importable under the names they had when "
+                              "it was saved") from err
+    if not isinstance(res, Result):
+        raise CheckpointError(f"{path!r} holds a {type(res).__name__}, not a fedbayes Result")
+    return res
