@@ -240,6 +240,7 @@ def test_fedmm_with_faults_reaches_the_centralised_em_fixed_point():
 # ----------------------------------------------------------------------------- FedSOUL
 
 
+@pytest.mark.slow  # second tier (make test-slow): ~16 s, 40 clients
 def test_fedsoul_with_faults_reaches_the_maximum_marginal_likelihood():
     """The linear mixed model of test_fedsoul (closed-form MML) with 10% faulty members per round: the
     server averages over the members that answered (b / |A|, a uniform cohort again), so the stochastic

@@ -183,6 +183,7 @@ def test_custom_statistics_protocol():
     np.testing.assert_allclose(res.params["rate"], 1.0 / np.concatenate(ys).mean(), rtol=1e-12)
 
 
+@pytest.mark.slow  # second tier (make test-slow): ~18 s
 def test_linear_mixed_effects_em_matches_statsmodels():
     import statsmodels.api as sm
 

@@ -221,6 +221,7 @@ def test_invalid_configuration_against_the_model():
         fb.FedSOUL(step_size=[0.1, 0.1, 0.1]).build(problem)
 
 
+@pytest.mark.slow  # second tier (make test-slow): ~13 s
 def test_personalised_logistic_head_learns_client_specific_decisions():
     # Two groups of clients whose labels depend on the same features with opposite signs: one global
     # classifier cannot fit both, personal heads on shared features can.

@@ -66,7 +66,8 @@ def test_plain_arviz_import_races_when_the_window_is_widened(tmp_path):
     assert all("daily_warning" in r.stderr for r in failed)
 
 
-@pytest.mark.parametrize("widen", [False, True, True], ids=["plain", "widened-1", "widened-2"])
+@pytest.mark.parametrize("widen", [False, True, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["plain", "widened-1", "widened-2"])
 def test_simultaneous_first_imports_of_fedbayes_all_succeed(tmp_path, widen):
     runs = _run_at_once(tmp_path, "import fedbayes; print(fedbayes.__version__)", widen=widen)
     for r in runs:

@@ -279,6 +279,7 @@ def test_fedmm_with_a_scalar_observed_site():
     np.testing.assert_allclose(exact.params["mu"], expected, rtol=1e-13)
 
 
+@pytest.mark.slow  # second tier (make test-slow): ~14 s, a TAMUNA warm start then EM
 def test_param_averaging_em_map_init_on_a_random_intercept_model():
     """init="map" starts from a TAMUNA fit of the model (as for FedSOUL): the fit equals the one started
     from that estimate passed as a dict; an init that is none of the accepted forms is a ConfigError."""
