@@ -7,8 +7,8 @@ from .algorithms import tamuna
 from .expfam import CustomStatistics
 from .api import fed_fit, resume
 from .data import FederatedData, partition_dirichlet, partition_iid, partition_shards
-from .errors import (CallbackError, CheckpointError, CheckpointWarning, ClientIndexError, ConfigError, DataError,
-                     DivergenceError, FedbayesError, ModelError, PrecisionWarning, StalledError, TooFewClientsError)
+from .errors import (CallbackError, CheckpointError, CheckpointWarning, ClientIndexError, ConfigError, ConvergenceWarning,
+                     DataError, DivergenceError, FedbayesError, ModelError, PrecisionWarning, StalledError, TooFewClientsError)
 from .faults import Aggregation, FaultPolicy, Faults
 from .kernels import ULA
 from .model import FedModel, local
@@ -22,5 +22,5 @@ __all__ = [
     "Result", "ULA", "compress", "diagnostics", "reference", "fed_fit", "local", "models", "partition_dirichlet", "partition_iid",
     "partition_shards", "curvature_step_size", "theory_step_size", "resume", "checkpoint", "faults", "Faults",
     "FaultPolicy", "Aggregation", "TooFewClientsError", "CheckpointError", "CallbackError", "CheckpointWarning",
-    "ClientIndexError", "PrecisionWarning", "StalledError", "WireError", "load",
+    "ClientIndexError", "ConvergenceWarning", "PrecisionWarning", "StalledError", "WireError", "load",
 ]

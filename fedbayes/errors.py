@@ -85,6 +85,13 @@ class CheckpointWarning(UserWarning):
     previous checkpoint is kept, and the next checkpoint due is tried again."""
 
 
+class ConvergenceWarning(UserWarning):
+    """A fit has not converged by a check fedbayes makes at its end: the message names the criterion,
+    the measured value against its threshold, and the fix (more rounds, a start, a step). The whole
+    table is ``res.diagnostics``; ``res.converged`` is False. Estimates and standard errors of such a
+    fit are not to be trusted as they are."""
+
+
 def require_int(value: object, what: str, minimum: int = 1) -> int:
     """``value`` as an int, or ConfigError if it is not an integer >= ``minimum`` (bools refused)."""
     import numbers
