@@ -11,6 +11,9 @@ Tracing it once classifies every site:
 * ``obs_latent`` -- an unobserved ``sample`` site inside a data plate (e.g. mixture labels);
 * ``observed`` -- an observed site (including ``numpyro.factor``): the client's likelihood.
 
+``numpyro.deterministic`` sites are none of these: they record values the model computes
+(:class:`Deterministic`), never enter a log-density, and may have the data's length anywhere.
+
 A *data plate* is a plate whose size follows the number of observations; it is found by tracing
 the model at two data lengths. Clients are padded to a common length and the padded rows are
 masked out of every site inside a data plate, so padding never changes a log-density.
@@ -31,16 +34,18 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Literal
 from numpyro import handlers
 from numpyro.distributions import biject_to
 from numpyro.distributions.transforms import IdentityTransform, Transform
-from numpyro.infer.initialization import init_to_median
 from numpyro.primitives import Messenger
 
 from .data import FederatedData
@@ -130,6 +135,70 @@ class Site:
         return tuple(self.transform.inverse_shape(self.shape))
 
 
+@dataclass(frozen=True)
+class Deterministic:
+    """A ``numpyro.deterministic`` site: a value the model computes and records, not a parameter.
+
+    * ``shape`` -- its shape on client 0's padded data;
+    * ``per_client`` -- its value depends on the client's data or local latents (read from the data
+      flow of the model's program); otherwise it is a function of the globals alone;
+    * ``row_axis`` -- the axis of its value that runs over the client's rows (a per-observation value
+      such as a linear predictor ``x @ w``), None when its shape does not follow the data;
+    * ``paddable`` -- its value on a client's real rows is the same when the client's data are padded
+      (false for e.g. ``x.mean()`` or ``x.shape[0]``), so it can be computed on the padded stack of
+      clients, all at once;
+    * ``obs_latent`` -- it depends on per-observation latents (mixture labels), whose posterior draws
+      are not kept: it is then left out of ``idata.posterior`` (predictions draw those latents afresh);
+    * ``note`` -- why it is left out of ``idata`` / of predictions for all clients at once, if it is.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    per_client: bool
+    row_axis: int | None
+    paddable: bool = True
+    obs_latent: bool = False
+    note: str = ""
+
+    @property
+    def from_draws(self) -> bool:
+        """Whether ``idata.posterior`` holds it (computed at the fit's draws on the padded clients)."""
+        return self.paddable and not self.obs_latent
+
+
+def _row_axis(shape: tuple[int, ...], longer: tuple[int, ...] | None) -> tuple[int | None, bool]:
+    """The axis of a value that follows the client's row count, from its shapes traced at n and n + 1
+    rows: ``(axis, True)``; ``(None, True)`` when the shape does not follow the rows; ``(None, False)``
+    when it follows them otherwise (several axes, or not one entry per row)."""
+    if longer is None or len(shape) != len(longer):
+        return None, longer is None
+    grown = [i for i, (a, b) in enumerate(zip(shape, longer)) if a != b]
+    if not grown:
+        return None, True
+    if len(grown) == 1 and longer[grown[0]] == shape[grown[0]] + 1:
+        return grown[0], True
+    return None, False
+
+
+def _input_dependence(closed: Any, labels: Sequence[str]) -> list[frozenset[str]]:
+    """For each output of a jaxpr, the labels of the inputs it depends on (a forward data-flow pass).
+
+    An equation holding a sub-program (``pjit``, ``scan``, ``cond``, a custom derivative) makes each
+    of its outputs depend on all of its inputs: dependence can be over-stated, never missed.
+    """
+    jaxpr = closed.jaxpr
+    env: dict[Any, frozenset[str]] = {v: frozenset([label]) for v, label in zip(jaxpr.invars, labels)}
+
+    def read(v: Any) -> frozenset[str]:
+        return frozenset() if isinstance(v, Literal) else env.get(v, frozenset())
+
+    for eqn in jaxpr.eqns:
+        dep = frozenset().union(*(read(v) for v in eqn.invars))
+        for out in eqn.outvars:
+            env[out] = dep
+    return [read(v) for v in jaxpr.outvars]
+
+
 def _trace(model: Callable, kwargs: Mapping[str, Any], substitutions=None, substitute_fn=None, seed=0):
     fn = handlers.seed(model, seed)
     if substitutions is not None or substitute_fn is not None:
@@ -169,6 +238,73 @@ def _sum_log_prob(site: dict[str, Any]) -> jax.Array:
     if site.get("scale") is not None:
         lp = site["scale"] * lp
     return jnp.sum(lp)
+
+
+
+def _event_ok(fn: Any, value: jax.Array, transform: Transform) -> jax.Array:
+    """Per element of ``value`` (broadcast to its shape): True where the value's event is finite,
+    inside the support and maps to a finite unconstrained point."""
+    value = jnp.broadcast_to(value, tuple(fn.batch_shape) + tuple(fn.event_shape))
+    event_axes = tuple(range(value.ndim - len(fn.event_shape), value.ndim))
+    ok = jnp.all(jnp.isfinite(value), axis=event_axes)
+    ok = ok & jnp.asarray(fn.support(value), bool)
+    u = transform.inv(value)
+    u_axes = tuple(range(len(fn.batch_shape), jnp.ndim(u)))
+    ok = ok & jnp.all(jnp.isfinite(u), axis=u_axes)
+    return jnp.reshape(ok, ok.shape + (1,) * len(fn.event_shape))
+
+
+
+
+def _median(fn: Any) -> jax.Array | None:
+    """The prior's median where it is known exactly (``icdf(0.5)``, or a symmetric law's location;
+    ``ExpandedDistribution`` / ``Independent`` wrappers are looked through), else None."""
+    base, shape = fn, tuple(fn.batch_shape) + tuple(fn.event_shape)
+    while type(base).__name__ in ("ExpandedDistribution", "Independent", "MaskedDistribution"):
+        base = base.base_dist
+    if base.event_shape:
+        return None
+    name = type(base).__name__
+    try:
+        if name == "HalfCauchy":
+            med = base.scale
+        elif name in ("StudentT", "Cauchy", "Laplace", "Logistic", "SoftLaplace") and hasattr(base, "loc"):
+            med = base.loc
+        else:
+            med = base.icdf(jnp.full(base.batch_shape, 0.5))
+    except Exception:  # noqa: BLE001 - no closed-form quantile (e.g. it needs tensorflow_probability)
+        return None
+    return jnp.broadcast_to(jnp.asarray(med, jnp.result_type(float)), shape)
+
+
+def prior_centre(fn: Any, transform: Transform | None = None) -> jax.Array:
+    """A deterministic centre of the prior ``fn``, elementwise: its mean where finite and inside the
+    support (Normal: loc; HalfNormal(s): s sqrt(2 / pi); LogNormal(m, s): exp(m + s^2 / 2);
+    Gamma(a, b): a / b; Beta(a, b): a / (a + b); Dirichlet(alpha): alpha / sum(alpha)); where the mean
+    is infinite or undefined, its median (HalfCauchy(s): s; Cauchy / StudentT: loc; others by
+    ``icdf(0.5)``); otherwise ``transform(0)``, the image of the unconstrained origin (e.g. 1 for a
+    positive site without either). Works under ``jit`` (the choice is made elementwise with ``where``).
+    """
+    transform = biject_to(fn.support) if transform is None else transform
+    shape = tuple(fn.batch_shape) + tuple(fn.event_shape)
+    dtype = jnp.result_type(float)
+    fallback = jnp.broadcast_to(transform(jnp.zeros(transform.inverse_shape(shape), dtype)), shape)
+    if getattr(fn.support, "is_discrete", False):  # discrete globals are refused by FedModel.require
+        try:
+            return jnp.broadcast_to(jnp.asarray(fn.enumerate_support(expand=False)[0], dtype), shape)
+        except Exception:  # noqa: BLE001
+            return fallback
+    out = fallback
+    for candidate in (_median, lambda f: f.mean):  # the later candidate wins where it is valid
+        try:
+            value = candidate(fn)
+        except Exception:  # noqa: BLE001 - e.g. NotImplementedError, a ZeroDivisionError in a formula
+            value = None
+        if value is None:
+            continue
+        value = jnp.broadcast_to(jnp.asarray(value, dtype), shape)
+        out = jnp.where(_event_ok(fn, value, transform), value, out)
+    return out
 
 
 class FedModel:
@@ -211,7 +347,9 @@ class FedModel:
         self.observed: tuple[str, ...] = ()
         self._classify(tr, tr_longer)
         self._example = {k: jnp.asarray(v) for k, v in example.items()}
+        self._classify_deterministic(tr, tr_longer)
         self._check_padding_invariance({k: v[: data.sizes[0]] for k, v in example.items()}, tr)
+        self._warn_left_out_deterministic()
         self.global_names = tuple(n for n, s in self.sites.items() if s.role in ("global", "param"))
         self.local_names = tuple(n for n, s in self.sites.items() if s.role == "local")
         self.obs_latent_names = tuple(n for n, s in self.sites.items() if s.role == "obs_latent")
@@ -289,6 +427,75 @@ class FedModel:
             raise ModelError("the model has no observed site: condition at least one sample site on the data (obs=...)")
         self.observed = tuple(observed)
 
+    def _classify_deterministic(self, tr, tr_longer) -> None:
+        """Record the ``numpyro.deterministic`` sites (:attr:`deterministic`) and the row axis of every
+        observed and deterministic site (:attr:`row_axes`).
+
+        Deterministic sites are not parameters: they are never classified as globals or locals and never
+        enter a log-density, so a data-length one (a linear predictor) is fine inside or outside a plate.
+        Which inputs a site's value depends on (globals, local latents, per-observation latents, the
+        client's data) is read from the data flow of the model's program (:func:`_input_dependence`,
+        abstractly: nothing is computed); its row axis from its shapes at two data lengths.
+        """
+        self.row_axes: dict[str, int | None] = {}
+        for name in self.observed:
+            longer = tuple(jnp.shape(tr_longer[name]["value"])) if name in tr_longer else None
+            self.row_axes[name] = _row_axis(tuple(jnp.shape(tr[name]["value"])), longer)[0]
+        self.deterministic: dict[str, Deterministic] = {}
+        names = [n for n, site in tr.items() if site["type"] == "deterministic"]
+        if not names:
+            return
+        leaf = lambda n: jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(tr[n]["value"]))  # noqa: E731
+        arrays = [n for n in names if leaf(n)]
+        latents = {n: jax.ShapeDtypeStruct(jnp.shape(tr[n]["value"]), jnp.result_type(tr[n]["value"]))
+                   for n in self.sites}
+        example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self._example.items()}
+
+        def values(latents, data):
+            t = _trace(self.model, {**data, **self.model_kwargs}, substitutions=latents)
+            return [t[n]["value"] for n in arrays]
+
+        labels = jax.tree_util.tree_leaves(({n: self.sites[n].role for n in latents}, {k: "data" for k in example}))
+        deps = dict(zip(arrays, _input_dependence(jax.make_jaxpr(values)(latents, example), labels)))
+        for name in names:
+            if name not in deps:
+                self.deterministic[name] = Deterministic(name, (), True, None, False, False,
+                                                         "it holds a pytree, not one array")
+                continue
+            shape = tuple(jnp.shape(tr[name]["value"]))
+            longer = tuple(jnp.shape(tr_longer[name]["value"])) if name in tr_longer else None
+            axis, regular = _row_axis(shape, longer)
+            dep = deps[name]
+            per_client = bool(dep & {"data", "local", "obs_latent"}) or axis is not None or not regular
+            obs_latent = "obs_latent" in dep
+            note = ("its shape follows the client's row count in another way than one entry per row, so a "
+                    "padded client cannot be cut back to its rows") if not regular else (
+                    "it depends on per-observation latent sites, whose posterior draws are not kept" if obs_latent else "")
+            self.row_axes[name] = axis
+            self.deterministic[name] = Deterministic(name, shape, per_client, axis, regular, obs_latent, note)
+
+    def _warn_left_out_deterministic(self) -> None:
+        left_out = {n: d for n, d in self.deterministic.items() if not d.from_draws}
+        if not left_out:
+            return
+        warnings.warn(
+            "deterministic sites " + "; ".join(f"'{n}': {d.note}" for n, d in left_out.items())
+            + ". They are left out of res.idata.posterior"
+            + (" and of predictions for all clients at once" if any(not d.paddable for d in left_out.values()) else "")
+            + "; res.predict(new_data) for one client returns them. To have them in idata, compute them from "
+            "per-row values inside the data plate, and pass data-size constants through model_kwargs.",
+            UserWarning, stacklevel=4)
+
+    def _deterministic_rows(self, tr, rows: int) -> dict[str, jax.Array]:
+        """The paddable deterministic sites' values, cut to the first ``rows`` rows along their row axis."""
+        out = {}
+        for name, d in self.deterministic.items():
+            if not d.paddable:
+                continue
+            value = jnp.asarray(tr[name]["value"])
+            out[name] = value if d.row_axis is None else jnp.take(value, jnp.arange(rows), axis=d.row_axis)
+        return out
+
     def _site_terms(self, tr, rows: int) -> dict[str, jax.Array]:
         """Each sample site's log-density over the first ``rows`` rows of its data plate (the whole
         log-density for sites outside data plates)."""
@@ -328,7 +535,7 @@ class FedModel:
 
         def base(data):
             tr = _trace(self.model, {**data, **self.model_kwargs})
-            return self._site_terms(tr, n), latents(tr)
+            return self._site_terms(tr, n), latents(tr), self._deterministic_rows(tr, n)
 
         def again(data, values):
             def pad_latent(site):  # the base's latent values; per-observation ones padded like the data
@@ -343,14 +550,14 @@ class FedModel:
                 return jnp.concatenate([value, jnp.repeat(last, extra, axis=axis)], axis=axis)
 
             tr = _trace(self.model, {**data, **self.model_kwargs}, substitute_fn=pad_latent)
-            return self._site_terms(tr, n)
+            return self._site_terms(tr, n), self._deterministic_rows(tr, n)
 
         try:
-            terms, values = jax.jit(base)(rows)
+            terms, values, recorded = jax.jit(base)(rows)
         except Exception as err:  # the model fails on client 0's own rows
             raise ModelError(f"calling the model on client 0's data ({n} rows) failed with "
                              f"{type(err).__name__}: {err}") from err
-        terms_padded = jax.jit(again)(padded, values)
+        terms_padded, recorded_padded = jax.jit(again)(padded, values)
         tol = 1e-4 if jnp.result_type(float) == jnp.float32 else 1e-9
         for name, value in terms.items():
             value, got = float(value), terms_padded.get(name)
