@@ -576,7 +576,7 @@ def check_init(init: Any, who: str) -> None:
 
 def resolve_init(init: Any, problem: Problem, *, jacobian: bool = False) -> Mapping[str, Any] | None:
     """Initial constrained values from ``init``: None, a dict, a previous ``Result`` (its ``params``), or
-    ``"map"`` (:func:`map_estimate`: a TAMUNA fit on the same model and data, 300 rounds, every client)."""
+    ``"map"`` (:func:`map_estimate`: the federated Newton MAP on the same model and data)."""
     check_init(init, "")
     if init is None or isinstance(init, Mapping):
         return init
@@ -585,29 +585,60 @@ def resolve_init(init: Any, problem: Problem, *, jacobian: bool = False) -> Mapp
     return {k: np.asarray(v) for k, v in init.params.items()}
 
 
-def map_estimate(problem: Problem, *, jacobian: bool = False, num_rounds: int = 300, seed: int = 0) -> dict[str, np.ndarray]:
-    """Constrained MAP of the global sites by TAMUNA with every client in every round and no compression
-    (Scaffnew: a warm start should converge first and save bits second), p from the estimated kappa.
-    Models with local latents: the non-personalised model, latents at their population mean, and
-    p = 0.2 (a random-effect scale does not enter it, so kappa is undefined) and half the default step
-    (such models are rarely convex, and the curvature at the start can understate it along the path)."""
+def map_objective(fm: FedModel, *, jacobian: bool = False):
+    """``(loglik, log_prior, unravel)`` of the MAP problem over the flat unconstrained globals x:
+    ``loglik(x, client)`` is the client's log-likelihood (models with local latents: the
+    non-personalised model, every latent at its population mean), ``log_prior(x)`` the global prior
+    (with the Jacobian of the unconstraining maps when ``jacobian``)."""
+    _, unravel = ravel_pytree(fm.init_globals(None))
+
+    def loglik(x: jax.Array, client: ClientData) -> jax.Array:
+        theta = unravel(x)
+        if fm.local_names:
+            return fm.client_loglik_population(theta, client.data, client.mask)
+        return fm.client_log_terms(theta, {}, client.data, client.mask)[1]
+
+    def log_prior(x: jax.Array) -> jax.Array:
+        return fm.log_prior(unravel(x), jacobian=jacobian)
+
+    return loglik, log_prior, unravel
+
+
+def map_solve(problem: Problem, *, jacobian: bool = False, init: Mapping[str, Any] | None = None,
+              max_iter: int = 100):
+    """The MAP of the global sites by the federated damped Newton method
+    (:func:`fedbayes.algorithms.newton.federated_newton`, every client at every iteration), from the
+    deterministic start (or the constrained values ``init``). Models with local latents: the
+    non-personalised model, latents at their population mean; coordinates it does not depend on (a
+    random-effect scale) stay at their start. Returns the :class:`~fedbayes.algorithms.newton.NewtonResult`
+    (unconstrained flat ``x``, ``bits`` of the exchanges) with ``unravel`` set on it."""
+    from .newton import federated_newton
+
     fm: FedModel = problem.model
-    has_locals = bool(fm.local_names)
-    cfg = Scaffnew(jacobian=jacobian, local_latents=POPULATION_MEAN if has_locals else None, p=0.2 if has_locals else None)
-    full = Problem(fm, problem.data, num_rounds, None)
-    run = cfg.build(full)
-    if has_locals:
-        run.gamma_factor = 0.5
-    k_init, k_rounds = jax.random.split(seed_key(seed))
-    carry = run.init(k_init, full)
-    carry, _ = run_rounds(run, full, carry, base_key=k_rounds, cohort_size=problem.data.num_clients, progress=False)
-    x = carry[0].x
-    if not bool(jnp.all(jnp.isfinite(x))):
-        raise ConfigError("the TAMUNA warm start ('map') diverged; fit fb.TAMUNA with a smaller step_size and pass "
-                          "its Result as init")
-    return {k: np.asarray(v) for k, v in fm.constrain(run._unravel(x)).items()}
+    loglik, log_prior, unravel = map_objective(fm, jacobian=jacobian)
+    x0 = ravel_pytree(fm.init_globals(None, init))[0]
+    out = federated_newton(loglik, log_prior, x0, stack_clients(problem.data), max_iter=max_iter,
+                           freeze_unidentified=bool(fm.local_names))
+    out.unravel = unravel
+    return out
+
+
+def map_estimate(problem: Problem, *, jacobian: bool = False, num_rounds: int = 300, seed: int = 0) -> dict[str, np.ndarray]:
+    """Constrained MAP of the global sites by :func:`map_solve` (federated damped Newton, every client
+    at every iteration; scale-free and monotone, see :mod:`fedbayes.algorithms.newton`). Models with
+    local latents: the non-personalised model, latents at their population mean, and coordinates it
+    does not depend on (a random-effect scale) kept at their start. ``num_rounds`` caps the Newton
+    iterations (at 100); ``seed`` is unused (the solver is deterministic), kept for compatibility.
+    Raises ``ConfigError`` if the objective is not finite at the start or the solution."""
+    del seed
+    fm: FedModel = problem.model
+    out = map_solve(problem, jacobian=jacobian, max_iter=max(1, min(int(num_rounds), 100)))
+    if not (bool(jnp.all(jnp.isfinite(out.x))) and np.isfinite(out.value)):
+        raise ConfigError("the MAP warm start ('map') found no finite objective: the model's log-density is not "
+                          "finite at its start; pass init= a dict of constrained starting values")
+    return {k: np.asarray(v) for k, v in fm.constrain(out.unravel(out.x)).items()}
 
 
 __all__ = ["TAMUNA", "Scaffnew", "GD", "FedAvg", "mask", "mask_column", "template_column", "aggregate",
            "recommended_p", "recommended_s", "max_eta", "theorem1_rate", "expected_uplink_floats",
-           "estimate_condition", "check_init", "resolve_init", "map_estimate", "POPULATION_MEAN"]
+           "estimate_condition", "check_init", "resolve_init", "map_estimate", "map_solve", "map_objective", "POPULATION_MEAN"]
