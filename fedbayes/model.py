@@ -620,17 +620,43 @@ class FedModel:
             total = total + jnp.sum(t.log_abs_det_jacobian(v, t(v)))
         return total
 
-    def init_globals(self, key: jax.Array, values: Mapping[str, Any] | None = None) -> Params:
-        """Initial unconstrained globals: user ``values`` where given, param inits, prior medians."""
-        tr = _trace(self.model, {**self._example, **self.model_kwargs},
-                    substitute_fn=init_to_median(num_samples=15), seed=key)
+    def init_globals(self, key: jax.Array | None = None, values: Mapping[str, Any] | None = None) -> Params:
+        """The deterministic start: unconstrained globals, one site at a time in the model's order.
+
+        For each global site: the user's ``values`` where given; a ``numpyro.param`` site's own initial
+        value; otherwise the exact centre of its prior (:func:`prior_centre`: the prior's mean where it
+        is finite and inside the support, else its median, else the image of 0 under the site's
+        unconstraining bijection). Sites are filled in trace order with the earlier ones already set,
+        so a hierarchical prior (``sigma ~ HalfNormal(tau)`` with ``tau`` global) is centred at the
+        earlier sites' start values. No random draw is made: ``key`` is kept for compatibility and
+        does not change the result.
+        """
+        del key  # the start is deterministic
         values = dict(values or {})
         unknown = set(values) - set(self.global_names)
         if unknown:
             raise ModelError(f"initial values given for {sorted(unknown)}, which are not global sites {list(self.global_names)}")
+        dtype = jnp.result_type(float)
+        given = {}
+        for n, v in values.items():
+            v = jnp.asarray(v, dtype=dtype)
+            if v.shape != self.sites[n].shape:
+                raise ModelError(f"initial value of '{n}' has shape {v.shape}, expected {self.sites[n].shape}")
+            given[n] = v
+        globals_ = frozenset(n for n in self.global_names if self.sites[n].role == "global")
+
+        def centre(site):
+            name = site["name"]
+            if name in given:
+                return given[name]
+            if site["type"] == "sample" and name in globals_:
+                return prior_centre(site["fn"], self.sites[name].transform)
+            return None
+
+        tr = _trace(self.model, {**self._example, **self.model_kwargs}, substitute_fn=centre, seed=0)
         out = {}
         for n in self.global_names:
-            v = jnp.asarray(values.get(n, tr[n]["value"]), dtype=jnp.result_type(float))
+            v = jnp.asarray(given.get(n, tr[n]["value"]), dtype=dtype)
             if v.shape != self.sites[n].shape:
                 raise ModelError(f"initial value of '{n}' has shape {v.shape}, expected {self.sites[n].shape}")
             out[n] = self.sites[n].transform.inv(v)
