@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from . import checkpoint as checkpoint_io
+from . import convergence
 from ._keys import require_seed, seed_key
 from .algorithms import ALGORITHMS
 from .data import FederatedData
@@ -310,6 +311,7 @@ def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, sta
     result = Result(model=fm, data=data, run=run, algorithm=run.name, seed=fit.seed, parts=parts,
                     history=_public(history))
     result.faults = _fault_table(history, k_rounds, data.num_clients, cohort)
+    convergence.report(result)  # res.diagnostics; one fb.ConvergenceWarning per failed check
     return result
 
 

@@ -101,6 +101,12 @@ class Result:
         The algorithm's scalar options, overridden by the hyper-parameters the fit resolved (the
         samplers' ``step_size``; TAMUNA's gamma, p, eta, s, and the estimated L_max, mu_min when they
         were not given).
+    diagnostics:
+        The convergence checks (:mod:`fedbayes.convergence`): a DataFrame with a row per check and
+        site (``check``, ``site``, ``value``, ``threshold``, ``ok``, ``note``); ``fed_fit`` warns
+        (``fb.ConvergenceWarning``) once per failed check.
+    converged:
+        True when every check of ``diagnostics`` passed.
     """
 
     def __init__(self, *, model: FedModel, data: FederatedData, run: Any, algorithm: str, seed: int,
@@ -126,8 +132,26 @@ class Result:
         self.settings = {**_options(getattr(run, "cfg", None)), **parts.get("settings", {})}
         self.history = history
         self.faults = None  # a DataFrame (round, client, kind) of the client faults, set by fed_fit
+        self._convergence = {k: np.asarray(parts[k]) for k in ("gradient", "information", "gradient_cov")
+                             if parts.get(k) is not None}  # the inputs of the convergence checks
+        self._diagnostics = None
         self._idata = None
         self._extra_groups: dict[str, xr.Dataset] = {}
+
+    # ------------------------------------------------------------------ convergence
+    @property
+    def diagnostics(self) -> Any:
+        """The convergence table (:func:`fedbayes.convergence.diagnose`), computed once."""
+        if self.__dict__.get("_diagnostics") is None:
+            from .convergence import diagnose
+
+            self._diagnostics = diagnose(self)
+        return self._diagnostics
+
+    @property
+    def converged(self) -> bool:
+        """Whether every convergence check passed (``res.diagnostics["ok"].all()``)."""
+        return bool(self.diagnostics["ok"].all())
 
     # ------------------------------------------------------------------ communication
     @property

@@ -1,0 +1,534 @@
+"""Convergence checks of a finished fit: ``res.diagnostics``, ``res.converged`` and ``fb.ConvergenceWarning``.
+
+A federated fit cannot be checked by eye: nobody sees the clients' data. Every fit therefore checks
+itself at the end of ``fb.fed_fit`` (and ``fb.resume``) with what the algorithm reports, and warns
+once per failed check. The table (:func:`diagnose`) has a row per check and site with columns
+``check``, ``site``, ``value``, ``threshold``, ``ok`` and ``note``.
+
+Point estimates (TAMUNA / Scaffnew / GD / FedAvg, FedSOUL's theta*, FedMM / FedEM):
+
+``newton_decrement``
+    lambda^2 = g' I^-1 g with g the gradient of the maximised objective and I its negative Hessian at
+    the estimate (``parts["gradient"]`` / ``parts["information"]`` of the algorithm's ``finalize``).
+    The Newton step to the optimum is delta = I^-1 g and the estimate's asymptotic covariance is I^-1,
+    so lambda^2 = delta' I delta is the squared distance to the optimum in standard-error units; by
+    Cauchy-Schwarz every linear contrast a'theta is then within sqrt(lambda^2) of its own standard
+    errors of the optimum. Per site the row holds delta_s' (I^-1)_ss^-1 delta_s: the shift of that
+    site alone, in its marginal standard-error units. Tolerance :data:`DECREMENT_TOL` = 0.01, i.e.
+    0.1 standard error: an optimisation error ten times smaller than the statistical one changes no
+    interval noticeably. When g is a Monte Carlo estimate with covariance Sigma_g
+    (``parts["gradient_cov"]``, FedSOUL) the measured value carries the noise term
+    E[eps' I^-1 eps] = tr(I^-1 Sigma_g) even at the optimum; its law is a weighted sum of chi^2_1
+    variables (weights: eigenvalues of I^-1 Sigma_g), whose upper :data:`NOISE_LEVEL` quantile
+    (Satterthwaite's scaled chi^2 with matched mean and variance) is added to the tolerance: the check
+    fails only when the gradient is larger than its noise can explain *and* than the tolerance.
+``trace``
+    From the per-round history ``theta/<site>``: over the last quarter of the rounds (at least
+    :data:`MIN_ROUNDS`; the end of the run, so a fit that settled earlier is not blamed for its
+    approach), the change of the linear trend of ten batch means (slope times window length) per coordinate, in standard errors
+    (``res.standard_errors`` where the fit has them; tolerance :data:`TRACE_TOL_SE` = 0.1 as above) or
+    else relative to the coordinate's scale max(|mean|, distance travelled from the first round)
+    (tolerance :data:`TRACE_TOL_REL` = 1e-3). The threshold is raised to the Monte Carlo noise of that
+    change: the Student-t quantile (8 degrees of freedom, two-sided level :data:`NOISE_LEVEL` divided
+    by the number of coordinates, Bonferroni) times its batch-means standard error. This catches a
+    fit still drifting (a capped step, a too small learning rate); it cannot see a very slow linear
+    convergence whose change over the window is small against its remaining distance (that is what
+    the decrement is for).
+``statistic_change`` (FedMM / FedEM)
+    The EM mean field h(S) = s(T(S)) - S (``field_norm`` per round) relative to |S|. EM converges
+    linearly: when |h| decays at the rate rho per round over the last quarter of the rounds (a
+    log-linear fit), the statistic is still gamma |h| rho / (1 - rho) from its fixed point (Aitken's
+    extrapolation, the classic EM stopping rule); tolerance :data:`STATISTIC_TOL` = 1e-3 relative. A
+    field that does not decay significantly is at its Monte Carlo noise floor (stochastic E-step,
+    compression, partial participation) and the row only reports it; the trace decides.
+
+Samplers (LMC, D-/P-/B-ELF, QLSD) and the clients' local chains:
+
+``rhat`` / ``ess_bulk`` / ``ess_tail``
+    ArviZ's rank-normalised split R-hat and bulk / tail effective sample sizes (Vehtari, Gelman,
+    Simpson, Carpenter, Buerkner 2021), per site (the worst element), through the project's ArviZ
+    adapter, so both ArviZ lines give the same numbers. Thresholds as the paper, Stan and ArviZ use:
+    R-hat <= 1.01 and ESS >= 100 per chain (400 for 4 chains): below 100 per chain the Monte Carlo
+    error of the tail quantiles and of R-hat itself is too large to trust them. A single chain is
+    split in halves (so R-hat still compares its beginning with its end).
+``local_rhat``
+    R-hat of each client's local chains from the final exchange (FedSOUL's personal posteriors;
+    ``num_chains`` chains per client), the worst client per site. Threshold 1.01, raised to what chance
+    alone gives at the client's ESS over that many clients (:func:`local_rhat_limit`): the largest of
+    a hundred clients' R-hats of well-mixed chains with 200 effective draws each is above 1.01 by
+    chance alone, and would otherwise warn on every fit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import warnings
+from typing import Any, Mapping
+
+import numpy as np
+
+from .errors import ConvergenceWarning
+
+DECREMENT_TOL = 0.01
+"""Newton decrement tolerance: 0.1 standard error, squared."""
+TRACE_TOL_SE = 0.1
+"""Largest drift of the estimate over the last quarter of the rounds, in standard errors."""
+TRACE_TOL_REL = 1e-3
+"""Largest relative drift over the last quarter of the rounds when the fit has no standard errors."""
+STATISTIC_TOL = 1e-3
+"""Largest extrapolated remaining change of FedMM's statistic, relative to its norm."""
+NOISE_LEVEL = 1e-3
+"""False-alarm probability of a converged fit's Monte Carlo noise alone, per check."""
+RHAT_MAX = 1.01
+"""Largest split R-hat (Vehtari et al. 2021)."""
+ESS_PER_CHAIN = 100
+"""Smallest bulk / tail ESS per chain (Vehtari et al. 2021: 400 for 4 chains)."""
+BATCHES = 10
+"""Batch means of the trace check (the window's trend is fitted to them)."""
+MIN_ROUNDS = 2 * BATCHES
+"""Fewest rounds the trace check can judge."""
+
+COLUMNS = ["check", "site", "value", "threshold", "ok", "note"]
+JOINT = "(all)"
+"""The site name of a row about all global sites together."""
+
+_SAMPLERS = ("LMC", "D-ELF", "P-ELF", "B-ELF", "QLSD")
+
+
+# ------------------------------------------------------------------------------ the criteria
+
+
+def chi2_mix_quantile(weights: np.ndarray, level: float = NOISE_LEVEL) -> float:
+    """Upper ``level`` quantile of sum_j w_j chi^2_1 (w_j >= 0): Satterthwaite's c chi^2_nu with the same
+    mean and variance (c = sum w^2 / sum w, nu = (sum w)^2 / sum w^2); exact when the w_j are equal."""
+    from scipy import stats
+
+    w = np.clip(np.asarray(weights, dtype=np.float64).ravel(), 0.0, None)
+    s1, s2 = float(np.sum(w)), float(np.sum(w**2))
+    if s1 <= 0.0:
+        return 0.0
+    c, nu = s2 / s1, s1**2 / s2
+    return float(c * stats.chi2.isf(level, nu))
+
+
+def newton_decrement(gradient: Any, information: Any, gradient_cov: Any = None,
+                     blocks: Mapping[str, np.ndarray] | None = None) -> dict[str, dict[str, float]]:
+    """Newton decrements of the estimate, jointly and per block of coordinates.
+
+    ``{name: {"value", "noise_mean", "noise_quantile", "threshold", "min_eig"}}`` with ``name``
+    :data:`JOINT` for g' I^-1 g and each block's delta_b' ((I^-1)_bb)^-1 delta_b (delta = I^-1 g);
+    ``noise_mean`` is what the gradient's Monte Carlo noise (covariance ``gradient_cov``) alone gives on
+    average (tr(I^-1 Sigma_g) jointly), ``noise_quantile`` its upper :data:`NOISE_LEVEL` quantile and
+    ``threshold`` = :data:`DECREMENT_TOL` + that quantile. ``min_eig`` is the smallest eigenvalue of
+    I relative to its largest: <= 0 means the estimate is not at a strict maximum and the value is NaN.
+    """
+    g = np.asarray(gradient, dtype=np.float64).ravel()
+    info = np.asarray(information, dtype=np.float64)
+    d = g.size
+    if info.shape != (d, d):
+        raise ValueError(f"information must be ({d}, {d}) for a gradient of {d} coordinates, got {info.shape}")
+    info = (info + info.T) / 2
+    eig, vec = np.linalg.eigh(info)
+    scale = float(np.max(np.abs(eig))) if d else 0.0
+    rel_min = float(eig[0] / scale) if d and scale > 0 else 0.0
+    names = {JOINT: np.arange(d)}
+    names.update({k: np.asarray(v) for k, v in (blocks or {}).items()})
+    if d == 0 or rel_min <= d * np.finfo(np.float64).eps:
+        nan = float("nan")
+        return {n: {"value": nan, "noise_mean": nan, "noise_quantile": nan, "threshold": DECREMENT_TOL,
+                    "min_eig": rel_min} for n in names}
+    cov = (vec / eig) @ vec.T  # I^-1
+    delta = cov @ g
+    sigma_g = None if gradient_cov is None else np.asarray(gradient_cov, dtype=np.float64)
+    noise_delta = None if sigma_g is None else cov @ ((sigma_g + sigma_g.T) / 2) @ cov  # Cov(delta) from the noise
+    out = {}
+    for name, idx in names.items():
+        block = cov[np.ix_(idx, idx)]
+        prec = np.linalg.inv(block)
+        value = float(delta[idx] @ prec @ delta[idx])
+        if noise_delta is None:
+            mean = quant = 0.0
+        else:
+            # eps_b ~ N(0, C_bb): eps' P eps has the law sum_j w_j chi^2_1, w = eig(P^1/2 C_bb P^1/2)
+            root = np.linalg.cholesky(prec)
+            w = np.linalg.eigvalsh(root.T @ noise_delta[np.ix_(idx, idx)] @ root)
+            mean, quant = float(np.sum(np.clip(w, 0, None))), chi2_mix_quantile(w)
+        out[name] = {"value": value, "noise_mean": mean, "noise_quantile": quant,
+                     "threshold": DECREMENT_TOL + quant, "min_eig": rel_min}
+    return out
+
+
+def trend_change(trace: Any, batches: int = BATCHES) -> tuple[np.ndarray, np.ndarray]:
+    """(change, standard error) per coordinate of the linear trend of ``trace`` (rounds, ...) over its length.
+
+    The rounds are cut into ``batches`` contiguous batches; the batch means are regressed on the batch
+    centres (ordinary least squares), the change is slope * rounds and its standard error comes from the
+    residuals of the batch means (batch means: nearly independent when a batch is longer than the
+    trace's autocorrelation, so the Monte Carlo noise of an autocorrelated trace is not underestimated
+    as a per-round regression would)."""
+    x = np.asarray(trace, dtype=np.float64)
+    n = x.shape[0]
+    x = x.reshape(n, -1)
+    parts = np.array_split(np.arange(n), batches)
+    means = np.stack([x[p].mean(0) for p in parts])
+    centres = np.array([p.mean() for p in parts])
+    tc = centres - centres.mean()
+    sxx = float(np.sum(tc**2))
+    slope = tc @ (means - means.mean(0)) / sxx
+    resid = means - means.mean(0) - np.outer(tc, slope)
+    s2 = np.sum(resid**2, 0) / (batches - 2)
+    return slope * n, np.sqrt(s2 / sxx) * n
+
+
+def trace_check(trace: Any, se: Any = None, first: Any = None, num_coords: int = 1) -> dict[str, Any]:
+    """The trace criterion for one site's trajectory over the window (rounds, ...).
+
+    Returns the worst coordinate's ``value`` (|change| in standard errors ``se``, or relative to
+    max(|mean|, |mean - first|) without them), its ``threshold`` (the tolerance, raised to the noise
+    allowance t * se(change) in the same units) and ``ok``."""
+    from scipy import stats
+
+    x = np.asarray(trace, dtype=np.float64)
+    change, change_se = trend_change(x)
+    flat = x.reshape(len(x), -1)
+    if se is not None:
+        scale, tol, unit = np.asarray(se, dtype=np.float64).ravel(), TRACE_TOL_SE, "standard errors"
+    else:
+        mean = flat.mean(0)
+        start = mean if first is None else np.asarray(first, dtype=np.float64).ravel()
+        scale, tol, unit = np.maximum(np.abs(mean), np.abs(mean - start)), TRACE_TOL_REL, "relative"
+    tcrit = float(stats.t.isf(NOISE_LEVEL / (2 * max(num_coords, 1)), BATCHES - 2))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        value = np.where(change == 0, 0.0, np.abs(change) / scale)
+        noise = np.where(change_se == 0, 0.0, tcrit * change_se / scale)
+    value = np.where(np.isnan(value), np.inf, value)
+    threshold = np.maximum(tol, np.nan_to_num(noise, nan=np.inf))
+    j = int(np.argmax(value / threshold))
+    return {"value": float(value[j]), "threshold": float(threshold[j]), "ok": bool(np.all(value <= threshold)),
+            "unit": unit, "coordinate": j, "change": float(change[j])}
+
+
+def statistic_check(field_norm: Any, statistic_norm: float, gamma: float = 1.0) -> dict[str, Any]:
+    """FedMM's mean-field criterion from ``field_norm`` |h(S_t)| over the window and |S|.
+
+    With log(|h_t| / |S|) = a + b t fitted by least squares and b significantly negative (one-sided
+    t test at :data:`NOISE_LEVEL`), rho = e^b and the remaining relative change of S is
+    gamma r_T rho / (1 - rho), r_T the fitted relative field at the last round (value; threshold
+    :data:`STATISTIC_TOL`). Otherwise the field is at its noise floor: value r_T, ok."""
+    from scipy import stats
+
+    r = np.asarray(field_norm, dtype=np.float64).ravel() / max(float(statistic_norm), np.finfo(np.float64).tiny)
+    if np.all(r == 0):
+        return {"value": 0.0, "threshold": STATISTIC_TOL, "ok": True, "note": "the EM mean field is exactly 0"}
+    lr = np.log(np.maximum(r, np.finfo(np.float64).tiny))
+    t = np.arange(len(lr), dtype=np.float64)
+    tc = t - t.mean()
+    b = float(tc @ (lr - lr.mean()) / (tc @ tc))
+    resid = lr - lr.mean() - b * tc
+    se_b = float(np.sqrt(np.sum(resid**2) / (len(lr) - 2) / (tc @ tc)))
+    tcrit = float(stats.t.isf(NOISE_LEVEL, len(lr) - 2))
+    r_last = float(np.exp(lr.mean() + b * tc[-1]))
+    if b < 0 and b + tcrit * se_b < 0:
+        rho = math.exp(b)
+        remaining = gamma * r_last * rho / (1 - rho)
+        return {"value": remaining, "threshold": STATISTIC_TOL, "ok": remaining <= STATISTIC_TOL,
+                "note": (f"the EM mean field |h|/|S| = {r_last:.3g} decays by {rho:.6g} per round: S is still about "
+                         f"{remaining:.3g} (relative) from its fixed point (Aitken extrapolation)")}
+    return {"value": r_last, "threshold": STATISTIC_TOL, "ok": True,
+            "note": (f"the EM mean field |h|/|S| = {r_last:.3g} no longer decays: its Monte Carlo noise floor "
+                     "(stochastic E-step, compression or partial participation); the trace check decides")}
+
+
+def _arviz_stats(draws: Mapping[str, np.ndarray], extra_dims: Mapping[str, list[str]]) -> dict[str, dict[str, np.ndarray]]:
+    """``{site: {"rhat", "ess_bulk", "ess_tail": array}}`` of ``{site: (chain, draw, ...)}`` through the
+    project's ArviZ adapter (ArviZ 0.23's InferenceData or 1.x's DataTree). One chain is split in two."""
+    import xarray as xr
+
+    from .result import az, group, to_arviz
+
+    variables = {}
+    for name, a in draws.items():
+        a = np.asarray(a, dtype=np.float64)
+        if a.shape[0] == 1:
+            half = a.shape[1] // 2
+            a = np.stack([a[0, :half], a[0, half:2 * half]])
+        dims = list(extra_dims.get(name) or [f"{name}_dim_{i}" for i in range(a.ndim - 2)])
+        variables[name] = (["chain", "draw", *dims], a)
+    data = to_arviz({"posterior": xr.Dataset(variables)})
+    out: dict[str, dict[str, np.ndarray]] = {n: {} for n in draws}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ArviZ's own warnings on short chains: the table reports them
+        results = {"rhat": az.rhat(data), "ess_bulk": az.ess(data, method="bulk"),
+                   "ess_tail": az.ess(data, method="tail")}
+    for key, res in results.items():
+        ds = res.to_dataset() if hasattr(res, "to_dataset") else res
+        if "posterior" in getattr(ds, "groups", ()):  # a DataTree holding the group
+            ds = group(res, "posterior")
+        for name in draws:
+            out[name][key] = np.asarray(ds[name].values, dtype=np.float64)
+    return out
+
+
+# ------------------------------------------------------------------------------ the table
+
+
+def _row(check: str, site: str, value: float, threshold: float, ok: bool, note: str) -> dict[str, Any]:
+    return {"check": check, "site": site, "value": float(value), "threshold": float(threshold), "ok": bool(ok),
+            "note": note}
+
+
+def _site_blocks(theta: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The flat indices of each site in ravel_pytree order of the unconstrained ``theta`` (sorted keys)."""
+    blocks, start = {}, 0
+    for name in sorted(theta):
+        size = int(np.size(theta[name]))
+        blocks[name] = np.arange(start, start + size)
+        start += size
+    return blocks
+
+
+def _decrement_rows(res: Any) -> list[dict[str, Any]]:
+    inputs = getattr(res, "_convergence", None) or {}
+    grad, info = inputs.get("gradient"), inputs.get("information")
+    if info is None:
+        info = getattr(res, "information", None)
+    if grad is None or info is None:
+        return []
+    theta = getattr(res, "_theta_u", None) or {}
+    blocks = _site_blocks(theta) if sum(int(np.size(v)) for v in theta.values()) == np.size(grad) else {}
+    out = newton_decrement(grad, info, inputs.get("gradient_cov"), blocks if len(blocks) > 1 else None)
+    rows = []
+    for name, r in out.items():
+        if not np.isfinite(r["value"]):
+            rows.append(_row("newton_decrement", name, r["value"], r["threshold"], False,
+                             f"the information matrix is not positive definite (smallest eigenvalue {r['min_eig']:.3g} "
+                             "of the largest): the estimate is not at a strict maximum (a saddle, a flat direction "
+                             "or a parameter the data do not identify)"))
+            continue
+        note = "g' I^-1 g: squared distance to the optimum in standard errors" if name == JOINT else \
+            "the site's Newton step in its marginal standard errors, squared"
+        if r["noise_quantile"] > 0:
+            note += (f"; the gradient's Monte Carlo noise alone gives {r['noise_mean']:.3g} on average, "
+                     f"{r['noise_quantile']:.3g} at its {1 - NOISE_LEVEL:.1%} quantile (in the threshold)")
+            if r["noise_quantile"] > 10 * DECREMENT_TOL:
+                note += (f", so this check can only see a distance above about {math.sqrt(r['threshold']):.2g} "
+                         "standard errors: more Monte Carlo draws in the final exchange sharpen it")
+        rows.append(_row("newton_decrement", name, r["value"], r["threshold"], r["value"] <= r["threshold"], note))
+    return rows
+
+
+def _trace_rows(res: Any, decrement_available: bool) -> list[dict[str, Any]]:
+    history = res.history
+    sites = [k[len("theta/"):] for k in history if k.startswith("theta/")]
+    if not sites:
+        return []
+    rounds = len(history[f"theta/{sites[0]}"])
+    if rounds < MIN_ROUNDS:
+        note = f"{rounds} rounds are too few to judge the trace (it needs {MIN_ROUNDS})"
+        if decrement_available:
+            return [_row("rounds", JOINT, rounds, MIN_ROUNDS, True, note + "; the Newton decrement decides")]
+        return [_row("rounds", JOINT, rounds, MIN_ROUNDS, False, note)]
+    window = max(MIN_ROUNDS, rounds // 4)
+    coords = sum(int(np.prod(np.shape(history[f"theta/{s}"])[1:])) for s in sites)
+    ses = getattr(res, "standard_errors", None) or {}
+    rows = []
+    for s in sites:
+        trace = np.asarray(history[f"theta/{s}"], dtype=np.float64)
+        se = ses.get(s)
+        if se is not None and not np.all(np.isfinite(se) & (np.asarray(se) > 0)):
+            se = None
+        r = trace_check(trace[-window:], se=se, first=trace[0], num_coords=coords)
+        change = "standard errors" if r["unit"] == "standard errors" else "units of the estimate's scale"
+        note = (f"change of the estimate's trend over the last {window} rounds, in {change} (worst coordinate "
+                f"{r['coordinate']}: {r['change']:.3g}); the threshold allows for its Monte Carlo noise (batch means)")
+        rows.append(_row("trace", s, r["value"], r["threshold"], r["ok"], note))
+    return rows
+
+
+def _statistic_rows(res: Any) -> list[dict[str, Any]]:
+    history = res.history
+    if "field_norm" not in history or getattr(res, "statistic", None) is None:
+        return []
+    field = np.asarray(history["field_norm"], dtype=np.float64)
+    if len(field) < MIN_ROUNDS:
+        return []
+    leaves = [np.asarray(v, dtype=np.float64).ravel() for v in _leaves(res.statistic)]
+    norm = float(np.linalg.norm(np.concatenate(leaves))) if leaves else 0.0
+    gamma = 1.0
+    try:
+        step = res._algorithm_config().step_size
+        gamma = float(step(len(field) - 1)) if callable(step) else float(step)
+    except Exception:  # noqa: BLE001 - an unusual configuration: the conservative gamma = 1
+        gamma = 1.0
+    r = statistic_check(field[-max(MIN_ROUNDS, len(field) // 4):], norm, gamma)
+    return [_row("statistic_change", JOINT, r["value"], r["threshold"], r["ok"], r["note"])]
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, Mapping):
+        return [leaf for k in sorted(tree) for leaf in _leaves(tree[k])]
+    if isinstance(tree, (list, tuple)):
+        return [leaf for t in tree for leaf in _leaves(t)]
+    return [tree]
+
+
+def _sampler_rows(res: Any) -> list[dict[str, Any]]:
+    draws = res.global_samples
+    if not draws:
+        return []
+    chains, n = next(iter(draws.values())).shape[:2]
+    if n < 8:
+        return [_row("rhat", s, n, 8, False, f"{n} draws are too few for R-hat and ESS") for s in draws]
+    stats = _arviz_stats(draws, {})
+    need = ESS_PER_CHAIN * max(chains, 1)
+    rows = []
+    for s, st in stats.items():
+        rhat = float(np.max(st["rhat"])) if st["rhat"].size else float("nan")
+        rows.append(_row("rhat", s, rhat, RHAT_MAX, bool(rhat <= RHAT_MAX),
+                         f"rank-normalised split R-hat of {chains} chain(s) x {n} draws (worst element)"))
+        for key, what in (("ess_bulk", "bulk"), ("ess_tail", "tail")):
+            ess = float(np.min(st[key])) if st[key].size else float("nan")
+            rows.append(_row(key, s, ess, need, bool(ess >= need),
+                             f"{what} effective sample size (smallest element); {ESS_PER_CHAIN} per chain"))
+    return rows
+
+
+def _local_rows(res: Any) -> list[dict[str, Any]]:
+    chains_by_site = getattr(res, "_local_chains", None) or {}
+    if not chains_by_site:
+        return []
+    first = next(iter(chains_by_site.values()))
+    num_clients, chains, n = first.shape[:3]
+    if n < 8:
+        return []
+    draws = {s: np.moveaxis(v, 0, 2) for s, v in chains_by_site.items()}  # (chain, draw, client, ...)
+    dims = {s: ["client", *[f"{s}_dim_{i}" for i in range(v.ndim - 3)]] for s, v in draws.items()}
+    stats = _arviz_stats(draws, dims)
+    names = [n.item() if isinstance(n, np.generic) else n for n in res._data.client_coordinate()]
+    halves = 2 * max(chains, 2)  # ArviZ splits each chain (one chain was split in two first)
+    rows = []
+    for s, st in stats.items():
+        rhat = np.where(np.isnan(st["rhat"]), np.inf, st["rhat"]).reshape(num_clients, -1)
+        ess = np.nan_to_num(st["ess_bulk"], nan=0.0).reshape(num_clients, -1)
+        limit = local_rhat_limit(ess, halves, num_clients * rhat.shape[1])
+        ratio = rhat / limit
+        c, j = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
+        bad = int(np.sum(np.any(ratio > 1, axis=1)))
+        rows.append(_row("local_rhat", s, rhat[c, j], limit[c, j], bad == 0,
+                         f"split R-hat of each client's {chains} local chain(s) x {n} draws: worst client "
+                         f"{names[c]!r} (bulk ESS {ess[c, j]:.0f}); {bad} of {num_clients} clients above "
+                         f"their threshold (1.01, or the R-hat that chance alone reaches at the client's ESS)"))
+    return rows
+
+
+def local_rhat_limit(ess: Any, halves: int, tests: int) -> np.ndarray:
+    """The R-hat threshold of many clients' chains: :data:`RHAT_MAX`, raised to what chance alone gives.
+
+    For ``halves`` split chains at stationarity with n_eff = ESS / halves effective draws each, the
+    between-half variance is W chi^2_{m-1} / ((m - 1) n_eff), so R-hat^2 - 1 ~ (chi^2_{m-1} / (m - 1) - 1) / n_eff.
+    With hundreds of clients the largest R-hat of perfectly mixed chains of a few hundred effective
+    draws exceeds 1.01 by chance; the limit is the upper NOISE_LEVEL / (2 ``tests``) quantile of that law
+    (Bonferroni over clients and elements, and ArviZ's two R-hats, bulk and folded), or 1.01 if larger.
+    """
+    from scipy import stats
+
+    m = max(int(halves), 2)
+    q = float(stats.chi2.isf(NOISE_LEVEL / (2 * max(int(tests), 1)), m - 1)) / (m - 1)
+    n_eff = np.maximum(np.asarray(ess, dtype=np.float64) / m, 1e-12)
+    return np.maximum(RHAT_MAX, np.sqrt(1.0 + (q - 1.0) / n_eff))
+
+
+def diagnose(res: Any) -> Any:
+    """The convergence table of a fit (pandas DataFrame, columns :data:`COLUMNS`): every check that the
+    fit's outputs allow (see the module docstring)."""
+    import pandas as pd
+
+    rows: list[dict[str, Any]] = []
+    if res.global_samples:
+        rows += _sampler_rows(res)
+    else:
+        decrement = _decrement_rows(res)
+        rows += decrement
+        rows += _trace_rows(res, bool(decrement))
+        rows += _statistic_rows(res)
+    rows += _local_rows(res)
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+# ------------------------------------------------------------------------------ the warnings
+
+
+def _fix(algorithm: str, check: str) -> str:
+    if check == "local_rhat":
+        return ("longer local chains after the last round: more num_samples, warmup or thinning (e.g. "
+                "fb.FedSOUL(num_samples=1000, warmup=500)), or more num_chains to see it")
+    if algorithm in _SAMPLERS:
+        return ("more num_rounds (more draws), a warmup that drops the chains' transient, or a smaller step_size "
+                "if R-hat stays high; thinning does not raise the ESS")
+    if algorithm == "FedSOUL":
+        return ("more num_rounds, a start nearer the optimum (init=res.params continues from this fit, or "
+                "init='map'), or a larger server_lr; more local_steps lower the gradient's noise")
+    if algorithm in ("FedMM", "FedEM", "ParamAveragingEM"):
+        return ("more num_rounds (EM converges linearly, slowly where much information is missing), a start "
+                "nearer the optimum (init=res.params continues from this fit, or init='map'), or step_size=1.0 "
+                "with full participation")
+    fix = ("more num_rounds, a start nearer the optimum (init=res.params continues from this fit), or a step "
+           "that suits the curvature (step_size <= 1 / L)")
+    if algorithm == "FedAvg":
+        fix += ("; FedAvg's fixed point is not the optimum when clients differ (client drift): fb.Scaffnew or "
+                "fb.TAMUNA converge to it")
+    return fix
+
+
+_POINT_CHECKS = ("newton_decrement", "trace", "rounds", "statistic_change")
+_CRITERIA = {
+    "newton_decrement": "the Newton decrement g' I^-1 g (squared distance to the optimum in standard errors)",
+    "trace": "the drift of the estimate over the last quarter of the rounds",
+    "rounds": "the number of rounds (too few to check the trace)",
+    "statistic_change": "the EM statistic's extrapolated remaining change (relative)",
+    "rhat": "split R-hat", "ess_bulk": "the bulk effective sample size", "ess_tail": "the tail effective sample size",
+    "local_rhat": "split R-hat of the clients' local chains",
+}
+
+
+def messages(res: Any, table: Any) -> list[str]:
+    """One message per failed check (its failing sites together): criterion, values against thresholds, fix."""
+    failed = table[~table["ok"]]
+    if failed.empty:
+        return []
+    point = any(c in _POINT_CHECKS for c in failed["check"])
+    se_note = ""
+    if point and (getattr(res, "standard_errors", None) or getattr(res, "global_approx", None)):
+        se_note = (" The standard errors (res.standard_errors) and the normal approximation in res.idata were "
+                   "computed at this non-converged point and are not reliable.")
+    out = []
+    for check, rows in failed.groupby("check", sort=False):
+        below = check.startswith("ess") or check == "rounds"
+        worst = rows.sort_values("value", ascending=below)
+        items = "; ".join(f"{r.site}: {r.value:.4g} {'<' if below else '>'} {r.threshold:.4g}"
+                          for r in worst.head(5).itertuples())
+        more = f" (and {len(rows) - 5} more sites)" if len(rows) > 5 else ""
+        note = worst.iloc[0]["note"]
+        out.append(f"{res.algorithm} has not converged by {_CRITERIA.get(check, check)}: {items}{more} ({note}). "
+                   f"Fix: {_fix(res.algorithm, check)}.{se_note if check in _POINT_CHECKS else ''} "
+                   "res.diagnostics has the full table.")
+    return out
+
+
+def _stacklevel() -> int:
+    """The stack level of the first frame outside the fedbayes package (the user's call)."""
+    root = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def report(res: Any) -> Any:
+    """Compute ``res.diagnostics`` and emit one :class:`fb.ConvergenceWarning` per failed check."""
+    table = res.diagnostics
+    for message in messages(res, table):
+        warnings.warn(message, ConvergenceWarning, stacklevel=_stacklevel())
+    return table

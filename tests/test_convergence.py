@@ -1,0 +1,236 @@
+"""Convergence checks (fedbayes.convergence): the criteria on constructed inputs with known answers, and
+for every family of algorithms both directions: an under-run fit warns (fb.ConvergenceWarning) and a
+converged one does not."""
+
+import warnings
+
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+
+import fedbayes as fb
+from fedbayes import convergence as cv
+
+# ------------------------------------------------------------------------------ the criteria
+
+
+def _spd(rng, d, low=0.5, high=5.0):
+    q, _ = np.linalg.qr(rng.normal(size=(d, d)))
+    return (q * rng.uniform(low, high, d)) @ q.T
+
+
+def test_newton_decrement_is_the_squared_distance_in_standard_errors():
+    rng = np.random.default_rng(0)
+    info, g = _spd(rng, 5), rng.normal(size=5)
+    blocks = {"a": np.arange(0, 2), "b": np.arange(2, 5)}
+    out = cv.newton_decrement(g, info, blocks=blocks)
+    assert out[cv.JOINT]["value"] == pytest.approx(g @ np.linalg.solve(info, g), rel=1e-12)
+    # per site: the Newton step delta_s = (I^-1 g)_s in its marginal covariance (I^-1)_ss, whose inverse is
+    # the Schur complement I_ss - I_s,r I_rr^-1 I_r,s (computed here without inverting I)
+    delta = np.linalg.solve(info, g)
+    for s, idx in blocks.items():
+        rest = np.setdiff1d(np.arange(5), idx)
+        schur = info[np.ix_(idx, idx)] - info[np.ix_(idx, rest)] @ np.linalg.solve(info[np.ix_(rest, rest)],
+                                                                                  info[np.ix_(rest, idx)])
+        assert out[s]["value"] == pytest.approx(delta[idx] @ schur @ delta[idx], rel=1e-10)
+        assert out[s]["value"] <= out[cv.JOINT]["value"] * (1 + 1e-12)  # a margin of the joint distance
+    assert out[cv.JOINT]["threshold"] == cv.DECREMENT_TOL and out[cv.JOINT]["noise_mean"] == 0  # exact gradient
+    # an estimate off the optimum by k standard errors along a direction u: delta = k u / sqrt(u' I u)
+    u = rng.normal(size=5)
+    off = 3.0 * u / np.sqrt(u @ info @ u)
+    assert cv.newton_decrement(info @ off, info)[cv.JOINT]["value"] == pytest.approx(9.0, rel=1e-12)
+    # not at a strict maximum: refused as a value, reported as failed
+    saddle = np.diag([2.0, -1.0, 1.0, 1.0, 1.0])
+    assert np.isnan(cv.newton_decrement(g, saddle)[cv.JOINT]["value"])
+
+
+@pytest.mark.parametrize("isotropic", [True, False])
+def test_decrement_noise_allowance_matches_gaussian_gradient_noise(isotropic):
+    """A gradient estimate g + eps, eps ~ N(0, Sigma_g): E[decrement] = g'I^-1 g + tr(I^-1 Sigma_g), and a
+    converged estimate (g = 0) exceeds the noise quantile with probability NOISE_LEVEL.
+
+    The exceedance rate is exact where I^-1 Sigma_g is a multiple of the identity (a chi^2_d law); otherwise
+    Satterthwaite's matched chi^2 is an approximation whose tail rate was 0.6e-3..1.6e-3 here, bounded
+    below by 0.4e-3 and above by 2.5e-3. 400 000 draws give the rate a binomial sd of 5e-5 (at 1e-3)."""
+    rng = np.random.default_rng(1)
+    d, n = 4, 400_000
+    info = _spd(rng, d)
+    sigma_g = 0.3 * info if isotropic else _spd(rng, d, 0.01, 3.0)
+    eps = rng.multivariate_normal(np.zeros(d), sigma_g, size=n)
+    sims = np.einsum("nd,nd->n", eps, np.linalg.solve(info, eps.T).T)
+    ref = cv.newton_decrement(np.zeros(d), info, sigma_g)[cv.JOINT]
+    assert ref["noise_mean"] == pytest.approx(np.trace(np.linalg.solve(info, sigma_g)), rel=1e-10)
+    assert abs(sims.mean() - ref["noise_mean"]) < 4 * sims.std() / np.sqrt(n)
+    rate = np.mean(sims > ref["noise_quantile"])
+    if isotropic:
+        assert abs(rate - cv.NOISE_LEVEL) < 4 * np.sqrt(cv.NOISE_LEVEL / n)
+    else:
+        assert 0.4e-3 < rate < 2.5e-3
+    for k in range(3):  # the function measures what the simulation measured
+        assert cv.newton_decrement(eps[k], info, sigma_g)[cv.JOINT]["value"] == pytest.approx(sims[k], rel=1e-10)
+    # a gradient 2 standard errors from the optimum is seen through noise of mean ~1 standard error^2 or less
+    u = rng.normal(size=d)
+    g = info @ (2.0 * u / np.sqrt(u @ info @ u))
+    shifted = np.einsum("nd,nd->n", g + eps, np.linalg.solve(info, (g + eps).T).T)
+    assert abs(shifted.mean() - (4.0 + ref["noise_mean"])) < 4 * shifted.std() / np.sqrt(n)
+
+
+def test_trend_change_of_a_line_is_exact():
+    t = np.arange(200.0)
+    change, se = cv.trend_change(3.0 + 0.01 * t)
+    assert change[0] == pytest.approx(0.01 * 200, rel=1e-12) and se[0] == pytest.approx(0.0, abs=1e-12)
+
+
+def _ar1(rng, n, phi, sd=1.0):
+    x = np.empty(n)
+    x[0] = rng.normal() * sd / np.sqrt(1 - phi**2)
+    for i in range(1, n):
+        x[i] = phi * x[i - 1] + sd * rng.normal()
+    return x
+
+
+def test_trace_check_separates_drift_from_noise_and_from_settled_runs():
+    rng = np.random.default_rng(2)
+    # stationary AR(1) noise around 5 (autocorrelation time 3 rounds, batches of 40): converged. With the
+    # Bonferroni level 1e-3 the expected number of false alarms in 200 runs is 0.2; more than 3 has
+    # probability 6e-5 (Poisson)
+    alarms = sum(not cv.trace_check(5.0 + 0.05 * _ar1(rng, 400, 0.5))["ok"] for _ in range(200))
+    assert alarms <= 3
+    # the same noise on a drift of 0.5 over the window: the trend is 10 times its noise allowance
+    drift = 5.0 + 0.5 * np.arange(400) / 400 + 0.05 * _ar1(rng, 400, 0.5)
+    r = cv.trace_check(drift)
+    assert not r["ok"] and r["value"] == pytest.approx(0.5 / 5.25, rel=0.1)
+    # deterministic: a fast geometric approach that has settled (change 1e-17) passes, a slow one fails
+    t = np.arange(300, 400)
+    assert cv.trace_check(1.0 + 0.5 * 0.9**t)["ok"]
+    slow = cv.trace_check(1.0 + 0.5 * 0.999**t)
+    assert not slow["ok"] and slow["threshold"] == cv.TRACE_TOL_REL
+    # in standard errors: a change of 0.05 SE passes, 0.3 SE fails
+    line = np.arange(100) / 100
+    assert cv.trace_check(2.0 + 0.05 * line, se=[1.0])["ok"]
+    assert not cv.trace_check(2.0 + 0.3 * line, se=[1.0])["ok"]
+
+
+def test_statistic_check_extrapolates_a_geometric_em_mean_field():
+    t = np.arange(100)
+    rho, r0, norm = 0.95, 1e-1, 4.0
+    r = cv.statistic_check(norm * r0 * rho**t, norm, gamma=0.5)
+    # |S_T - S*| = gamma sum_{k>=1} |h_{T+k}| = gamma r_T rho / (1 - rho) for an exactly geometric field
+    assert r["value"] == pytest.approx(0.5 * r0 * rho**99 * rho / (1 - rho), rel=1e-8) and not r["ok"]
+    assert cv.statistic_check(norm * r0 * 0.5**t[:40], norm)["ok"]  # fast: settled
+    noisy = np.abs(1e-2 * (1 + 0.2 * np.random.default_rng(3).normal(size=100)))  # a flat noise floor
+    r = cv.statistic_check(noisy, 1.0)
+    assert r["ok"] and "noise floor" in r["note"]
+
+
+def test_rhat_and_ess_through_the_arviz_adapter_match_closed_forms():
+    """ESS of AR(1) chains is N (1 - phi) / (1 + phi); the estimate's relative error at 4 x 5000 draws is
+    about 3% (its batch-means variance), asserted at 12%. Shifted chains raise R-hat above 1.01."""
+    rng = np.random.default_rng(4)
+    iid = rng.normal(size=(4, 5000))
+    ar = np.stack([_ar1(rng, 5000, 0.8) for _ in range(4)])
+    shifted = rng.normal(size=(4, 5000)) + np.array([0.0, 0.0, 0.0, 1.0])[:, None]
+    st = cv._arviz_stats({"iid": iid, "ar": ar, "shifted": shifted}, {})
+    assert st["iid"]["ess_bulk"] == pytest.approx(20000, rel=0.12) and st["iid"]["rhat"] < 1.005
+    assert st["ar"]["ess_bulk"] == pytest.approx(20000 * 0.2 / 1.8, rel=0.12)
+    assert st["shifted"]["rhat"] > 1.05
+    one = cv._arviz_stats({"x": ar[:1]}, {})["x"]  # one chain: split in halves
+    assert np.isfinite(one["rhat"]) and one["ess_bulk"] == pytest.approx(5000 * 0.2 / 1.8, rel=0.35)
+
+
+# ------------------------------------------------------------------------------ fits, both directions
+
+D = 3
+
+
+def linear_model(x, y=None):
+    w = numpyro.sample("w", dist.Normal(0.0, 100.0).expand([D]).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ w, 1.0), obs=y)
+
+
+def _linear_data():
+    """Four clients; features with scales 1, 3 and 0.3 (curvature condition number ~100) and weights far
+    from the start (0): gradient descent at step 1 / L needs hundreds of rounds."""
+    rng = np.random.default_rng(5)
+    xs = [rng.normal(size=(30, D)) * np.array([1.0, 3.0, 0.3]) for _ in range(4)]
+    w = np.array([20.0, -10.0, 5.0])
+    ys = [x @ w + rng.normal(size=30) for x in xs]
+    data = fb.FederatedData({"x": xs, "y": ys})
+    X, Y = np.concatenate(xs), np.concatenate(ys)
+    precision = X.T @ X + np.eye(D) / 100.0**2
+    return data, np.linalg.solve(precision, X.T @ Y), np.sqrt(np.diag(np.linalg.inv(precision)))
+
+
+def _fit_warnings(*args, **kwargs):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = fb.fed_fit(*args, **kwargs)
+    return res, [w for w in caught if issubclass(w.category, fb.ConvergenceWarning)]
+
+
+def _fit_silently(*args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fb.ConvergenceWarning)
+        return fb.fed_fit(*args, **kwargs)
+
+
+def _check_warnings(res, caught):
+    """One warning per failed check, naming the criterion, the values against thresholds and a fix,
+    pointing at the caller's line; and the table agrees."""
+    assert not res.converged
+    table = res.diagnostics
+    assert list(table.columns) == cv.COLUMNS
+    failed = set(table.loc[~table["ok"], "check"])
+    assert len(caught) == len(failed) >= 1
+    for w in caught:
+        text = str(w.message)
+        assert "has not converged by" in text and "Fix:" in text and "res.diagnostics" in text
+        assert w.filename == __file__
+    return [str(w.message) for w in caught]
+
+
+def test_gradient_descent_under_run_warns_and_converged_does_not():
+    data, w_map, sd = _linear_data()
+    res, caught = _fit_warnings(linear_model, data, fb.GD(), num_rounds=50, seed=0, chunk_size=50)
+    texts = _check_warnings(res, caught)
+    assert any("num_rounds" in t for t in texts)
+    assert np.max(np.abs(res.params["w"] - w_map) / sd) > 1.0  # it really is far from the MAP
+    res = _fit_silently(linear_model, data, fb.GD(), num_rounds=3000, seed=0, chunk_size=50)  # one compilation
+    assert res.converged and res.diagnostics["ok"].all()
+    # and it really is at the MAP: within 0.01 posterior sd (the checks' tolerance is 0.1)
+    np.testing.assert_array_less(np.abs(res.params["w"] - w_map), 0.01 * sd)
+
+
+PRIOR_SD = 10.0
+
+
+def gauss_model(m, prec):
+    x = numpyro.sample("x", dist.Normal(0.0, PRIOR_SD).expand([2]).to_event(1))
+    with numpyro.plate("obs", m.shape[0]):
+        numpyro.sample("y", dist.MultivariateNormal(x, precision_matrix=prec), obs=m)
+
+
+def _gauss_data():
+    rng = np.random.default_rng(6)
+    precs = [np.diag(rng.uniform(0.8, 1.2, 2)) for _ in range(4)]
+    ms = [rng.normal(3.0, 1.0, 2) for _ in range(4)]
+    data = fb.FederatedData({"m": [m[None] for m in ms], "prec": [a[None] for a in precs]})
+    return data, sum(precs) + np.eye(2) / PRIOR_SD**2
+
+
+def test_sampler_under_run_warns_and_converged_does_not():
+    data, P = _gauss_data()
+    res, caught = _fit_warnings(gauss_model, data, fb.LMC(), num_rounds=40, seed=0)
+    texts = _check_warnings(res, caught)
+    assert any(t.startswith("LMC has not converged by split R-hat") and "> 1.01" in t for t in texts)
+    assert any("effective sample size" in t and "< 400" in t for t in texts)  # 100 per chain, 4 chains
+    # a well-conditioned Gaussian posterior (kappa ~ 1.5) at step 0.5 / lambda_max: autocorrelation time
+    # ~ 5 rounds, so 4 chains x 3000 draws give an ESS in the thousands
+    step = 0.5 / np.linalg.eigvalsh(P).max()
+    res = _fit_silently(gauss_model, data, fb.LMC(step_size=step, warmup=200), num_rounds=3200, seed=0,
+                        chunk_size=400)
+    table = res.diagnostics
+    assert res.converged and set(table["check"]) == {"rhat", "ess_bulk", "ess_tail"}
+    assert (table.loc[table.check == "ess_bulk", "threshold"] == 400).all()
