@@ -54,7 +54,8 @@ Samplers (LMC, D-/P-/B-ELF, QLSD) and the clients' local chains:
 ``local_rhat``
     R-hat of each client's local chains from the final exchange (FedSOUL's personal posteriors;
     ``num_chains`` chains per client), the worst client per site. Threshold 1.01, raised to what chance
-    alone gives at the client's ESS over that many clients (:func:`local_rhat_limit`): the largest of
+    alone gives at the client's ESS (each chain's own, summed) over that many clients
+    (:func:`local_rhat_limit`): the largest of
     a hundred clients' R-hats of well-mixed chains with 200 effective draws each is above 1.01 by
     chance alone, and would otherwise warn on every fit.
 """
@@ -406,12 +407,14 @@ def _local_rows(res: Any) -> list[dict[str, Any]]:
     draws = {s: np.moveaxis(v, 0, 2) for s, v in chains_by_site.items()}  # (chain, draw, client, ...)
     dims = {s: ["client", *[f"{s}_dim_{i}" for i in range(v.ndim - 3)]] for s, v in draws.items()}
     stats = _arviz_stats(draws, dims)
+    within = _arviz_stats(_per_chain(draws), {s: ["client", "local_chain", *d[1:]] for s, d in dims.items()})
     names = [n.item() if isinstance(n, np.generic) else n for n in res._data.client_coordinate()]
     halves = 2 * max(chains, 2)  # ArviZ splits each chain (one chain was split in two first)
     rows = []
     for s, st in stats.items():
         rhat = np.where(np.isnan(st["rhat"]), np.inf, st["rhat"]).reshape(num_clients, -1)
-        ess = np.nan_to_num(st["ess_bulk"], nan=0.0).reshape(num_clients, -1)
+        # the chance level of R-hat from each chain's own ESS (the pooled ESS of a stuck chain is low)
+        ess = np.nan_to_num(within[s]["ess_bulk"], nan=0.0).sum(axis=1).reshape(num_clients, -1)
         limit = local_rhat_limit(ess, halves, num_clients * rhat.shape[1])
         ratio = rhat / limit
         c, j = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
@@ -421,6 +424,17 @@ def _local_rows(res: Any) -> list[dict[str, Any]]:
                          f"{names[c]!r} (bulk ESS {ess[c, j]:.0f}); {bad} of {num_clients} clients above "
                          f"their threshold (1.01, or the R-hat that chance alone reaches at the client's ESS)"))
     return rows
+
+
+def _per_chain(draws: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``{site: (chain, draw, client, ...)}`` -> each chain's halves as two chains and the chains as a dim
+    after ``client``: ``(2, draw // 2, client, chain, ...)``, for ESS within each chain."""
+    out = {}
+    for s, a in draws.items():
+        half = a.shape[1] // 2
+        b = a[:, :2 * half].reshape((a.shape[0], 2, half) + a.shape[2:])  # (chain, 2, half, client, ...)
+        out[s] = np.moveaxis(b, 0, 3)  # (2, half, client, chain, ...)
+    return out
 
 
 def local_rhat_limit(ess: Any, halves: int, tests: int) -> np.ndarray:

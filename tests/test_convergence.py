@@ -82,12 +82,13 @@ def test_trend_change_of_a_line_is_exact():
     assert change[0] == pytest.approx(0.01 * 200, rel=1e-12) and se[0] == pytest.approx(0.0, abs=1e-12)
 
 
-def _ar1(rng, n, phi, sd=1.0):
-    x = np.empty(n)
-    x[0] = rng.normal() * sd / np.sqrt(1 - phi**2)
-    for i in range(1, n):
-        x[i] = phi * x[i - 1] + sd * rng.normal()
-    return x
+def _ar1(rng, n, phi, sd=1.0, size=()):
+    """Stationary AR(1) series x_t = phi x_{t-1} + sd e_t (last axis: time)."""
+    from scipy.signal import lfilter
+
+    e = sd * rng.normal(size=(*size, n))
+    e[..., 0] /= np.sqrt(1 - phi**2)  # start in the stationary law
+    return lfilter([1.0], [1.0, -phi], e, axis=-1)
 
 
 def test_trace_check_separates_drift_from_noise_and_from_settled_runs():
@@ -129,7 +130,7 @@ def test_rhat_and_ess_through_the_arviz_adapter_match_closed_forms():
     about 3% (its batch-means variance), asserted at 12%. Shifted chains raise R-hat above 1.01."""
     rng = np.random.default_rng(4)
     iid = rng.normal(size=(4, 5000))
-    ar = np.stack([_ar1(rng, 5000, 0.8) for _ in range(4)])
+    ar = _ar1(rng, 5000, 0.8, size=(4,))
     shifted = rng.normal(size=(4, 5000)) + np.array([0.0, 0.0, 0.0, 1.0])[:, None]
     st = cv._arviz_stats({"iid": iid, "ar": ar, "shifted": shifted}, {})
     assert st["iid"]["ess_bulk"] == pytest.approx(20000, rel=0.12) and st["iid"]["rhat"] < 1.005
@@ -220,12 +221,17 @@ def _gauss_data():
     return data, sum(precs) + np.eye(2) / PRIOR_SD**2
 
 
-def test_sampler_under_run_warns_and_converged_does_not():
+def test_sampler_under_run_warns():
     data, P = _gauss_data()
     res, caught = _fit_warnings(gauss_model, data, fb.LMC(), num_rounds=40, seed=0)
     texts = _check_warnings(res, caught)
     assert any(t.startswith("LMC has not converged by split R-hat") and "> 1.01" in t for t in texts)
     assert any("effective sample size" in t and "< 400" in t for t in texts)  # 100 per chain, 4 chains
+
+
+@pytest.mark.slow
+def test_sampler_converged_does_not_warn():
+    data, P = _gauss_data()
     # a well-conditioned Gaussian posterior (kappa ~ 1.5) at step 0.5 / lambda_max: autocorrelation time
     # ~ 5 rounds, so 4 chains x 3000 draws give an ESS in the thousands
     step = 0.5 / np.linalg.eigvalsh(P).max()
@@ -234,3 +240,84 @@ def test_sampler_under_run_warns_and_converged_does_not():
     table = res.diagnostics
     assert res.converged and set(table["check"]) == {"rhat", "ess_bulk", "ess_tail"}
     assert (table.loc[table.check == "ess_bulk", "threshold"] == 400).all()
+
+
+def test_local_rhat_limit_lets_well_mixed_clients_pass_and_catches_a_stuck_chain():
+    """100 clients, 2 AR(1) chains each (phi = 0.6, 1000 draws, ESS ~ 250 per chain): at the fixed
+    R-hat 1.01 some client fails by chance; at the ESS-aware limit none may (the Bonferroni level makes a
+    false alarm in the whole set a 1e-3 event). A client whose second chain sits 0.5 sd away fails."""
+    rng = np.random.default_rng(7)
+    C = 100
+    chains = _ar1(rng, 1000, 0.6, 0.8, size=(C, 2))  # (client, chain, draw)
+    def rhat_and_limit(c):
+        draws = {"z": np.moveaxis(c, 0, 2)}
+        st = cv._arviz_stats(draws, {"z": ["client"]})["z"]
+        within = cv._arviz_stats(cv._per_chain(draws), {"z": ["client", "local_chain"]})["z"]["ess_bulk"].sum(1)
+        # each chain's own ESS is 1000 (1 - phi) / (1 + phi) = 250, so 500 a client (the median of 100
+        # estimates has a relative sd of ~1.5%)
+        assert np.median(within) == pytest.approx(500, rel=0.1)
+        return st["rhat"], cv.local_rhat_limit(within, 4, C)
+
+    rhat, limit = rhat_and_limit(chains)
+    assert np.any(rhat > cv.RHAT_MAX) and np.all(rhat <= limit)
+    stuck = chains.copy()
+    stuck[3, 1] += 0.5
+    rhat, limit = rhat_and_limit(stuck)
+    assert rhat[3] > limit[3] and np.sum(rhat > limit) == 1
+
+
+def hierarchical_model(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    tau = numpyro.sample("tau", dist.HalfNormal(5.0))
+    with fb.local():
+        b = numpyro.sample("b", dist.Normal(mu, tau))
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Normal(b, 1.0), obs=y)
+
+
+def _hierarchical_data():
+    rng = np.random.default_rng(8)
+    return fb.FederatedData({"y": [b + rng.normal(size=20) for b in 2.0 + rng.normal(size=10)]})
+
+
+@pytest.mark.slow
+def test_fedsoul_under_run_warns():
+    res, caught = _fit_warnings(hierarchical_model, _hierarchical_data(), fb.FedSOUL(init={"mu": 40.0}),
+                                num_rounds=25, seed=0, chunk_size=25)
+    texts = _check_warnings(res, caught)
+    point = [t for t in texts if "Newton decrement" in t or "drift of the estimate" in t or "number of rounds" in t]
+    assert point
+    if res.standard_errors:  # standard errors at a non-converged point say so
+        assert all("standard errors" in t and "not reliable" in t for t in point)
+
+
+@pytest.mark.slow
+def test_fedsoul_converged_does_not_warn():
+    res = _fit_silently(hierarchical_model, _hierarchical_data(), fb.FedSOUL(num_samples=1000), num_rounds=600,
+                        seed=0, chunk_size=50)
+    assert res.converged and "local_rhat" in set(res.diagnostics["check"])
+
+
+def _gmm():
+    data, _ = fb.models.make_gaussian_mixture(6, num_components=3, dim=2, sizes=(30, 90), concentration=0.3, seed=3)
+    y = np.asarray(data.pooled()["y"])
+    init = {"weights": np.ones(3) / 3, "means": y[[0, 100, 200]], "covs": np.broadcast_to(np.eye(2), (3, 2, 2)).copy()}
+    return data, init, fb.models.gaussian_mixture(3, 2)
+
+
+@pytest.mark.slow
+def test_fedmm_under_run_warns():
+    data, init, model = _gmm()
+    res, caught = _fit_warnings(model, data, fb.FedMM(init=init), num_rounds=8, seed=0, chunk_size=8)
+    texts = _check_warnings(res, caught)
+    assert all("FedMM has not converged" in t and "EM converges linearly" in t for t in texts)
+    assert any("standard errors" in t and "not reliable" in t for t in texts)
+
+
+@pytest.mark.slow
+def test_fedmm_converged_does_not_warn():
+    """Centralised EM (gamma = 1, full participation): 150 rounds reach sklearn's fixed point to 1e-6
+    (tests/test_fedmm.py); every check agrees."""
+    data, init, model = _gmm()
+    res = _fit_silently(model, data, fb.FedMM(init=init), num_rounds=150, seed=0)
+    assert res.converged and "statistic_change" in set(res.diagnostics["check"])
