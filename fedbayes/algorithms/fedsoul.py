@@ -21,6 +21,13 @@ and the server (eqs. 6-7, one projected step on all global sites)
 The global prior's gradient is added once, at the server. ``res.params`` reports the weighted
 average theta_bar = sum eta_k theta_k / sum eta_k over the last rounds (Theorem 1's iterate).
 
+Default server step (``server_optimizer="auto"``, at most ``information_max_dim`` global coordinates):
+Fisher scoring, the same step preconditioned by a running average H_k of the clients' complete-data
+information, theta_{k+1} = theta_k + eta_k H_k^-1 g_k (affine-invariant: no learning rate caps how far a
+global moves, and raw and standardised units give the same fit); ``"sgd"`` is eqs. 6-7 as written. The
+final exchange also returns Louis' observed information at theta_bar (standard errors, the globals'
+normal approximation).
+
 Corrections to the paper and its public code: the Langevin drift is +gamma grad log p (the text's
 sign is wrong), the server broadcasts theta_k (not theta_{k+1}), the Monte Carlo average excludes
 Z^{(i,0)}, the cohort is aggregated before one server step (not stepped client by client), and
@@ -30,6 +37,7 @@ log p(D_i | theta, z) is a sum over the client's points.
 from __future__ import annotations
 
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -42,10 +50,12 @@ from .. import optim
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import (FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, client_key, final_exchange,
                       stack_clients)
-from ..errors import ConfigError, is_real, require_choice, require_fraction, require_int
+from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
 from ..kernels import curvature, ula_chain, ula_step
 from ..model import FedModel, Params
+from . import louis
+from .louis import _symmetric
 from .tamuna import check_init, resolve_init
 
 
@@ -54,6 +64,7 @@ class ServerState(NamedTuple):
     opt_state: Any
     avg_sum: Params
     avg_weight: jax.Array
+    information: jax.Array  # Fisher scoring: the running average H_k (d, d); (0, 0) otherwise
 
 
 class ClientState(NamedTuple):
@@ -65,6 +76,7 @@ class ClientState(NamedTuple):
 class Upload(NamedTuple):
     grad: Params
     objective: jax.Array
+    information: Any = ()  # Fisher scoring: the upper triangle of the client's complete-data information
 
 
 @dataclass(frozen=True)
@@ -88,10 +100,47 @@ class FedSOUL:
     step_scale:
         gamma_i * L_i for the automatic step (the ULA covariance bias is about step_scale / 2).
     server_lr:
-        eta_k: a float or a schedule ``k -> eta_k``.
+        eta_k: a float or a schedule ``k -> eta_k``; None (default): 1.0 for Fisher scoring, 0.05 for
+        "adam" / "sgd" / an optax optimiser.
     server_optimizer:
-        "adam" (default; robust to the scale of the summed client gradients), "sgd" (the plain
-        Robbins-Monro step of eqs. 6-7) or any optax GradientTransformation.
+        "auto" (default): "fisher" when the globals have at most ``information_max_dim`` unconstrained
+        coordinates, else "adam". "fisher": the stochastic-approximation step preconditioned by a
+        federated estimate of the information (below; scale-free: raw and standardised units give the
+        same iterates). "adam" (FedPop's experiments; its step moves each coordinate by about
+        ``server_lr`` per round whatever the scale of the parameter), "sgd" (the plain Robbins-Monro
+        step of eqs. 6-7) or any optax GradientTransformation.
+
+        Fisher scoring: each client also uploads, as its d(d+1)/2-float upper triangle, the complete-data
+        information of its round's draws, H_i = mean_m[-grad^2 log p(D_i, Z_m | theta_k)]; the server keeps
+        the stochastic-approximation average H_k = H_{k-1} + rho_k (-grad^2 log p(theta_k) + (b/|A|) sum_i H_i - H_{k-1}),
+        rho_k = max(1 / (k + 1), 1 / information_window), and steps
+        theta_{k+1} = theta_k + eta_k H_k^-1 g_k (:func:`fedbayes.optim.newton_direction`: Jacobi-scaled,
+        negative curvatures by their size, the step shortened so that no log-scale coordinate moves by more
+        than ``max_log_step``). This is Fisher scoring with the complete-data information (the EM
+        gradient algorithm, Lange 1995): it treats the clients' current draws as data, as their
+        gradients do, so it never steps further than EM would (Louis' covariance term, which would make
+        it Newton's method, is left out during the rounds: estimated from a stateful chain's few moves
+        of one round it measures the chain's drift rather than the posterior's spread, and made the
+        steps unstable). Affine-invariant: raw and standardised units give the same iterates.
+    information_max_dim:
+        The largest number d of unconstrained global coordinates for which the information is estimated
+        (the "auto" optimiser's Fisher scoring, and the standard errors of the final exchange): d(d+1)/2
+        floats per client and round, and d Hessian-vector products per draw.
+    max_log_step:
+        The longest Fisher-scoring step of a coordinate on which its constrained value depends
+        non-linearly (the log of a scale, the logit of a probability): 1.0 lets a scale change by at most
+        a factor e per round (unit-free; location coordinates are not bounded).
+    trust_radius:
+        r, the longest Fisher-scoring step in the metric of the information (standard-error units);
+        None (default): no such bound.
+    information_window:
+        The running average of the information forgets at rate 1 / information_window once k exceeds it.
+    uncertainty:
+        Standard errors of theta_bar by Louis' identity from the final exchange's draws (each client
+        uploads its mean score, its Louis estimate and the Monte Carlo covariance of its mean score:
+        d + d(d+1) floats): ``res.standard_errors``, ``res.information``, and theta_bar's normal
+        approximation N(theta_bar, I^-1) in ``res.idata.posterior``. None (default): when d <=
+        ``information_max_dim``.
     compressor:
         Unbiased compressor of the uploaded gradient (default: none).
     exact_sites:
@@ -123,8 +172,13 @@ class FedSOUL:
     step_size: float | Sequence[float] | None = None
     step_scale: float = 0.1
     power_iters: int = 2
-    server_lr: float | Callable = 0.05
-    server_optimizer: Any = "adam"
+    server_lr: float | Callable | None = None
+    server_optimizer: Any = "auto"
+    information_max_dim: int = 100
+    max_log_step: float = 1.0
+    trust_radius: float | None = None
+    information_window: int = 10
+    uncertainty: bool | None = None
     compressor: Compressor = identity()
     exact_sites: tuple[str, ...] = ()
     bounds: Mapping[str, tuple[float, float]] | None = None
@@ -159,8 +213,17 @@ class FedSOUL:
         require_fraction(self.average_from, "FedSOUL average_from")
         require_choice(self.stateful, "FedSOUL stateful", (True, False))
         check_init(self.init, "FedSOUL")
-        optim.as_schedule(self.server_lr, "FedSOUL server_lr")
-        optim.resolve(self.server_optimizer, self.server_lr)
+        if self.server_lr is not None:
+            optim.as_schedule(self.server_lr, "FedSOUL server_lr")
+        if not (isinstance(self.server_optimizer, str) and self.server_optimizer in ("auto", "fisher")):
+            optim.resolve(self.server_optimizer, 0.05 if self.server_lr is None else self.server_lr)
+        require_int(self.information_max_dim, "FedSOUL information_max_dim", 0)
+        require_int(self.information_window, "FedSOUL information_window")
+        for name in ("max_log_step", "trust_radius"):
+            v = getattr(self, name)
+            if (v is not None or name == "max_log_step") and (not is_real(v) or not v > 0):
+                raise ConfigError(f"FedSOUL {name} must be a positive number, got {v!r}")
+        require_choice(self.uncertainty, "FedSOUL uncertainty", (None, True, False))
         require_unbiased(self.compressor, "FedSOUL")
         as_aggregation(self.aggregation)
         if self.bounds is not None and not isinstance(self.bounds, Mapping):
@@ -195,8 +258,31 @@ class FedSOULRun(Staged):
         self.cfg, self._fm, self._avg_start, self._init_values = cfg, fm, avg_start, init_values
         self.num_clients = num_clients
         self.name = cfg.name
-        self._opt = optim.resolve(cfg.server_optimizer, cfg.server_lr)
-        self._schedule = optim.as_schedule(cfg.server_lr)
+        self.dim = int(sum(int(np.prod(fm.sites[n].unconstrained_shape, dtype=np.int64)) for n in fm.global_names))
+        small = self.dim <= cfg.information_max_dim
+        opt = cfg.server_optimizer
+        self._fisher = isinstance(opt, str) and (opt == "fisher" or (opt == "auto" and small))
+        self.optimizer = "fisher" if self._fisher else ("adam" if isinstance(opt, str) and opt == "auto" else opt)
+        lr = cfg.server_lr if cfg.server_lr is not None else (1.0 if self._fisher else 0.05)
+        self.server_lr = lr
+        self._opt = None if self._fisher else optim.resolve(self.optimizer, lr)
+        self._schedule = optim.as_schedule(lr)
+        self.uncertainty = small if cfg.uncertainty is None else bool(cfg.uncertainty)
+        self._nonlinear = self._nonlinear_coordinates(fm) if self._fisher else None
+
+    @staticmethod
+    def _nonlinear_coordinates(fm: FedModel) -> jax.Array:
+        """The flat unconstrained coordinates on which a constrained value depends non-linearly (log-scales,
+        logits, a Cholesky factor's diagonal; not its off-diagonal): a nonzero second derivative of the
+        constraining map at two generic points."""
+        zeros = {n: jnp.zeros(fm.sites[n].unconstrained_shape) for n in fm.global_names}
+        flat, unravel = ravel_pytree(zeros)
+        f = lambda x: ravel_pytree(fm.constrain(unravel(x)))[0]  # noqa: E731
+        curved = jnp.zeros(flat.shape, bool)
+        for point in (0.3, -0.7):
+            second = jax.jacfwd(jax.jacfwd(f))(jnp.full(flat.shape, point))  # (D, d, d)
+            curved = curved | jnp.any(jnp.diagonal(second, axis1=1, axis2=2) != 0, axis=0)
+        return curved
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -215,25 +301,34 @@ class FedSOULRun(Staged):
     def _log_joint_fn(self, fm: FedModel, theta: Params, client: ClientData):
         return lambda z: fm.client_log_joint(theta, z, client.data, client.mask)
 
-    def _run_chain(self, fm, key, theta, z0, step, client, num_steps, keep_from):
+    def _run_chain(self, fm, key, theta, z0, step, client, num_steps, keep_from, information: bool = False):
         """ULA chain of ``num_steps`` moves from z0; averages grad_theta log p(D, z | theta) (and the
-        log joint) over the states after move ``keep_from``."""
+        log joint) over the states after move ``keep_from``. With ``information``, also the complete-data
+        information mean_m(-grad^2_theta log p(D, Z_m | theta)) over the same states (flat, unconstrained;
+        None otherwise)."""
+        flat, unravel = ravel_pytree(theta)
+        d = flat.size if information else 0
+        hess = jax.hessian(lambda x, z: fm.client_log_joint(unravel(x), z, client.data, client.mask))
         val, g_theta, g_z = fm.joint_grads(theta, z0, client.data, client.mask)
         zeros = jax.tree_util.tree_map(jnp.zeros_like, g_theta)
 
         def body(carry, xs):
-            z, g_z, acc, acc_val = carry
+            z, g_z, acc, acc_val, acc_h = carry
             k, m = xs
             z = ula_step(k, z, g_z, step)
             val, g_theta, g_z = fm.joint_grads(theta, z, client.data, client.mask)
             keep = m >= keep_from
             acc = jax.tree_util.tree_map(lambda a, g: a + jnp.where(keep, g, 0.0), acc, g_theta)
-            return (z, g_z, acc, acc_val + jnp.where(keep, val, 0.0)), None
+            if information:
+                acc_h = acc_h - jnp.where(keep, hess(flat, z), 0.0)
+            return (z, g_z, acc, acc_val + jnp.where(keep, val, 0.0), acc_h), None
 
         xs = (jax.random.split(key, num_steps), jnp.arange(num_steps))
-        (z, _, acc, acc_val), _ = jax.lax.scan(body, (z0, g_z, zeros, jnp.zeros_like(val)), xs)
+        init = (z0, g_z, zeros, jnp.zeros_like(val), jnp.zeros((d, d), flat.dtype))
+        (z, _, acc, acc_val, acc_h), _ = jax.lax.scan(body, init, xs)
         n = num_steps - keep_from
-        return z, jax.tree_util.tree_map(lambda a: a / n, acc), acc_val / n
+        mean = jax.tree_util.tree_map(lambda a: a / n, acc)
+        return z, mean, acc_val / n, (acc_h / n if information else None)
 
     def _step_for(self, fm, theta, z, v, step, client, iters):
         if not self._auto_step:
@@ -265,7 +360,10 @@ class FedSOULRun(Staged):
 
     def setup_server_step(self, stage: int, key: jax.Array, theta: Params, uploads: Any):
         zeros = jax.tree_util.tree_map(jnp.zeros_like, theta)
-        return ServerState(theta, self._opt.init(theta), zeros, jnp.zeros(())), self._broadcast(theta)
+        d = self.dim if self._fisher else 0
+        opt_state = () if self._fisher else self._opt.init(theta)
+        info = jnp.zeros((d, d), ravel_pytree(theta)[0].dtype)
+        return ServerState(theta, opt_state, zeros, jnp.zeros(()), info), self._broadcast(theta)
 
     def _broadcast(self, theta: Params) -> Message:
         return Message(theta, jnp.asarray(FLOAT_BITS * ravel_pytree(theta)[0].size, jnp.int32))
@@ -275,9 +373,14 @@ class FedSOULRun(Staged):
         k_init, k_chain, k_comp = jax.random.split(key, 3)
         z0 = state.z if self.cfg.stateful else fm.sample_local_prior(k_init, theta, client.data, client.mask)
         v, step = self._step_for(fm, theta, z0, state.v, state.step, client, self.cfg.power_iters)
-        z, grad, objective = self._run_chain(fm, k_chain, theta, z0, step, client, self.cfg.local_steps, self.cfg.burn_in)
+        z, grad, objective, info = self._run_chain(fm, k_chain, theta, z0, step, client, self.cfg.local_steps,
+                                                   self.cfg.burn_in, self._fisher)
         sent, bits = self._compress(k_comp, grad)
-        return ClientState(z, v, step), Message(Upload(sent, objective), bits + FLOAT_BITS)
+        tri = ()
+        if self._fisher:  # the complete-data information as its upper triangle, uncompressed
+            tri = info[jnp.triu_indices(self.dim)]
+            bits = bits + FLOAT_BITS * tri.size
+        return ClientState(z, v, step), Message(Upload(sent, objective, tri), bits + FLOAT_BITS)
 
     def _compress(self, key, grad: Params) -> tuple[tuple[Params, Any], jax.Array]:
         """(exact sites, the other sites compressed as one vector) as sent, and the bits."""
@@ -311,21 +414,38 @@ class FedSOULRun(Staged):
             agg = jax.tree_util.tree_map(lambda g: jnp.tensordot(w, g, axes=1), self._gradients(uploads.payload.grad))
         prior_lp, prior_grad = jax.value_and_grad(fm.log_prior)(theta)
         grad = jax.tree_util.tree_map(jnp.add, prior_grad, agg)
-        updates, opt_state = self._opt.update(jax.tree_util.tree_map(jnp.negative, grad), state.opt_state, theta)
-        stepped = self._project(fm, jax.tree_util.tree_map(jnp.add, theta, updates))
         any_active = n_active > 0
+        eta = self._schedule(info.round)
+        extra = {}
+        information = state.information
+        if self._fisher:
+            flat, unravel = ravel_pytree(theta)
+            tris = uploads.payload.information
+            total = info.num_clients * rule(tris, info.active) if rule.robust else jnp.tensordot(w, tris, axes=1)
+            round_info = _symmetric(total, self.dim) - jax.hessian(lambda x: fm.log_prior(unravel(x)))(flat)
+            rho = jnp.maximum(1.0 / (info.round + 1.0), 1.0 / self.cfg.information_window)
+            information = jnp.where(any_active, state.information + rho * (round_info - state.information),
+                                    state.information)
+            delta, nu = optim.newton_direction(information, ravel_pytree(grad)[0], self.cfg.trust_radius,
+                                               nonlinear=self._nonlinear, max_nonlinear_step=self.cfg.max_log_step)
+            updates, opt_state = unravel(eta * delta), ()
+            extra["newton_decrement"] = nu
+        else:
+            updates, opt_state = self._opt.update(jax.tree_util.tree_map(jnp.negative, grad), state.opt_state, theta)
+        stepped = self._project(fm, jax.tree_util.tree_map(jnp.add, theta, updates))
         new_theta = jax.tree_util.tree_map(lambda a, b: jnp.where(any_active, a, b), stepped, theta)
         opt_state = jax.tree_util.tree_map(lambda a, b: jnp.where(any_active, a, b), opt_state, state.opt_state)
-        eta = self._schedule(info.round)
         in_avg = (info.round >= self._avg_start) & any_active
         a = jnp.where(in_avg, eta, 0.0)
         avg_sum = jax.tree_util.tree_map(lambda s, t: s + a * t, state.avg_sum, new_theta)
         diag = {
             "objective": prior_lp + jnp.sum(w * uploads.payload.objective),
             "grad_norm": jnp.linalg.norm(ravel_pytree(grad)[0]),
+            **extra,
             **{f"theta/{n}": v for n, v in fm.constrain(new_theta).items()},
         }
-        return ServerState(new_theta, opt_state, avg_sum, state.avg_weight + a), self._broadcast(new_theta), diag
+        new = ServerState(new_theta, opt_state, avg_sum, state.avg_weight + a, information)
+        return new, self._broadcast(new_theta), diag
 
     def averaged_theta(self, state: ServerState) -> Params:
         """The weighted average of the iterates (the last iterate if no round was averaged)."""
@@ -363,21 +483,57 @@ class FedSOULRun(Staged):
         return self.averaged_theta(server)
 
     def final_client(self, key, theta: Params, state: ClientState, client: ClientData):
-        """The client's local posterior samples at theta_bar and its step size: kept by the client;
-        nothing goes back."""
+        """The client's local posterior samples at theta_bar and its step size: kept by the client. With
+        ``uncertainty``, its Louis terms from the same draws go back (:func:`louis.draws_information`: the
+        mean score, d floats, and two upper triangles, d(d+1)/2 floats each); otherwise nothing."""
         k = client_key(key, client.index, self.num_clients)
         zs, step = self._sample_one(k, theta, state.z, state.v, state.step, client, self.cfg.num_samples,
                                     self.cfg.warmup)
-        return {"local_samples": zs, "step_size": step}, ()
+        upload = louis.draws_information(self._fm, theta, zs, client) if self.uncertainty else ()
+        return {"local_samples": zs, "step_size": step}, upload
 
     def final_server(self, key, server: ServerState, theta: Params, uploads, locals_) -> dict[str, Any]:
-        """Averaged estimate, last iterate, and (when collected) every client's local posterior samples."""
-        parts: dict[str, Any] = {"theta": theta, "params": self._fm.constrain(theta),
-                                 "params_last": self._fm.constrain(server.theta)}
+        """Averaged estimate, last iterate, (when collected) every client's local posterior samples, and
+        with ``uncertainty`` Louis' observed information at theta_bar,
+
+            I = -grad^2 log p(theta_bar) + sum_i (mean_m h_im - Cov_m g_im),
+
+        its standard errors and normal approximation (draws shaped like the local chains), the
+        Fisher-identity gradient g = grad log p(theta_bar) + sum_i G_i and its Monte Carlo covariance
+        sum_i Var(G_i) (``uploads=None``, a client missing on a network: none of these)."""
+        fm = self._fm
+        parts: dict[str, Any] = {"theta": theta, "params": fm.constrain(theta),
+                                 "params_last": fm.constrain(server.theta),
+                                 "settings": {"server_optimizer": self.optimizer if isinstance(self.optimizer, str)
+                                              else type(self.optimizer).__name__,
+                                              "uncertainty": self.uncertainty,
+                                              **({} if callable(self.server_lr) else {"server_lr": self.server_lr})}}
         if locals_ is not None:
             parts["local_samples"] = locals_["local_samples"]
             parts["client_info"] = {"step_size": locals_["step_size"]}
+        if self.uncertainty and uploads is not None:
+            parts.update(self._uncertainty(key, theta, *uploads))
         return parts
+
+    def _uncertainty(self, key, theta: Params, grads, info_tris, cov_tris) -> dict[str, Any]:
+        fm, d = self._fm, self.dim
+        flat, unravel = ravel_pytree(theta)
+        prior_grad = ravel_pytree(jax.grad(fm.log_prior)(theta))[0]
+        prior_info = -jax.hessian(lambda x: fm.log_prior(unravel(x)))(flat)
+        information = prior_info + _symmetric(jnp.sum(info_tris, 0), d)
+        k_approx = jax.random.fold_in(key, 21)
+        shape = (self.cfg.num_chains, self.cfg.num_samples)
+        out = louis.normal_approximation(fm, k_approx, theta, information, shape)
+        if not out.pop("positive_definite"):
+            warnings.warn(
+                f"FedSOUL: Louis' observed information at the estimate is not positive definite (smallest "
+                f"eigenvalue {float(jnp.linalg.eigvalsh(out['information'])[0]):.3g}), so the globals have no "
+                "standard errors or normal approximation: the estimate is not at a maximum of the marginal "
+                "likelihood (run more rounds) or the model is not identified there (e.g. a rotation of a "
+                "latent subspace); the local posteriors are unaffected", ConvergenceWarning, stacklevel=2)
+        out["gradient"] = prior_grad + jnp.sum(grads, 0)
+        out["gradient_cov"] = _symmetric(jnp.sum(cov_tris, 0), d)
+        return out
 
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
         """The final exchange with every client (:func:`fedbayes.engine.final_exchange`)."""

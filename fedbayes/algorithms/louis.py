@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from ..engine import ClientData
-from ..expfam import lapack_free_cholesky
+from ..expfam import lapack_free_cholesky, lapack_free_spd_inverse
 from ..kernels import ula_chain
 from ..model import Params
 
@@ -147,4 +147,93 @@ def local_parts(extra: dict) -> dict[str, Any]:
     local_info = {k: v for k, v in extra.items() if k != "draws"}
     if local_info:
         out["local_info"] = local_info
+    return out
+
+
+# ------------------------------------------------------------------------------ from posterior draws (FedSOUL)
+def draws_information(fm, theta_u: Params, zs: Params, client: ClientData,
+                      num_batches: int = 10) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A client's Louis terms from draws of its local posterior at theta_u (FedSOUL's final exchange).
+
+    ``zs`` are unconstrained draws ``{site: (chains, S, ...)}`` (flattened: z, q numbers). With
+    ell(theta, z) = log p(D_i, z | theta), the scores g_m = grad_theta ell(theta, z_m) (flat, unconstrained
+    theta, d numbers) and the draws' mean z_bar, returns
+
+    * the Fisher-identity gradient  G_i = mean_m g_m  ~ grad_theta log p(D_i | theta);
+    * Louis' term  mean_m[-grad^2_theta ell(theta, z_m)] - C_i,  ~ -grad^2_theta log p(D_i | theta), where the
+      score's covariance is taken from the local posterior's Laplace covariance V = P^-1,
+      P = mean_m[-grad^2_z ell(theta, z_m)], through the score's second-order expansion about z_bar
+      (J = mean_m d g / dz (d x q), T_a = d^2 g_a / dz^2 at z_bar):
+
+          C_i = J V J^T + 1/2 [tr(T_a V T_b V)]_ab,
+
+      exact for a Gaussian local posterior and a score quadratic in z (a linear mixed model's), as in
+      FedMM's per-client Gaussian latents. Not the draws' sample covariance: where a client's data
+      determine its latents well, E[-grad^2] and Cov[g] are both close to the complete-data information
+      and the observed information is their small difference (the fraction of missing information
+      near 1), so a relative error of a few percent in Cov[g] (the Monte Carlo error of a few hundred
+      correlated draws, the O(step) covariance bias of unadjusted Langevin) would swamp it; V from
+      the curvature has neither, and the error of the Laplace form itself is small in that regime
+      (well-determined latents have nearly Gaussian posteriors) and matters little in the other
+      (there Cov[g] is a small part of the information);
+    * the Monte Carlo covariance of G_i by batch means: each chain cut into ``num_batches`` batches of
+      consecutive draws, Var(G_i) ~ Cov(batch means) / (number of batches) (valid when a batch is
+      longer than the chain's autocorrelation time),
+
+    the two matrices as upper triangles (``jnp.triu_indices``; d(d+1)/2 floats each).
+    """
+    flat, unravel = ravel_pytree(theta_u)
+    d = flat.size
+    chains, S = jax.tree_util.tree_leaves(zs)[0].shape[:2]
+    pooled = jax.tree_util.tree_map(lambda a: a.reshape((chains * S,) + a.shape[2:]), zs)
+    zflat = jax.vmap(lambda z: ravel_pytree(z)[0])(pooled)  # (n, q)
+    _, unravel_z = ravel_pytree(jax.tree_util.tree_map(lambda a: a[0], pooled))
+    ell = lambda x, h: fm.client_log_joint(unravel(x), unravel_z(h), client.data, client.mask)  # noqa: E731
+    score = jax.grad(ell, argnums=0)
+    g = jax.vmap(lambda h: score(flat, h))(zflat)  # (n, d)
+    a = jax.vmap(lambda h: -jax.hessian(ell, argnums=0)(flat, h))(zflat)  # (n, d, d)
+    p = jax.vmap(lambda h: -jax.hessian(ell, argnums=1)(flat, h))(zflat)  # (n, q, q)
+    jac = jax.vmap(lambda h: jax.jacfwd(score, argnums=1)(flat, h))(zflat)  # (n, d, q)
+    zbar = jnp.mean(zflat, 0)
+    third = jax.jacfwd(jax.jacfwd(score, argnums=1), argnums=1)(flat, zbar)  # (d, q, q)
+    V = lapack_free_spd_inverse(0.5 * (jnp.mean(p, 0) + jnp.mean(p, 0).T))
+    J = jnp.mean(jac, 0)
+    TV = third @ V
+    cov = J @ V @ J.T + 0.5 * jnp.einsum("aij,bji->ab", TV, TV)
+    info = jnp.mean(a, 0) - cov
+    mean = jnp.mean(g, 0)
+    nb = max(1, min(num_batches, S))
+    per = S // nb
+    batches = jnp.mean(g.reshape(chains, S, d)[:, : nb * per].reshape(chains * nb, per, d), 1)
+    bc = batches - jnp.mean(batches, 0)
+    k = chains * nb
+    grad_cov = bc.T @ bc / max(k - 1, 1) / k
+    rows, cols = jnp.triu_indices(d)
+    return mean, info[rows, cols], grad_cov[rows, cols]
+
+
+def normal_approximation(fm, key: jax.Array, theta_u: Params, information: jax.Array,
+                         shape: tuple[int, int] = (1, NUM_DRAWS)) -> dict[str, Any]:
+    """Standard errors (delta method, constrained sites) and draws ``shape = (chains, draws)`` of
+    N(theta_u, I^-1) mapped to the constrained space, from an information matrix I in the unconstrained
+    coordinates of theta_u. Where I is not positive definite the covariance is not defined: the
+    standard errors are NaN and the draws are left out (``"positive_definite": False``)."""
+    flat, unravel = ravel_pytree(theta_u)
+    information = 0.5 * (information + information.T)
+    lam, vec = jnp.linalg.eigh(information)
+    pd = bool(jnp.all(jnp.isfinite(lam))) and bool(jnp.min(lam) > 0)
+    cov_u = (vec / jnp.where(lam > 0, lam, jnp.nan)) @ vec.T
+    constrained_flat = lambda x: ravel_pytree(fm.constrain(unravel(x)))[0]  # noqa: E731
+    Jc = jax.jacfwd(constrained_flat)(flat)
+    cov_c = Jc @ cov_u @ Jc.T
+    _, unravel_c = ravel_pytree(fm.constrain(theta_u))
+    se = unravel_c(jnp.sqrt(jnp.clip(jnp.diag(cov_c), 0.0)) if pd else jnp.full(Jc.shape[0], jnp.nan))
+    out: dict[str, Any] = {"information": information, "cov_unconstrained": cov_u, "se": se,
+                           "positive_definite": pd}
+    if pd:
+        chains, draws = shape
+        root = vec * jnp.sqrt(1.0 / lam)  # root root^T = I^-1
+        eps = jax.random.normal(key, (chains * draws, flat.size))
+        approx = jax.vmap(lambda x: fm.constrain(unravel(x)))(flat + eps @ root.T)
+        out["global_approx"] = {k: v.reshape((chains, draws) + v.shape[1:]) for k, v in approx.items()}
     return out
