@@ -456,7 +456,11 @@ class FedModel:
             return [t[n]["value"] for n in arrays]
 
         labels = jax.tree_util.tree_leaves(({n: self.sites[n].role for n in latents}, {k: "data" for k in example}))
-        deps = dict(zip(arrays, _input_dependence(jax.make_jaxpr(values)(latents, example), labels)))
+        try:
+            deps = dict(zip(arrays, _input_dependence(jax.make_jaxpr(values)(latents, example), labels)))
+        except Exception:  # noqa: BLE001 - not traceable with abstract inputs: assume it depends on everything
+            deps = {n: frozenset(["data", "local"] + (["obs_latent"] if self.obs_latent_names else []))
+                    for n in arrays}
         for name in names:
             if name not in deps:
                 self.deterministic[name] = Deterministic(name, (), True, None, False, False,
@@ -575,6 +579,15 @@ class FedModel:
                 "observation inside `with numpyro.plate('obs', n):` (e.g. numpyro.sample('y', dist.Normal(mu, s), "
                 "obs=y) or numpyro.factor('lik', per_row_log_lik) inside the plate), and pass data-size constants "
                 "through model_kwargs.")
+        for name, value in recorded.items():  # deterministic sites: not refused, but not computed padded
+            got = recorded_padded[name]
+            if jnp.shape(got) == jnp.shape(value) and np.allclose(np.asarray(value, float), np.asarray(got, float),
+                                                                  rtol=tol, atol=tol, equal_nan=True):
+                continue
+            self.deterministic[name] = dataclasses.replace(
+                self.deterministic[name], paddable=False,
+                note="its value on a client's real rows changes when the client's data are padded (e.g. a mean "
+                     "over the rows, or x.shape[0])")
 
     def require(self, algorithm: str, *, local_continuous: bool = True, allow_obs_latent: bool = False) -> None:
         """Raise ModelError if the model has sites ``algorithm`` cannot handle, naming the site."""
@@ -757,6 +770,17 @@ class FedModel:
         fn = handlers.seed(_Unobserve(handlers.substitute(self.model, data=dict(values_c)), self.observed), key)
         tr = handlers.trace(fn).get_trace(**data, **self.model_kwargs)
         return {n: tr[n]["value"] for n in self.observed}
+
+    def trace_values(self, values_c: Mapping[str, Any], data: Mapping[str, jax.Array], names: Sequence[str],
+                     key: jax.Array | int = 0) -> Params:
+        """The named sites' values when the model runs on ``data`` with the constrained latent values
+        ``values_c`` substituted and ``key`` for every other random choice (observed sites whose data are
+        not given, a new client's locals drawn from p(z | theta), per-observation latents): one draw of
+        NumPyro's ``Predictive``. Deterministic sites are recomputed, never substituted."""
+        recorded = getattr(self, "deterministic", {})  # a FedModel pickled before it recorded them has none
+        values = {k: v for k, v in values_c.items() if k not in recorded}
+        tr = _trace(self.model, {**data, **self.model_kwargs}, substitutions=values, seed=key)
+        return {n: tr[n]["value"] for n in names}
 
     def observed_values(self, data: Mapping[str, jax.Array]) -> Params:
         """The observed values of one padded client as the model sees them, ``{site: (max_size, ...)}``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 import warnings
 from typing import Any, Mapping
@@ -190,6 +191,9 @@ class Result:
         for name, arr in (self.global_samples or self.global_approx).items():
             post[name] = (["chain", "draw", *_site_dims(name, arr.shape[2:])], arr)
             coords.update(chain=np.arange(arr.shape[0]), draw=np.arange(arr.shape[1]))
+        det_post, det_params, det_coords = self._deterministic_vars()
+        post.update(det_post)
+        coords.update(det_coords)
         posterior = xr.Dataset(post, coords=coords) if post else None
         sample_stats = None
         if self.global_samples:
@@ -200,6 +204,11 @@ class Result:
                 stats[key] = (["chain", "draw"], np.broadcast_to(per_round, (chains, draws)))
             sample_stats = xr.Dataset(stats, coords={"chain": np.arange(chains), "draw": np.arange(draws)})
         params = xr.Dataset({k: (_site_dims(k, v.shape), v) for k, v in self.params.items()})
+        if det_params:
+            params = params.assign(det_params)
+            used = {dim for dims, _ in det_params.values() for dim in dims}
+            params = params.assign_coords({k: v for k, v in det_coords.items()
+                                           if k in used or (k == "obs_client" and "obs" in used)})
         for k, v in self.standard_errors.items():
             params[f"{k}_se"] = (_site_dims(k, v.shape), v)
         local = None
@@ -230,6 +239,75 @@ class Result:
         cfg = self._algorithm_config()
         return cfg.warmup + cfg.thinning * np.arange(draws)
 
+    @serialized
+    def _deterministic_vars(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """The model's ``numpyro.deterministic`` sites as ``(posterior variables, fed_params variables,
+        coordinates)``.
+
+        Global ones (functions of the globals alone) are computed at every draw of the globals
+        (samplers' draws; the normal approximation of EM / FedSOUL fits) for ``posterior``, and at theta*
+        for ``fed_params`` (point-estimate fits: by invariance, the estimate of the site). Per-client ones
+        are computed at the draws of the model-checking groups (client i's local draws with theta*, or the
+        globals' draws), vectorised over clients and draws on the padded clients: with a ``client``
+        dimension, or, when they have one value per observation (a linear predictor), along an ``obs``
+        dimension over every client's real rows, client-major as in ``log_likelihood``, with the
+        coordinate ``obs_client``. A point-estimate fit of a model without locals (TAMUNA, GD) has them at
+        theta* in ``fed_params``. Sites whose value depends on the padding or on per-observation latents
+        are left out (FedModel warns when it analyses the model).
+        """
+        fm = self._fm
+        found = {n: d for n, d in getattr(fm, "deterministic", {}).items() if d.from_draws}
+        post: dict[str, Any] = {}
+        params: dict[str, Any] = {}
+        coords: dict[str, Any] = {}
+        if not found:
+            return post, params, coords
+        glob = [n for n, d in found.items() if not d.per_client]
+        per = [n for n, d in found.items() if d.per_client]
+        data, keep = self._data.padded, np.asarray(self._data.mask)
+        first = {k: v[0] for k, v in data.items()}  # global sites do not depend on the client's data
+        at = lambda names: lambda values, x: fm.trace_values(values, x, names)  # noqa: E731
+
+        def by_client(name: str, v: np.ndarray) -> tuple[list[str], np.ndarray]:  # (C, S, ...) -> dims, (S, ...)
+            axis = found[name].row_axis
+            if axis is None:
+                a = np.moveaxis(v, 0, 1)
+                return ["client", *_site_dims(name, a.shape[2:])], a
+            a = np.moveaxis(np.moveaxis(v, 2 + axis, 2), 0, 1)[:, keep]  # (S, total rows, ...)
+            coords["obs_client"] = ("obs", self._data.client_coordinate()[self._data.pooled_client_ids()])
+            return ["obs", *_site_dims(name, a.shape[2:])], a
+
+        source = self.global_samples or self.global_approx
+        if glob and source:
+            chains, draws = next(iter(source.values())).shape[:2]
+            flat = {k: v.reshape((chains * draws,) + v.shape[2:]) for k, v in source.items()}
+            values = jax.jit(jax.vmap(at(glob), in_axes=(0, None)))(flat, first)
+            for n in glob:  # in the model's order (a compiled program returns a dict's keys sorted)
+                v = np.asarray(values[n])
+                post[n] = (["chain", "draw", *_site_dims(n, v.shape[1:])], v.reshape((chains, draws) + v.shape[1:]))
+            coords.update(chain=np.arange(chains), draw=np.arange(draws))
+        if not self.global_samples and self.params:
+            names = glob + ([] if fm.local_names else per)
+            if names:
+                values = jax.jit(jax.vmap(at(names), in_axes=(None, 0)))(self.params, data)  # (C, ...)
+                for n in names:
+                    v = np.asarray(values[n])
+                    dims, a = ([*_site_dims(n, v.shape[1:])], v[:1]) if n in glob else by_client(n, v[:, None])
+                    params[n] = (dims, a[0])
+        if per:
+            try:
+                local_vals, global_vals, chains, draws = self._training_draws()
+            except FedbayesError:  # a point estimate, or locals without draws: no posterior draws to use
+                return post, params, coords
+            fn = at(per)
+            values = jax.jit(jax.vmap(jax.vmap(lambda lv, gv, x: fn({**gv, **lv}, x), in_axes=(0, 0, None)),
+                                      in_axes=(0, None, 0)))(local_vals, global_vals, data)
+            for n in per:
+                dims, a = by_client(n, np.asarray(values[n]))
+                post[n] = (["chain", "draw", *dims], a.reshape((chains, draws) + a.shape[1:]))
+            coords.update(chain=np.arange(chains), draw=np.arange(draws))
+        return post, params, coords
+
     # ------------------------------------------------------------------ prediction
     def _client_arrays(self, new_data: Mapping[str, Any]) -> dict[str, jax.Array]:
         if not isinstance(new_data, Mapping):
@@ -245,75 +323,167 @@ class Result:
             out[k] = jnp.asarray(a)
         return out
 
-    def _draws(self, client: int | None, num_samples: int | None, seed: int) -> tuple[dict[str, np.ndarray], int]:
-        """Constrained posterior draws ``{site: (S, ...)}`` for prediction: client ``client``'s local samples
-        (none for a new client) with the globals' draws, or theta* repeated when the globals are a point."""
-        if client is None:  # a new client; a point estimate of a model without locals needs one draw
-            point = not self._fm.local_names and not self.global_samples
-            S = num_samples or (1 if point else 1000)
-            samples = {}
+    def _client_position(self, client: Any) -> int:
+        """A fitted client's position from its index (negative counts from the end) or its name."""
+        C = self._data.num_clients
+        if isinstance(client, (bool, np.bool_)):
+            raise DataError(f"client must be a client index, a client name, None (a new client) or 'all', got {client!r}")
+        if isinstance(client, (int, np.integer)):
+            if not -C <= client < C:
+                raise DataError(f"client={client} is out of range for {C} clients")
+            return int(client) % C
+        try:
+            return self._data.client_index(client)
+        except DataError as err:
+            raise DataError(f"client must be a client index, a client name, None (a new client) or 'all': {err}") from None
+
+    def _federated_inputs(self, new_data: Any) -> tuple[np.ndarray, dict[str, jax.Array], np.ndarray]:
+        """Inputs for every client at once: ``(fitted clients' positions, padded inputs (K, N_max, ...), mask)``.
+
+        A :class:`FederatedData` (or a dict of per-client sequences, made into one) is matched to the fitted
+        clients by name when each of its client names is a fitted client's name, else by position when it
+        has one client per fitted client and default names ``0..K-1``.
+        """
+        if not isinstance(new_data, FederatedData):
+            if not isinstance(new_data, Mapping):
+                raise DataError("with client='all', new_data must be a FederatedData or a dict of per-client "
+                                "sequences of arrays, e.g. {'x': [x_client0, x_client1, ...]}")
+            new_data = FederatedData({k: list(v) for k, v in new_data.items()})
+        unknown = set(new_data.keys) - set(self._data.keys) - set(self._fm.model_kwargs)
+        if unknown:
+            raise DataError(f"new_data has keys {sorted(unknown)} that the fitted data did not have ({list(self._data.keys)})")
+        names, fitted = new_data.client_names, self._data.client_names
+        try:
+            by_name = all(name in set(fitted) for name in names)
+        except TypeError:  # unhashable names
+            by_name = False
+        if by_name:
+            clients = np.array([self._data.client_index(name) for name in names])
+        elif names == tuple(range(new_data.num_clients)) and new_data.num_clients == len(fitted):
+            clients = np.arange(len(fitted))
         else:
-            if isinstance(client, bool) or not isinstance(client, (int, np.integer)):
-                raise DataError(f"client must be an integer index or None (a new client), got {client!r}")
-            if not -self._data.num_clients <= client < self._data.num_clients:
-                raise DataError(f"client={client} is out of range for {self._data.num_clients} clients")
-            samples = {k: v[client] for k, v in self.local_samples.items()}
-            if not samples:
+            shown = ", ".join(map(repr, names[:5])) + (", ..." if len(names) > 5 else "")
+            raise DataError(f"new_data's clients ({shown}) are not clients of the fit: name them with the fitted "
+                            "clients' names (FederatedData(..., client_names=...)) or give one entry per fitted "
+                            f"client, in the fit's order ({len(fitted)} clients)")
+        return clients, dict(new_data.padded), np.asarray(new_data.mask)
+
+    def _prediction_inputs(self, new_data: Any, client: Any) -> tuple[np.ndarray | None, dict[str, jax.Array],
+                                                                         np.ndarray | None]:
+        """``(clients, inputs, mask)``: the fitted clients' positions (None: a new client), the inputs with a
+        leading client axis, and the padding mask (None for one client's unpadded inputs)."""
+        every = isinstance(client, str) and client == "all"
+        if isinstance(new_data, FederatedData) or every:
+            if client is not None and not every:
+                raise DataError(f"new_data is a FederatedData, i.e. inputs of every client: pass client='all' "
+                                f"(or leave it out), not client={client!r}; for one client pass a dict of its arrays")
+            return self._federated_inputs(new_data)
+        x = self._client_arrays(new_data)
+        clients = None if client is None else np.array([self._client_position(client)])
+        return clients, {k: v[None] for k, v in x.items()}, None
+
+    def _draws(self, clients: np.ndarray | None, num_samples: int | None, seed: int
+               ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+        """Constrained posterior draws for prediction: ``(locals {site: (K, S, ...)}, globals {site: (S, ...)}, S)``.
+
+        The locals are the ``clients``' own local samples (none for a new client, ``clients=None``, or a
+        model without locals), a subsample of them when ``num_samples`` is given (the same draw indices for
+        every client, chosen from ``seed``); the globals are their posterior draws (sampled globals) or
+        theta* repeated (point estimates).
+        """
+        fm = self._fm
+        if clients is None or not fm.local_names:
+            point = not fm.local_names and not self.global_samples  # a point estimate and no locals: one draw
+            S = num_samples or (1 if point else 1000)
+            local = {}
+        else:
+            if not self.local_samples:
                 raise DataError("this fit has no per-client local samples; pass client=None")
-            S = next(iter(samples.values())).shape[0]
+            local = {k: v[clients] for k, v in self.local_samples.items()}
+            S = next(iter(local.values())).shape[1]
             if num_samples is not None:
                 idx = np.random.default_rng(seed).choice(S, num_samples, replace=num_samples > S)
-                samples, S = {k: v[idx] for k, v in samples.items()}, num_samples
+                local, S = {k: v[:, idx] for k, v in local.items()}, num_samples
         if self.global_samples:  # sampled globals: average over their posterior draws
             pooled = {k: v.reshape((-1,) + v.shape[2:]) for k, v in self.global_samples.items()}
             idx = np.random.default_rng(seed).choice(len(next(iter(pooled.values()))), S)
-            samples.update({k: v[idx] for k, v in pooled.items()})
+            glob = {k: v[idx] for k, v in pooled.items()}
         else:
-            samples.update({k: np.broadcast_to(v, (S,) + v.shape) for k, v in self.params.items()})
-        return samples, S
+            glob = {k: np.broadcast_to(v, (S,) + v.shape) for k, v in self.params.items()}
+        return local, glob, S
+
+    @staticmethod
+    def _draw_keys(clients: np.ndarray | None, S: int, seed: int) -> jax.Array:
+        """Keys ``(K, S)``: client i's draws use ``split(fold_in(key(seed), i), S)`` (independent across
+        clients, and the same whether client i is predicted alone or with all clients); a new client's
+        ``split(key(seed), S)``."""
+        base = seed_key(seed)
+        if clients is None:
+            return jax.random.split(base, S)[None]
+        return jax.vmap(lambda c: jax.random.split(jax.random.fold_in(base, c), S))(jnp.asarray(clients))
+
+    def _masked(self, name: str, value: Any, mask: np.ndarray) -> np.ma.MaskedArray:
+        """Predictions ``(C, S, ...)`` of all clients as a masked array: rows past a client's size masked."""
+        value = np.asarray(value)
+        hide = np.zeros(value.shape, bool)
+        axis = getattr(self._fm, "row_axes", {}).get(name)
+        if axis is not None and value.ndim > 2 + axis and value.shape[2 + axis] == mask.shape[1]:
+            shape = [1] * value.ndim
+            shape[0], shape[2 + axis] = mask.shape
+            hide = np.broadcast_to(~mask.reshape(shape), value.shape)
+        return np.ma.MaskedArray(value, mask=hide)
 
     @serialized
-    def predict(self, new_data: Mapping[str, Any], client: int | None = None, *, num_samples: int | None = None,
-                seed: int = 0) -> dict[str, np.ndarray]:
-        """Posterior predictive draws of the observed sites at ``new_data``.
+    def predict(self, new_data: Any, client: Any = None, *, num_samples: int | None = None,
+                seed: int = 0) -> dict[str, Any]:
+        """Posterior predictive draws of the observed and ``numpyro.deterministic`` sites at ``new_data``.
 
-        For a known ``client`` i, draws use theta* and client i's local posterior samples
-        (p(y | x, D_i) = mean_s p(y | x, theta*, z_s)). With ``client=None`` the client is new: z is drawn
-        from the population prior p(z | theta*) and then y | z (FedPop section 2's two-step recipe).
-        Returns ``{site: array (num_samples, ...)}``.
+        For a known ``client`` i (its index or its name), draws use theta* and client i's local posterior
+        samples (p(y | x, D_i) = mean_s p(y | x, theta*, z_s)); for sampled globals, their posterior draws.
+        With ``client=None`` the client is new: z is drawn from the population prior p(z | theta*) and then
+        y | z (FedPop section 2's two-step recipe). For a model without local latents every client
+        predicts from the globals alone. Like NumPyro's ``Predictive``, deterministic sites are recomputed
+        at the new inputs and returned with the observed sites (a ``y`` given in ``new_data`` is returned
+        as given). Returns ``{site: array (num_samples, ...)}``.
+
+        **All clients at once.** With ``new_data`` a :class:`FederatedData` (or ``client="all"`` and a dict
+        of per-client sequences ``{"x": [x_0, x_1, ...]}``) each client's inputs are predicted from its own
+        posterior, in one compiled program vmapped over clients and draws. Clients are matched to the
+        fit's by name (each name of ``new_data`` a fitted client's: any subset, any order) or, with default
+        names and one entry per fitted client, by position. Returns ``{site: numpy.ma.MaskedArray
+        (K, num_samples, N_max, ...)}`` in ``new_data``'s client order, padded to its longest client with
+        the padded rows masked (``new_data.mask``), so ``out["y"].mean(1)`` averages only real rows and
+        integer draws keep their dtype. Entry ``[i]`` equals ``predict(new_data.client(i), client=name_i,
+        seed=seed)`` exactly (client i's draws use key ``fold_in(key(seed), i)`` in both). Deterministic
+        sites whose value depends on the padding (see :class:`fedbayes.model.Deterministic`) are only in
+        the one-client form.
         """
-        from numpyro.infer import Predictive
-
-        x = self._client_arrays(new_data)
-        samples, _ = self._draws(client, num_samples, seed)
-        pred = Predictive(self._fm.model, posterior_samples=samples, return_sites=list(self._fm.observed))
-        out = pred(seed_key(seed), **x, **self._fm.model_kwargs)
-        return {k: np.asarray(v) for k, v in out.items()}
+        fm = self._fm
+        clients, x, mask = self._prediction_inputs(new_data, client)
+        local, glob, S = self._draws(clients, num_samples, seed)
+        recorded = getattr(fm, "deterministic", {})
+        names = tuple(fm.observed) + tuple(n for n, d in recorded.items() if mask is None or d.paddable)
+        out = _prediction_program(fm, names)(self._draw_keys(clients, S, seed), local, glob, x)
+        if mask is None:  # observed sites first, then deterministic ones, in the model's order
+            return {k: np.asarray(out[k][0]) for k in names}
+        return {k: self._masked(k, out[k], mask) for k in names}
 
     @serialized
-    def predictive_probs(self, new_data: Mapping[str, Any], client: int | None = None, *,
-                         num_samples: int | None = None, seed: int = 0) -> np.ndarray:
+    def predictive_probs(self, new_data: Any, client: Any = None, *, num_samples: int | None = None,
+                         seed: int = 0) -> Any:
         """Posterior draws of the class probabilities p(y = k | x, theta_s, z_s) of a discrete observed site,
         shape (S, N, K): the input of the calibration and OOD diagnostics (average over S for the
-        posterior predictive). ``client`` as in :meth:`predict` (None: z_s from the population prior)."""
+        posterior predictive). ``client`` as in :meth:`predict` (None: z_s from the population prior).
+        For all clients at once (``new_data`` a :class:`FederatedData`, or ``client="all"``) a
+        ``numpy.ma.MaskedArray`` (K, S, N_max, K_classes) with padded rows masked, as in :meth:`predict`."""
         fm = self._fm
         if len(fm.observed) != 1:
             raise DataError(f"predictive_probs needs one observed site, the model has {list(fm.observed)}")
         site = fm.observed[0]
-        x = self._client_arrays(new_data)
-        samples, S = self._draws(client, num_samples, seed)
-        keys = jax.random.split(seed_key(seed), S)
-
-        def one(key, values):
-            fn = handlers.seed(handlers.substitute(fm.model, data=values), key)
-            d = handlers.trace(fn).get_trace(**x, **fm.model_kwargs)[site]["fn"]
-            if not d.has_enumerate_support:
-                raise DataError(f"observed site '{site}' has a {type(d).__name__} distribution, not a discrete one "
-                                "with finite support; use predict() draws and the regression diagnostics")
-            support = d.enumerate_support(expand=False)  # (K, 1, ...)
-            return jnp.moveaxis(jnp.exp(d.log_prob(support)), 0, -1)
-
-        return np.asarray(jax.jit(jax.vmap(one))(keys, {k: jnp.asarray(v) for k, v in samples.items()}))
+        clients, x, mask = self._prediction_inputs(new_data, client)
+        local, glob, S = self._draws(clients, num_samples, seed)
+        out = _probability_program(fm, site)(self._draw_keys(clients, S, seed), local, glob, x)
+        return np.asarray(out[0]) if mask is None else self._masked(site, out, mask)
 
     # ------------------------------------------------------------------ model checking groups
     @serialized
@@ -475,6 +645,38 @@ class Result:
                 "algorithm": self.algorithm, "seed": self.seed}
         checkpoint_io.write_sealed(path, {"meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8),
                                           "result": np.frombuffer(blob, np.uint8)}, what="saved result")
+
+
+def _over_clients(fn: Any) -> Any:
+    """``fn(key, values, inputs)`` of one draw and one client, vmapped over the draws and then over the
+    clients, compiled as one program: ``(keys (K, S), locals {site: (K, S, ...)}, globals {site: (S, ...)},
+    inputs {key: (K, N, ...)}) -> (K, S, ...)``. One client is a batch of one, so a client's predictions
+    are the same alone and among all clients."""
+    over_draws = jax.vmap(lambda k, lv, gv, x: fn(k, {**gv, **lv}, x), in_axes=(0, 0, 0, None))
+    return jax.jit(jax.vmap(over_draws, in_axes=(0, 0, None, 0)))
+
+
+@functools.lru_cache(maxsize=32)
+def _prediction_program(fm: FedModel, names: tuple[str, ...]) -> Any:
+    """The compiled prediction program of a model for the named sites (kept, so repeated predictions with
+    the same shapes reuse it)."""
+    return _over_clients(lambda key, values, inputs: fm.trace_values(values, inputs, names, key))
+
+
+@functools.lru_cache(maxsize=32)
+def _probability_program(fm: FedModel, site: str) -> Any:
+    """The compiled program of the class probabilities of a discrete observed ``site`` at one draw."""
+
+    def one(key, values, inputs):
+        fn = handlers.seed(handlers.substitute(fm.model, data=values), key)
+        d = handlers.trace(fn).get_trace(**inputs, **fm.model_kwargs)[site]["fn"]
+        if not d.has_enumerate_support:
+            raise DataError(f"observed site '{site}' has a {type(d).__name__} distribution, not a discrete one "
+                            "with finite support; use predict() draws and the regression diagnostics")
+        support = d.enumerate_support(expand=False)  # (K, 1, ...)
+        return jnp.moveaxis(jnp.exp(d.log_prob(support)), 0, -1)
+
+    return _over_clients(one)
 
 
 RESULT_FORMAT = 1
