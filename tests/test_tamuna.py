@@ -205,7 +205,9 @@ def test_ledger_of_a_fit(quad):
     np.testing.assert_array_equal(avg.history["local_steps"], 3)
     # set-up, with all N clients: x_0 to each; (mu_i, L_i) back, for gamma = 1 / L_max; gamma, p, eta to each
     assert res.init_bits == (N * 2 * 32, N * 32 * D + N * 3 * 64)
-    assert res.bits_up == rounds * 32 * s * D + N * 2 * 32
+    # final exchange: x to every client; its log-likelihood's gradient and Hessian (upper triangle) back
+    assert res.final_bits == (N * 32 * (D + D * (D + 1) // 2), N * 32 * D)
+    assert res.bits_up == rounds * 32 * s * D + N * 2 * 32 + res.final_bits[0]
 
 
 # --------------------------------------------------------------------------- special cases

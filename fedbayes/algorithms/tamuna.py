@@ -51,8 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, run_rounds, Staged, stack_clients
-from .._keys import seed_key
+from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, final_exchange, stack_clients
 from ..wire import Masked
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
@@ -169,6 +168,15 @@ def expected_uplink_floats(d: int, c: int, s: int) -> tuple[int, int]:
 
 class ServerState(NamedTuple):
     x: jax.Array  # (d,) the server model x_bar
+    halvings: jax.Array  # () times the safeguard halved gamma (the clients' step is gamma 2^-halvings)
+    best: jax.Array  # () the smallest objective F reported so far (inf before the first report)
+    stall: jax.Array  # () rounds since F last fell below ``best``
+    first: jax.Array  # () F at the start (NaN before the first report)
+
+
+SAFEGUARD_PATIENCE = 10
+"""Local steps (10 / p rounds: 10 for GD) the safeguard waits, with F above its best value, before it
+halves gamma (it halves at once when F rises above its value at the start)."""
 
 
 def _real(value: Any) -> bool:
@@ -209,7 +217,19 @@ class TAMUNA:
         Add the log-Jacobian of the unconstraining transforms to the prior (the mode of the density a
         Langevin sampler targets) instead of the MAP in the model's own parametrisation.
     init:
-        Initial constrained values of global sites (a dict, or a previous ``Result``).
+        Initial constrained values of global sites (a dict, or a previous ``Result``). None: the
+        deterministic start (each prior's mean, :meth:`FedModel.init_globals`).
+    safeguard:
+        Monotonicity safeguard (full participation only). Every member also sends f_i at the broadcast
+        point (one float), so the server knows F = sum_i f_i at each iterate; when F rises above the
+        best value so far by more than rounding (1e3 eps (|F| + 1)) and has not improved for
+        ceil(10 / p) rounds (``SAFEGUARD_PATIENCE``: TAMUNA's F need not fall every round, GD's does),
+        or rises above its starting value, the server halves gamma
+        (the broadcast carries the number of halvings: one float). gamma = 1 / L_max is measured at
+        the start, and the curvature may be larger along the path (a start where a logistic likelihood
+        is flat); GD then oscillates instead of converging. None (default): on when the step is
+        automatic (``step_size=None``) and every client takes part in every round (except for
+        ``FedAvg``, the baseline, whose client drift would only be halved away).
     aggregation:
         How the server averages each coordinate over its holders that answered: ``"mean"`` (the
         algorithm), or ``"median"`` / ``"trimmed"`` / a trim fraction for a coordinate-wise robust
@@ -228,11 +248,13 @@ class TAMUNA:
     jacobian: bool = False
     init: Any = None
     aggregation: Any = "mean"
+    safeguard: bool | None = None
 
     name = "TAMUNA"
     control_variates = True
     compression = True  # False: every cohort member uploads everything (s = c)
     full_participation = False  # True: the special case needs c = n
+    auto_safeguard = True  # safeguard=None turns it on (automatic step, every client every round)
     divergence_hint = ("lower step_size below 2 / L_max (or leave it None for 1 / L_max at the start); the objective "
                        "must be smooth and strongly convex near the path")
 
@@ -264,6 +286,7 @@ class TAMUNA:
             raise ConfigError(f"{n} computes the MAP itself; init='map' is for the samplers and FedSOUL")
         require_choice(self.local_latents, f"{n} local_latents", (None, POPULATION_MEAN))
         require_choice(self.jacobian, f"{n} jacobian", (True, False))
+        require_choice(self.safeguard, f"{n} safeguard", (None, True, False))
         as_aggregation(self.aggregation)
 
     def build(self, problem: Problem) -> "TAMUNARun":
@@ -286,6 +309,9 @@ class TAMUNA:
             raise ConfigError(f"{self.name} needs a cohort of at least 2 clients (s >= 2 holders per coordinate)")
         if self.s is not None and self.s > c:
             raise ConfigError(f"{self.name} s={self.s} exceeds the cohort size c={c} (clients_per_round)")
+        if self.safeguard and c != n:
+            raise ConfigError(f"{self.name} safeguard=True needs every client in every round (the server compares the "
+                              f"objective F = sum_i f_i between rounds); got clients_per_round={c} of {n}")
         return TAMUNARun(self, fm, problem)
 
 
@@ -332,6 +358,7 @@ class FedAvg(TAMUNA):
     name = "FedAvg"
     control_variates = False
     compression = False
+    auto_safeguard = False  # the baseline as users know it: its drift is the point (safeguard=True halves it away)
 
     def __post_init__(self):
         if self.p is None and self.local_steps is None:
@@ -357,6 +384,8 @@ class TAMUNARun(Staged):
         self._x0, self._unravel = ravel_pytree(theta0)
         self.dim = d = self._x0.size
         self.s = self._s_value(d) if cfg.compression else self.c
+        self.safeguard = bool(cfg.safeguard if cfg.safeguard is not None
+                              else cfg.auto_safeguard and cfg.step_size is None and self.c == self.n)
         self.L_max = self.mu_min = None
         self.gamma_factor = 1.0  # a caller may shrink the step size (map_estimate) before set-up
         need_p = cfg.p is None and cfg.local_steps is None
@@ -409,7 +438,7 @@ class TAMUNARun(Staged):
         if not hasattr(self, "gamma"):
             raise ConfigError(f"{self.name}: gamma, p and eta are estimated in the set-up exchange; call init first")
         out = {"gamma": self.gamma, "p": self.p, "eta": self.eta, "s": self.s, "c": self.c, "n": self.n,
-               "d": self.dim, "local_steps": self.cfg.local_steps}
+               "d": self.dim, "local_steps": self.cfg.local_steps, "safeguard": self.safeguard}
         if self.L_max is not None:
             out.update(L_max=self.L_max, mu_min=self.mu_min)
         return out
@@ -423,6 +452,13 @@ class TAMUNARun(Staged):
         else:
             loglik = fm.client_log_terms(theta, {}, client.data, client.mask)[1]
         return -loglik - fm.log_prior(theta, jacobian=self.cfg.jacobian) / self.n
+
+    def client_loglik(self, x: jax.Array, client: ClientData) -> jax.Array:
+        """log p(D_i | x) (models with local latents: every latent at its population mean)."""
+        fm, theta = self._fm, self._unravel(x)
+        if fm.local_names:
+            return fm.client_loglik_population(theta, client.data, client.mask)
+        return fm.client_log_terms(theta, {}, client.data, client.mask)[1]
 
     def objective(self, x: jax.Array, clients: ClientData) -> jax.Array:
         """f(x) = (1/n) sum_i f_i(x) over all clients (a reference for tests and benchmarks)."""
@@ -452,7 +488,10 @@ class TAMUNARun(Staged):
     shared_settings = ("gamma", "p", "eta")
 
     def setup_server(self, key: jax.Array) -> tuple[ServerState, jax.Array]:
-        return ServerState(self._x0), self._x0
+        dt = self._x0.dtype
+        state = ServerState(self._x0, jnp.zeros((), dt), jnp.asarray(jnp.inf, dt), jnp.zeros((), jnp.int32),
+                            jnp.asarray(jnp.nan, dt))
+        return state, self._x0
 
     def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
         """h_i = 0 (so sum_i h_i = 0), and (mu_i, L_i) of f_i at x_0 when the server needs them."""
@@ -460,7 +499,7 @@ class TAMUNARun(Staged):
         return h, (client_extremes(self, client, x0) if self._estimate else ())
 
     def setup_server_step(self, stage: int, key: jax.Array, state: ServerState, uploads: Any):
-        return state, self._broadcast(state.x)
+        return state, self._broadcast(state.x, state.halvings)
 
     def setup_done(self, state: ServerState, uploads: Any) -> None:
         """mu_min = min_i mu_i, L_max = max_i L_i, then gamma, p, eta (:meth:`_resolve`)."""
@@ -469,49 +508,131 @@ class TAMUNARun(Staged):
             self.mu_min, self.L_max = float(jnp.min(lo)), float(jnp.max(hi))
             self._resolve()
 
-    def _broadcast(self, x):
+    def _broadcast(self, x, halvings):
+        """x_bar to a cohort member (d floats); with the safeguard also the number of halvings (one float)."""
+        if self.safeguard:
+            return Message((x, halvings), jnp.asarray(FLOAT_BITS * (self.dim + 1)))
         return Message(x, jnp.asarray(FLOAT_BITS * self.dim))
 
-    def client_step(self, key, x_bar, h, client: ClientData):
-        gamma = self.gamma
+    def _unpack(self, payload):
+        """(x_bar, the step gamma 2^-halvings) from a broadcast payload."""
+        if self.safeguard:
+            x_bar, halvings = payload
+            return x_bar, self.gamma * jnp.exp2(-halvings)
+        return payload, self.gamma
+
+    def client_step(self, key, payload, h, client: ClientData):
+        x_bar, gamma = self._unpack(payload)
         steps = self.num_local_steps(client.shared_key)
         x = jax.lax.fori_loop(0, steps, lambda _, x: x - gamma * (self._grad(x, client) - h), x_bar)
         q = self.column(client.shared_key, client.slot)
-        return h, Message(Masked(jnp.where(q, x, 0.0), self.column), FLOAT_BITS * jnp.sum(q))
+        sent = Masked(jnp.where(q, x, 0.0), self.column)
+        if self.safeguard:  # f_i at the broadcast point, for the server's monotonicity check
+            return h, Message((sent, self.client_objective(x_bar, client)), FLOAT_BITS * (jnp.sum(q) + 1))
+        return h, Message(sent, FLOAT_BITS * jnp.sum(q))
 
     def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
         """x_bar: each coordinate's mean over its holders that answered (all s of them without faults);
         a coordinate none of whose holders answered keeps its value. Faulty members get no reply and
         keep their h_i, so sum_i h_i = 0 still holds."""
+        masked = uploads.payload[0] if self.safeguard else uploads.payload
         if info.faulty is None and not self._aggregate.robust:
-            x = jnp.sum(uploads.payload, axis=0) / self.s
+            x = jnp.sum(masked, axis=0) / self.s
         else:
             q = jax.vmap(self.column, in_axes=(None, 0))(info.shared_key, jnp.arange(self.c)) & info.active[:, None]
             holders = jnp.sum(q, axis=0)
-            x = jnp.where(holders > 0, self._aggregate(uploads.payload, q), state.x)
+            x = jnp.where(holders > 0, self._aggregate(masked, q), state.x)
         diag = {f"theta/{k}": v for k, v in self._fm.constrain(self._unravel(x)).items()}
         diag["local_steps"] = self.num_local_steps(info.shared_key)
-        return ServerState(x), self._broadcast(x), diag
+        state = state._replace(x=x)
+        if self.safeguard:
+            state, objective = self._safeguard(state, uploads.payload[1], info)
+            diag["objective"] = objective
+            diag["step_halvings"] = state.halvings
+        return state, self._broadcast(state.x, state.halvings), diag
 
-    def finish_message(self, x_bar: jax.Array) -> Any:
+    def _safeguard(self, state: ServerState, f: jax.Array, info: RoundInfo) -> tuple[ServerState, jax.Array]:
+        """The monotonicity check on F = sum_i f_i at the round's broadcast point (every client answered;
+        a round with faults is skipped): F above its best value by more than rounding for
+        ``SAFEGUARD_PATIENCE`` rounds, or above its value at the start, halves gamma."""
+        complete = jnp.all(info.active)
+        F = jnp.sum(f)
+        eps = jnp.finfo(state.x.dtype).eps
+        first = jnp.where(jnp.isnan(state.first), F, state.first)
+        tol = 1e3 * eps * (jnp.abs(F) + 1.0)
+        stall = jnp.where(F < state.best, 0, state.stall + 1)
+        rise = (F > state.best + tol) | ~jnp.isfinite(F)
+        patience = math.ceil(SAFEGUARD_PATIENCE / self.p)  # local steps and control variates: F need not fall every round
+        trigger = complete & rise & ((stall >= patience) | (F > first + tol) | ~jnp.isfinite(F))
+        new = ServerState(
+            x=state.x,
+            halvings=state.halvings + jnp.where(trigger, 1.0, 0.0).astype(state.halvings.dtype),
+            best=jnp.where(complete & (F < state.best), F, state.best),
+            stall=jnp.where(complete, jnp.where(trigger, 0, stall), state.stall).astype(state.stall.dtype),
+            first=jnp.where(complete, first, state.first),
+        )
+        return new, jnp.where(complete, F, jnp.nan)
+
+    def finish_message(self, payload: Any) -> Any:
         """The server's reply to a cohort member on a network: x_bar on the member's own coordinates
         (the ones ``client_finish`` is charged for); None without control variates (no reply)."""
-        return Masked(x_bar, self.column) if self.cfg.control_variates else None
+        return Masked(self._unpack(payload)[0], self.column) if self.cfg.control_variates else None
 
-    def client_finish(self, x_bar, h, client: ClientData, upload):
-        """h_i += (eta / gamma) q_i * (x_bar_new - x_i): the client receives x_bar on its own q_i entries."""
+    def client_finish(self, payload, h, client: ClientData, upload):
+        """h_i += (eta / gamma) q_i * (x_bar_new - x_i): the client receives x_bar on its own q_i entries.
+        (In a round where the safeguard halves gamma the correction uses the new gamma: each coordinate's
+        corrections still sum to zero over its holders, so sum_i h_i = 0 and the fixed point are kept.)"""
         if not self.cfg.control_variates:
             return h, jnp.asarray(0)
+        x_bar, gamma = self._unpack(payload)
+        mine = upload[0] if self.safeguard else upload
         q = self.column(client.shared_key, client.slot)
-        h = h + (self.eta / self.gamma) * jnp.where(q, x_bar - upload, 0.0)
+        h = h + (self.eta / gamma) * jnp.where(q, x_bar - mine, 0.0)
         return h, FLOAT_BITS * jnp.sum(q)
 
-    def finalize(self, key, carry, problem: Problem, history=None) -> dict[str, Any]:
-        x = carry[0].x
-        theta = self._unravel(x)
+    # final exchange (engine.Final): the estimate to every client, its log-likelihood's gradient and
+    # Hessian (upper triangle; d <= DENSE_CURVATURE) back, so the result carries the convergence material
+    final_exchange = True
+
+    def final_message(self, key: jax.Array, state: ServerState) -> jax.Array:
+        return state.x
+
+    def final_client(self, key: jax.Array, x: jax.Array, h: Any, client: ClientData):
+        """grad log p(D_i | x) and, for d <= DENSE_CURVATURE, the upper triangle of its Hessian."""
+        from .newton import DENSE_CURVATURE
+
+        g = jax.grad(self.client_loglik)(x, client)
+        if self.dim > DENSE_CURVATURE:
+            return (), (g,)
+        rows, cols = np.triu_indices(self.dim)
+        return (), (g, jax.hessian(self.client_loglik)(x, client)[rows, cols])
+
+    def final_server(self, key: jax.Array, state: ServerState, x: jax.Array, uploads: Any, locals_: Any) -> dict[str, Any]:
+        """The estimate; with every client's upload, ``gradient`` = grad of the log posterior (the objective
+        TAMUNA maximises, -n f) at x and ``information`` = its negative Hessian (unconstrained, flat)."""
+        theta = self._unravel(state.x)
         params = self._fm.constrain(theta)
-        return {"theta": theta, "params": params, "params_last": params, "init_bits": self.init_bits,
-                "settings": self.settings, "final_state": carry[0]}
+        settings = dict(self.settings)
+        if self.safeguard:
+            settings.update(step_halvings=int(state.halvings), gamma_final=float(self.gamma * 2.0 ** -float(state.halvings)))
+        parts = {"theta": theta, "params": params, "params_last": params, "settings": settings,
+                 "final_state": state}
+        if uploads is None:
+            return parts
+        log_prior = lambda y: self._fm.log_prior(self._unravel(y), jacobian=self.cfg.jacobian)  # noqa: E731
+        parts["gradient"] = jnp.sum(uploads[0], axis=0) + jax.grad(log_prior)(state.x)
+        if len(uploads) > 1:
+            rows, cols = np.triu_indices(self.dim)
+            upper = jnp.zeros((self.dim, self.dim), state.x.dtype).at[rows, cols].set(jnp.sum(uploads[1], axis=0))
+            hess = upper + jnp.triu(upper, 1).T + jax.hessian(log_prior)(state.x)
+            parts["information"] = -hess
+        return parts
+
+    def finalize(self, key, carry, problem: Problem, history=None) -> dict[str, Any]:
+        """The estimate, with the final exchange's gradient and information (``final_bits``)."""
+        parts = final_exchange(self, key, carry[0], carry[1], stack_clients(problem.data))
+        parts["init_bits"] = self.init_bits
+        return parts
 
 
 # ------------------------------------------------------------------------------ condition number
