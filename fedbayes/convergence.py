@@ -130,12 +130,16 @@ def newton_decrement(gradient: Any, information: Any, gradient_cov: Any = None,
     d = g.size
     if info.shape != (d, d):
         raise ValueError(f"information must be ({d}, {d}) for a gradient of {d} coordinates, got {info.shape}")
+    names = {JOINT: np.arange(d)}
+    names.update({k: np.asarray(v) for k, v in (blocks or {}).items()})
+    if not (np.all(np.isfinite(info)) and np.all(np.isfinite(g))):
+        nan = float("nan")
+        return {n: {"value": nan, "noise_mean": nan, "noise_quantile": nan, "threshold": DECREMENT_TOL,
+                    "min_eig": nan} for n in names}
     info = (info + info.T) / 2
     eig, vec = np.linalg.eigh(info)
     scale = float(np.max(np.abs(eig))) if d else 0.0
     rel_min = float(eig[0] / scale) if d and scale > 0 else 0.0
-    names = {JOINT: np.arange(d)}
-    names.update({k: np.asarray(v) for k, v in (blocks or {}).items()})
     if d == 0 or rel_min <= d * np.finfo(np.float64).eps:
         nan = float("nan")
         return {n: {"value": nan, "noise_mean": nan, "noise_quantile": nan, "threshold": DECREMENT_TOL,
@@ -303,10 +307,11 @@ def _decrement_rows(res: Any) -> list[dict[str, Any]]:
     rows = []
     for name, r in out.items():
         if not np.isfinite(r["value"]):
-            rows.append(_row("newton_decrement", name, r["value"], r["threshold"], False,
-                             f"the information matrix is not positive definite (smallest eigenvalue {r['min_eig']:.3g} "
-                             "of the largest): the estimate is not at a strict maximum (a saddle, a flat direction "
-                             "or a parameter the data do not identify)"))
+            why = ("the gradient or the information matrix is not finite" if not np.isfinite(r["min_eig"]) else
+                   f"the information matrix is not positive definite (smallest eigenvalue {r['min_eig']:.3g} of the "
+                   "largest): the estimate is not at a strict maximum (a saddle, a flat direction or a parameter "
+                   "the data do not identify)")
+            rows.append(_row("newton_decrement", name, r["value"], r["threshold"], False, why))
             continue
         note = "g' I^-1 g: squared distance to the optimum in standard errors" if name == JOINT else \
             "the site's Newton step in its marginal standard errors, squared"
@@ -337,6 +342,8 @@ def _trace_rows(res: Any, decrement_available: bool) -> list[dict[str, Any]]:
     rows = []
     for s in sites:
         trace = np.asarray(history[f"theta/{s}"], dtype=np.float64)
+        if trace[0].size == 0:
+            continue
         se = ses.get(s)
         if se is not None and not np.all(np.isfinite(se) & (np.asarray(se) > 0)):
             se = None
@@ -381,7 +388,7 @@ def _sampler_rows(res: Any) -> list[dict[str, Any]]:
         return []
     chains, n = next(iter(draws.values())).shape[:2]
     if n < 8:
-        return [_row("rhat", s, n, 8, False, f"{n} draws are too few for R-hat and ESS") for s in draws]
+        return [_row("draws", JOINT, n, 8, False, f"{n} draws per chain are too few for R-hat and ESS (8 at least)")]
     stats = _arviz_stats(draws, {})
     need = ESS_PER_CHAIN * max(chains, 1)
     rows = []
@@ -502,8 +509,9 @@ _CRITERIA = {
     "trace": "the drift of the estimate over the last quarter of the rounds",
     "rounds": "the number of rounds (too few to check the trace)",
     "statistic_change": "the EM statistic's extrapolated remaining change (relative)",
-    "rhat": "split R-hat", "ess_bulk": "the bulk effective sample size", "ess_tail": "the tail effective sample size",
+    "rhat": "split R-hat", "draws": "the number of draws", "ess_bulk": "the bulk effective sample size", "ess_tail": "the tail effective sample size",
     "local_rhat": "split R-hat of the clients' local chains",
+    "checks": "any check",
 }
 
 
@@ -519,7 +527,7 @@ def messages(res: Any, table: Any) -> list[str]:
                    "computed at this non-converged point and are not reliable.")
     out = []
     for check, rows in failed.groupby("check", sort=False):
-        below = check.startswith("ess") or check == "rounds"
+        below = check.startswith("ess") or check in ("rounds", "draws")
         worst = rows.sort_values("value", ascending=below)
         items = "; ".join(f"{r.site}: {r.value:.4g} {'<' if below else '>'} {r.threshold:.4g}"
                           for r in worst.head(5).itertuples())
@@ -541,8 +549,19 @@ def _stacklevel() -> int:
 
 
 def report(res: Any) -> Any:
-    """Compute ``res.diagnostics`` and emit one :class:`fb.ConvergenceWarning` per failed check."""
-    table = res.diagnostics
+    """Compute ``res.diagnostics`` and emit one :class:`fb.ConvergenceWarning` per failed check.
+
+    A check that cannot run on this fit's outputs does not lose the fit: the table gets one failed
+    ``checks`` row saying why (so ``res.converged`` is False) and the warning says so."""
+    try:
+        table = res.diagnostics
+    except Exception as err:  # noqa: BLE001 - the fit itself is fine; its convergence is unknown
+        import pandas as pd
+
+        table = pd.DataFrame([_row("checks", JOINT, float("nan"), float("nan"), False,
+                                   f"the convergence checks failed ({type(err).__name__}: {err}); convergence is "
+                                   "unknown")], columns=COLUMNS)
+        res._diagnostics = table
     for message in messages(res, table):
         warnings.warn(message, ConvergenceWarning, stacklevel=_stacklevel())
     return table
