@@ -160,8 +160,8 @@ def _linear_data():
     ys = [x @ w + rng.normal(size=30) for x in xs]
     data = fb.FederatedData({"x": xs, "y": ys})
     X, Y = np.concatenate(xs), np.concatenate(ys)
-    precision = X.T @ X + np.eye(D) / 100.0**2
-    return data, np.linalg.solve(precision, X.T @ Y), np.sqrt(np.diag(np.linalg.inv(precision)))
+    precision = X.T @ X + np.eye(D) / 100.0**2  # the posterior's (the information at every point)
+    return data, np.linalg.solve(precision, X.T @ Y), precision
 
 
 def _fit_warnings(*args, **kwargs):
@@ -193,10 +193,17 @@ def _check_warnings(res, caught):
 
 
 def test_gradient_descent_under_run_warns_and_converged_does_not():
-    data, w_map, sd = _linear_data()
+    data, w_map, precision = _linear_data()
+    sd = np.sqrt(np.diag(np.linalg.inv(precision)))
     res, caught = _fit_warnings(linear_model, data, fb.GD(), num_rounds=50, seed=0, chunk_size=50)
     texts = _check_warnings(res, caught)
     assert any("num_rounds" in t for t in texts)
+    table = res.diagnostics.set_index(["check", "site"])
+    if ("newton_decrement", cv.JOINT) in table.index:  # where GD reports its gradient and information:
+        # the log posterior is quadratic, so the Newton step lands on the MAP and the decrement is exactly
+        # the squared Mahalanobis distance (w - w_map)' P (w - w_map)
+        delta = res.params["w"] - w_map
+        assert table.loc[("newton_decrement", cv.JOINT), "value"] == pytest.approx(delta @ precision @ delta, rel=1e-8)
     assert np.max(np.abs(res.params["w"] - w_map) / sd) > 1.0  # it really is far from the MAP
     res = _fit_silently(linear_model, data, fb.GD(), num_rounds=3000, seed=0, chunk_size=50)  # one compilation
     assert res.converged and res.diagnostics["ok"].all()
