@@ -207,8 +207,7 @@ class Result:
         if det_params:
             params = params.assign(det_params)
             used = {dim for dims, _ in det_params.values() for dim in dims}
-            params = params.assign_coords({k: v for k, v in det_coords.items()
-                                           if k in used or (k == "obs_client" and "obs" in used)})
+            params = params.assign_coords({k: v for k, v in det_coords.items() if k in used})
         for k, v in self.standard_errors.items():
             params[f"{k}_se"] = (_site_dims(k, v.shape), v)
         local = None
@@ -250,9 +249,10 @@ class Result:
         are computed at the draws of the model-checking groups (client i's local draws with theta*, or the
         globals' draws), vectorised over clients and draws on the padded clients: with a ``client``
         dimension, or, when they have one value per observation (a linear predictor), along an ``obs``
-        dimension over every client's real rows, client-major as in ``log_likelihood``, with the
-        coordinate ``obs_client``. A point-estimate fit of a model without locals (TAMUNA, GD) has them at
-        theta* in ``fed_params``. Sites whose value depends on the padding or on per-observation latents
+        dimension over every client's real rows, client-major as in ``log_likelihood``, labelled
+        ``"<client name>:<row>"`` (an index coordinate: a non-index one along ``obs`` would stop ArviZ
+        1.x's ``az.summary`` from stacking the variables). A point-estimate fit of a model without locals
+        (TAMUNA, GD) has them at theta* in ``fed_params``. Sites whose value depends on the padding or on per-observation latents
         are left out (FedModel warns when it analyses the model).
         """
         fm = self._fm
@@ -274,7 +274,7 @@ class Result:
                 a = np.moveaxis(v, 0, 1)
                 return ["client", *_site_dims(name, a.shape[2:])], a
             a = np.moveaxis(np.moveaxis(v, 2 + axis, 2), 0, 1)[:, keep]  # (S, total rows, ...)
-            coords["obs_client"] = ("obs", self._data.client_coordinate()[self._data.pooled_client_ids()])
+            coords["obs"] = self._row_labels()
             return ["obs", *_site_dims(name, a.shape[2:])], a
 
         source = self.global_samples or self.global_approx
@@ -307,6 +307,12 @@ class Result:
                 post[n] = (["chain", "draw", *dims], a.reshape((chains, draws) + a.shape[1:]))
             coords.update(chain=np.arange(chains), draw=np.arange(draws))
         return post, params, coords
+
+    def _row_labels(self) -> np.ndarray:
+        """``"<client name>:<row>"`` for every real row of the training data, client-major."""
+        names = self._data.client_coordinate()[self._data.pooled_client_ids()]
+        rows = np.concatenate([np.arange(n) for n in self._data.sizes])
+        return np.array([f"{c}:{j}" for c, j in zip(names, rows)])
 
     # ------------------------------------------------------------------ prediction
     def _client_arrays(self, new_data: Mapping[str, Any]) -> dict[str, jax.Array]:
