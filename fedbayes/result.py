@@ -236,7 +236,8 @@ class Result:
     def _draw_rounds(self, draws: int) -> np.ndarray:
         """The round index of each kept draw (after warm-up and thinning)."""
         cfg = self._algorithm_config()
-        return cfg.warmup + cfg.thinning * np.arange(draws)
+        warmup = self.settings.get("warmup", cfg.warmup)  # the samplers' resolved warm-up (None: half the rounds)
+        return warmup + cfg.thinning * np.arange(draws)
 
     @serialized
     def _deterministic_vars(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

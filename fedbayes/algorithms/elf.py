@@ -69,23 +69,40 @@ class _Langevin:
     Parameters
     ----------
     step_size:
-        gamma, multiplying grad U of the full posterior potential; None: 0.1 / L with L the largest
-        eigenvalue of the Hessian of U at the initial point (a power iteration on federated
-        Hessian-vector products).
+        gamma, multiplying grad U of the full posterior potential. None (default), up to
+        ``DENSE_CURVATURE`` = 1000 coordinates: the chains start around the mode (see ``init``) and the
+        server preconditions the Langevin step by S, S S' = H^-1 the inverse Hessian of U at the mode,
+
+            x <- x - gamma S S' g + sqrt(2 gamma) S Z,
+
+        (Langevin dynamics in y = S^-1 x, where the posterior is close to N(0, I): the same stationary
+        law, scale-free, and every direction mixes at the same rate), with gamma = 0.1 / lambda_max of
+        S' H S measured where the chains start (0.1 at the mode itself). Otherwise 0.1 / L with L the
+        largest eigenvalue of the Hessian of U at the initial point, without preconditioning (also for a
+        user-given start). A given ``step_size`` is never preconditioned.
     num_chains:
         Independent chains run side by side (each is its own federated run; the ledger counts all).
     warmup, thinning:
-        Rounds dropped at the start, and keep every ``thinning``-th of the rest.
+        Rounds dropped at the start (None: half of ``num_rounds``, as Stan and NumPyro's examples do),
+        and keep every ``thinning``-th of the rest.
     init:
-        Start of the chains (jittered per chain when there are several): None (prior medians), a dict
-        of constrained values, a previous fit ``Result`` (its ``params``, e.g. a ``fb.TAMUNA`` MAP), or
-        ``"map"``: a TAMUNA fit of the density the sampler targets (Jacobian included; 300 rounds,
-        default settings) run first, which puts the chains at the mode and skips most of the warm-up.
+        Start of the chains. None (default) or ``"map"``: up to ``DENSE_CURVATURE`` = 1000 coordinates,
+        the mode of the density the sampler targets (Jacobian included), found by the federated damped
+        Newton method (:mod:`fedbayes.algorithms.newton`, its bits in ``init_bits``), and with several
+        chains each starts at an independent draw of the Laplace approximation N(mode, H^-1), H the
+        Hessian of U there, so that R-hat compares independent starts; the automatic step is then
+        measured at the mode, where the chains are. Beyond 1000 coordinates None is the deterministic
+        start (each prior's mean, :meth:`FedModel.init_globals`) and ``"map"`` the same solver's gradient
+        steps, jittered per chain by U(-0.5, 0.5). ``"prior"``: the deterministic start without the search,
+        jittered per chain by U(-0.5, 0.5) (on a network, ``fedbayes.flower``, None means ``"prior"``:
+        the search needs a data-dependent number of exchanges; pass ``init=`` a MAP ``Result`` instead).
+        A dict of constrained values or a previous fit ``Result`` (its ``params``) is used as given,
+        jittered per chain by U(-0.5, 0.5).
     """
 
     step_size: float | None = None
     num_chains: int = 4
-    warmup: int = 0
+    warmup: int | None = None
     thinning: int = 1
     init: Any = None
 
@@ -99,7 +116,8 @@ class _Langevin:
                                            or not self.step_size > 0):
             raise ConfigError(f"{self.name} step_size must be a positive number or None, got {self.step_size!r}")
         require_int(self.num_chains, f"{self.name} num_chains")
-        require_int(self.warmup, f"{self.name} warmup", 0)
+        if self.warmup is not None:
+            require_int(self.warmup, f"{self.name} warmup", 0)
         require_int(self.thinning, f"{self.name} thinning")
         check_init(self.init, self.name)
         self._compressors()  # refuse a compressor of the wrong kind now, not at fit time
@@ -128,7 +146,7 @@ class _Langevin:
                 f"of w and the gradient sum must be complete), got clients_per_round={problem.cohort_size} of {C}; "
                 "use fb.QLSD for partial participation"
             )
-        if self.warmup >= problem.num_rounds:
+        if self.warmup is not None and self.warmup >= problem.num_rounds:
             raise ConfigError(f"{self.name} warmup={self.warmup} leaves no draws from {problem.num_rounds} rounds")
         return self._make_run(fm, problem)
 
@@ -175,7 +193,8 @@ def curvature_step_size(model, data, at: Mapping[str, Any] | None = None, *, sca
                         model_kwargs: Mapping[str, Any] | None = None) -> float:
     """A safe Langevin step ``scale / lambda_max``, lambda_max the largest eigenvalue of the Hessian of
     the posterior potential U at ``at`` (constrained values, e.g. a MAP estimate; default: the
-    samplers' initial point), by a power iteration on Hessian-vector products summed over clients."""
+    samplers' default start, the mode up to 1000 coordinates), by a power iteration on Hessian-vector
+    products summed over clients."""
     from ..data import FederatedData
 
     fd = data if isinstance(data, FederatedData) else FederatedData(data)
@@ -254,10 +273,41 @@ class LangevinRun(Staged):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
         self._up, self._down = cfg._compressors()
         self._b = problem.data.num_clients
-        theta0 = fm.init_globals(jax.random.PRNGKey(0), resolve_init(cfg.init, problem, jacobian=True))
-        flat, self._unravel = ravel_pytree(theta0)
+        self.warmup = cfg.warmup if cfg.warmup is not None else problem.num_rounds // 2
+        self._spread = None  # Cholesky factor of H^-1 at the mode: the chains' dispersed starts
+        self._precond = None  # the same factor S as the Langevin preconditioner (automatic step only)
+        self.map_bits, self.map_iterations, self.start = (0, 0), 0, "given"
+        flat, self._unravel = ravel_pytree(fm.init_globals(None))
+        auto = cfg.init is None or (isinstance(cfg.init, str) and cfg.init == "map")
+        if auto and flat.size <= DENSE_CURVATURE:
+            flat = self._start_at_mode(problem, flat)
+        else:
+            if auto or cfg.init == "prior":
+                self.start = "map" if cfg.init == "map" else "prior-centre"
+            flat = ravel_pytree(fm.init_globals(None, resolve_init(cfg.init, problem, jacobian=True)))[0]
         self._x0, self.dim = flat, flat.size
         self.init_bits = (0, 0)
+
+    def _start_at_mode(self, problem: Problem, fallback: jax.Array) -> jax.Array:
+        """The mode of the target by federated Newton (its bits kept in ``map_bits``) and the Cholesky
+        factor of H^-1 there for the dispersed starts; the deterministic start if no finite mode is found."""
+        from .tamuna import map_solve
+
+        sol = map_solve(problem, jacobian=True)
+        self.map_bits, self.map_iterations = sol.bits, sol.iterations
+        if not (bool(jnp.all(jnp.isfinite(sol.x))) and np.isfinite(sol.value)):
+            self.start = "prior-centre"
+            return fallback
+        self.start = "map"
+        hess = np.asarray(sol.hessian, dtype=np.float64)
+        try:
+            chol = np.linalg.cholesky(0.5 * (hess + hess.T))
+            self._spread = jnp.asarray(np.linalg.inv(chol).T, sol.x.dtype)  # S S' = H^-1
+        except np.linalg.LinAlgError:  # not positive definite at the mode found: jitter as for a given start
+            self._spread = None
+        if self.cfg.step_size is None:
+            self._precond = self._spread
+        return sol.x
 
     # ------------------------------------------------------------------ potentials
     def client_potential(self, x: jax.Array, client: ClientData) -> jax.Array:
@@ -278,9 +328,15 @@ class LangevinRun(Staged):
     setup_stages = 1
 
     def setup_server(self, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x_0 per chain (the initial point, jittered when there are several chains), sent to every client."""
+        """x_0 per chain, sent to every client: with several chains, independent draws of N(mode, H^-1)
+        at the mode found by Newton, otherwise the initial point jittered by U(-0.5, 0.5) per coordinate."""
         chains = self.cfg.num_chains
-        jitter = jax.random.uniform(key, (chains, self.dim), minval=-0.5, maxval=0.5) if chains > 1 else 0.0
+        if chains == 1:
+            jitter = 0.0
+        elif self._spread is not None:
+            jitter = jax.random.normal(key, (chains, self.dim), self._x0.dtype) @ self._spread.T
+        else:
+            jitter = jax.random.uniform(key, (chains, self.dim), minval=-0.5, maxval=0.5)
         x0 = self._x0[None] + jitter
         return x0, x0
 
@@ -300,6 +356,8 @@ class LangevinRun(Staged):
         if self.cfg.step_size is not None:
             return jnp.asarray(self.cfg.step_size)
         total = jnp.sum(curvatures, 0)
+        if self._precond is not None:  # the Hessian in the preconditioned coordinates y = S^-1 x: S' H S
+            total = self._precond.T @ total @ self._precond
         lam = jnp.max(jnp.abs(jnp.linalg.eigvalsh(total))) if self.dim <= DENSE_CURVATURE else total
         return 0.1 / lam
 
@@ -325,7 +383,11 @@ class LangevinRun(Staged):
         """Langevin step x -> x - gamma g + sqrt(2 gamma) Z; P-/B-ELF also move and send w."""
         gamma = self._gamma if gamma is None else gamma
         k_noise, k_comp = jax.random.split(key)
-        x = s.x - gamma * s.g + jnp.sqrt(2 * gamma) * jax.random.normal(k_noise, s.x.shape, s.x.dtype)
+        z = jax.random.normal(k_noise, s.x.shape, s.x.dtype)
+        if self._precond is None:
+            x = s.x - gamma * s.g + jnp.sqrt(2 * gamma) * z
+        else:  # x - gamma S S' g + sqrt(2 gamma) S z: Langevin in y = S^-1 x, the same stationary law
+            x = s.x - gamma * (s.g @ self._precond) @ self._precond.T + jnp.sqrt(2 * gamma) * z @ self._precond.T
         if not self.cfg.downlink_ef:
             return ServerState(x, x, s.g), Message(x, jnp.asarray(FLOAT_BITS * x.size, jnp.int32))
         sent, v, bits = self._compress(self._down, k_comp, x - s.w)
@@ -369,7 +431,7 @@ class LangevinRun(Staged):
 
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray]) -> dict[str, Any]:
         """Posterior draws of the global sites (constrained), chains x draws, after warm-up and thinning."""
-        raw = np.asarray(history["_sample"])[self.cfg.warmup::self.cfg.thinning]  # (draws, chains, d)
+        raw = np.asarray(history["_sample"])[self.warmup::self.cfg.thinning]  # (draws, chains, d)
         draws = np.swapaxes(raw, 0, 1)
         constrain = jax.jit(jax.vmap(jax.vmap(lambda v: self._fm.constrain(self._unravel(v)))))
         samples = {k: np.asarray(v) for k, v in constrain(jnp.asarray(draws)).items()}
@@ -379,8 +441,9 @@ class LangevinRun(Staged):
             "params": {k: v.mean(axis=(0, 1)) for k, v in samples.items()},
             "params_last": {k: v[:, -1].mean(0) for k, v in samples.items()},
             "client_info": {},
-            "init_bits": self.init_bits,
+            "init_bits": (self.init_bits[0] + self.map_bits[0], self.init_bits[1] + self.map_bits[1]),
             "step_size": float(self._gamma),
-            "settings": {"step_size": float(self._gamma)},
+            "settings": {"step_size": float(self._gamma), "warmup": self.warmup, "start": self.start,
+                         "map_iterations": self.map_iterations, "preconditioned": self._precond is not None},
             "final_state": server,
         }
