@@ -33,6 +33,8 @@ The global prior ``log p(theta)`` is kept apart and counted once overall by the 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import threading
 import warnings
 import dataclasses
@@ -178,6 +180,16 @@ def _row_axis(shape: tuple[int, ...], longer: tuple[int, ...] | None) -> tuple[i
     if len(grown) == 1 and longer[grown[0]] == shape[grown[0]] + 1:
         return grown[0], True
     return None, False
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of a warning issued by the calling function that names the first frame outside
+    the fedbayes package (the user's call)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _input_dependence(closed: Any, labels: Sequence[str]) -> list[frozenset[str]]:
@@ -488,7 +500,7 @@ class FedModel:
             + (" and of predictions for all clients at once" if any(not d.paddable for d in left_out.values()) else "")
             + "; res.predict(new_data) for one client returns them. To have them in idata, compute them from "
             "per-row values inside the data plate, and pass data-size constants through model_kwargs.",
-            UserWarning, stacklevel=4)
+            UserWarning, stacklevel=_user_stacklevel())
 
     def _deterministic_rows(self, tr, rows: int) -> dict[str, jax.Array]:
         """The paddable deterministic sites' values, cut to the first ``rows`` rows along their row axis."""
