@@ -61,10 +61,11 @@ CASES = {
     # FedMM with its final information pass (Louis' identity): a final exchange with every client
     "fedmm": lambda: (lambda m, d, init: (fb.FedMM(init=init, compressor=fb.compress.qsgd(16), step_size=0.5,
                                                    participation=0.75), m, d, 4, None))(*mixture()),
-    "d-elf": lambda: (fb.DELF(uplink=fb.compress.top_k(1), num_chains=2), *glm(), 5, None),
+    # samplers: on a network None means init="prior" (no search for the mode), so fed_fit is given it too
+    "d-elf": lambda: (fb.DELF(uplink=fb.compress.top_k(1), num_chains=2, init="prior"), *glm(), 5, None),
     # P-/B-ELF: each client keeps a copy of the server's w, re-sent after a fault (the unreachable test)
-    "b-elf": lambda: (fb.BELF(uplink=fb.compress.top_k(1), downlink=fb.compress.top_k(2), num_chains=2), *glm(), 5,
-                      None),
+    "b-elf": lambda: (fb.BELF(uplink=fb.compress.top_k(1), downlink=fb.compress.top_k(2), num_chains=2, init="prior"),
+                      *glm(), 5, None),
     "tamuna": lambda: (fb.TAMUNA(s=2, local_steps=2), *glm(), 5, 3),
 }
 
@@ -251,9 +252,9 @@ def test_the_server_expects_the_messages_clients_send(algo):
 
 OTHERS = {
     # the rest of the algorithms, each on a few rounds: the generic apps run any of them
-    "lmc": lambda: (fb.LMC(num_chains=2), *glm(), 3, None),
-    "p-elf": lambda: (fb.PELF(downlink=fb.compress.top_k(2), num_chains=2), *glm(), 3, None),
-    "qlsd": lambda: (fb.QLSD(compressor=fb.compress.rand_k(2), num_chains=2), *glm(), 3, 3),
+    "lmc": lambda: (fb.LMC(num_chains=2, init="prior"), *glm(), 3, None),
+    "p-elf": lambda: (fb.PELF(downlink=fb.compress.top_k(2), num_chains=2, init="prior"), *glm(), 3, None),
+    "qlsd": lambda: (fb.QLSD(compressor=fb.compress.rand_k(2), num_chains=2, init="prior"), *glm(), 3, 3),
     "fedem": lambda: (lambda m, d, init: (fb.FedEM(init=init, step_size=0.5, uncertainty=False), m, d, 3, None))(
         *mixture()),
     "param-averaging": lambda: (lambda m, d, init: (fb.ParamAveragingEM(init=init, uncertainty=False), m, d, 3, None))(

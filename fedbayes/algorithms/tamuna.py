@@ -575,8 +575,14 @@ class TAMUNARun(Staged):
 
     def finish_message(self, payload: Any) -> Any:
         """The server's reply to a cohort member on a network: x_bar on the member's own coordinates
-        (the ones ``client_finish`` is charged for); None without control variates (no reply)."""
-        return Masked(self._unpack(payload)[0], self.column) if self.cfg.control_variates else None
+        (the ones ``client_finish`` is charged for), and with the safeguard the number of halvings (the
+        step of the h_i update); None without control variates (no reply)."""
+        if not self.cfg.control_variates:
+            return None
+        if self.safeguard:
+            x_bar, halvings = payload
+            return Masked(x_bar, self.column), halvings
+        return Masked(payload, self.column)
 
     def client_finish(self, payload, h, client: ClientData, upload):
         """h_i += (eta / gamma) q_i * (x_bar_new - x_i): the client receives x_bar on its own q_i entries.
@@ -588,7 +594,7 @@ class TAMUNARun(Staged):
         mine = upload[0] if self.safeguard else upload
         q = self.column(client.shared_key, client.slot)
         h = h + (self.eta / gamma) * jnp.where(q, x_bar - mine, 0.0)
-        return h, FLOAT_BITS * jnp.sum(q)
+        return h, FLOAT_BITS * (jnp.sum(q) + (1 if self.safeguard else 0))
 
     # final exchange (engine.Final): the estimate to every client, its log-likelihood's gradient and
     # Hessian (upper triangle; d <= DENSE_CURVATURE) back, so the result carries the convergence material
@@ -688,18 +694,22 @@ def estimate_condition(model, data, *, at: Mapping[str, Any] | None = None, mode
 
 def check_init(init: Any, who: str) -> None:
     """Refuse at configuration time an ``init`` that :func:`resolve_init` cannot use."""
-    if init is None or isinstance(init, Mapping) or (isinstance(init, str) and init == "map"):
+    if init is None or isinstance(init, Mapping) or (isinstance(init, str) and init in ("map", "prior")):
         return
     if isinstance(getattr(init, "params", None), Mapping) and hasattr(init, "history"):
         return
-    raise ConfigError(f"{who} init must be None, a dict of constrained values, a fit Result or 'map', got {init!r}")
+    raise ConfigError(f"{who} init must be None, a dict of constrained values, a fit Result, 'map' or 'prior', "
+                      f"got {init!r}")
 
 
 def resolve_init(init: Any, problem: Problem, *, jacobian: bool = False) -> Mapping[str, Any] | None:
-    """Initial constrained values from ``init``: None, a dict, a previous ``Result`` (its ``params``), or
-    ``"map"`` (:func:`map_estimate`: the federated Newton MAP on the same model and data)."""
+    """Initial constrained values from ``init``: None or ``"prior"`` (the deterministic start, each prior's
+    centre), a dict, a previous ``Result`` (its ``params``), or ``"map"`` (:func:`map_estimate`: the
+    federated Newton MAP on the same model and data)."""
     check_init(init, "")
-    if init is None or isinstance(init, Mapping):
+    if init is None or init == "prior":
+        return None
+    if isinstance(init, Mapping):
         return init
     if isinstance(init, str):
         return map_estimate(problem, jacobian=jacobian)

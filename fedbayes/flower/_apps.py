@@ -21,6 +21,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from .. import engine, wire
 from .._keys import seed_key
+from ..algorithms.elf import _Langevin
 from ..api import _fault_table, _public, _validated
 from ..data import FederatedData
 from ..engine import (ClientData, Problem, Progress, _host_records, first_short_round, has_final, has_setup,
@@ -70,7 +71,11 @@ class _Runtime:
     def __init__(self, spec: FlowerSpec, role: str):
         fit = _validated(spec.model, spec.data, spec.algorithm, spec.num_rounds, spec.clients_per_round, spec.seed,
                          spec.model_kwargs, 50, None, spec.fault_policy)
-        if isinstance(getattr(fit.algorithm, "init", None), str):
+        if isinstance(fit.algorithm, _Langevin) and fit.algorithm.init is None:
+            # the samplers' default search for the mode takes a data-dependent number of exchanges, which
+            # the set-up protocol does not have: on a network they start at the prior centre
+            fit = fit._replace(algorithm=dataclasses.replace(fit.algorithm, init="prior"))
+        if isinstance(getattr(fit.algorithm, "init", None), str) and fit.algorithm.init != "prior":
             raise ConfigError(f"{fit.algorithm.name}: init={fit.algorithm.init!r} runs a fit over every client's data "
                               "before the start; on a network, fit the MAP first (e.g. fb.flower.simulate or run_server "
                               "with fb.TAMUNA) and pass init=<that result>")
