@@ -328,3 +328,18 @@ def test_fedmm_converged_does_not_warn():
     data, init, model = _gmm()
     res = _fit_silently(model, data, fb.FedMM(init=init), num_rounds=150, seed=0)
     assert res.converged and "statistic_change" in set(res.diagnostics["check"])
+
+
+@pytest.mark.slow
+def test_resumed_fit_is_checked_like_the_uninterrupted_one(tmp_path):
+    data, _, _ = _linear_data()
+    path = tmp_path / "fit.ckpt"
+    res, caught = _fit_warnings(linear_model, data, fb.GD(), num_rounds=60, seed=0, chunk_size=30,
+                                checkpoint=path)  # the model is a top-level function: the checkpoint names it
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        resumed = fb.resume(path)  # continues from round 30 to 60: the same result, the same checks
+    again = [w for w in again if issubclass(w.category, fb.ConvergenceWarning)]
+    assert [str(w.message) for w in again] == [str(w.message) for w in caught] != []
+    assert all(w.filename == __file__ for w in again)
+    assert resumed.diagnostics.equals(res.diagnostics) and not resumed.converged
