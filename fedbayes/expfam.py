@@ -55,11 +55,12 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 from jax.scipy.special import gammaln
 from numpyro import distributions as dist
+from numpyro import handlers
 from numpyro.distributions.distribution import validation_enabled
 
 from ._keys import seed_key
 from .errors import ModelError
-from .model import FedModel, Params, _sum_log_prob
+from .model import FedModel, Params, _DataMask, _sum_log_prob
 
 Stats = dict[str, Any]
 
@@ -531,6 +532,50 @@ class Derived:
         tr = self._trace(theta_c, latents_c, data, mask)
         names = set(self.fm.local_names) | set(self.fm.obs_latent_names) | set(self.fm.observed)
         return sum((_sum_log_prob(tr[n]) for n in names), jnp.zeros(()))
+
+    # ------------------------------------------------------------------ the population start
+    @property
+    def has_population_start(self) -> bool:
+        """Whether :meth:`population_coefficients` applies: linear-Gaussian terms and per-client latents
+        (one component; per-observation latents and mixtures have no population model to start from)."""
+        return bool(self.linears) and self.latent_mode in ("gaussian", "monte_carlo") and not self.latent_per_obs
+
+    def population_latents(self, theta_c: Params, data, mask) -> Params:
+        """The per-client latents at their population mean E[h_i | theta] (constrained): the latents of
+        the non-personalised model (every client the average client)."""
+        fm = self.fm
+
+        def at_mean(site):
+            return site["fn"].mean if site["name"] in fm.local_names else None
+
+        fn = handlers.substitute(handlers.substitute(handlers.seed(fm.model, 0), data=theta_c), substitute_fn=at_mean)
+        tr = handlers.trace(_DataMask(fn, mask, fm.data_plates)).get_trace(**data, **fm.model_kwargs)
+        return {n: jnp.asarray(tr[n]["value"]) for n in fm.local_names}
+
+    def population_statistics(self, theta_c: Params, data, mask) -> Stats:
+        """A client's least-squares statistics of the linear-Gaussian terms with its latents at their
+        population mean: per term ``Gr = sum_j G_j^T (y_j - o_j)`` and ``GG = sum_j G_j^T G_j`` (sums
+        over the client's rows, ``o_j`` the offset with ``h = E[h | theta]``)."""
+        lat = self.population_latents(theta_c, data, mask)
+        w = mask.astype(jnp.result_type(float))
+        return {lin.site: {k: v for k, v in self._linear_stats(lin, theta_c, lat, data, mask, w, 0).items()
+                           if k in ("Gr", "GG")} for lin in self.linears}
+
+    def population_coefficients(self, s: Stats, theta_c: Params) -> dict[str, jax.Array]:
+        """The coefficients of the linear-Gaussian terms fitted by least squares on the summed
+        :meth:`population_statistics`, ``beta_e = GG_e^{-1} Gr_e`` per element e: ordinary least
+        squares of the non-personalised model, the classical start of a mixed model's fixed effects
+        (unbiased for them: the random effects have mean E[h]). A coefficient whose system is singular
+        keeps its value in ``theta_c``."""
+        out: dict[str, jax.Array] = {}
+        for lin in self.linears:
+            beta, unravel = ravel_pytree({n: jnp.asarray(theta_c[n], jnp.result_type(float)) for n in lin.coef_sites})
+            sk = s[lin.site]
+            b = jnp.linalg.solve(sk["GG"], sk["Gr"][..., None])[..., 0]  # (E, P_e)
+            idx = jnp.asarray(lin.support[0])
+            b = jnp.where(jnp.isfinite(b), b, beta[idx])
+            out.update(unravel(beta.at[idx].set(b)))
+        return out
 
     def gaussian_posterior(self, theta_c: Params, data, mask):
         """Exact N(m, V) of the latents (per row for per-observation latents): m = P^{-1} g(0), V = P^{-1}

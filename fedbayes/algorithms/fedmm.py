@@ -88,9 +88,19 @@ class FedMM:
     projection:
         Project S onto its valid set each round (False: FedEM).
     init:
-        Initial constrained values of global sites (others: ``param`` inits / prior medians): a dict, a
-        previous fit ``Result`` (its ``params``), or ``"map"``: a TAMUNA fit of the model first (local
-        latents at their population mean; 300 rounds), as for ``fb.FedSOUL``.
+        Initial constrained values of global sites (others: ``param`` inits / prior medians, then the
+        population start below): a dict, a previous fit ``Result`` (its ``params``), or ``"map"``: a
+        TAMUNA fit of the model first (local latents at their population mean; 300 rounds), as for
+        ``fb.FedSOUL``.
+    population_start:
+        For models with linear-Gaussian terms and per-client latents (mixed models): before the first
+        E-step, one federated pass fits the coefficients of the linear terms that ``init`` does not set
+        by least squares on the non-personalised model (latents at their population mean; each client
+        sends ``G^T (y - o)`` and ``G^T G``, counted in ``res.init_bits``). EM started with the fixed
+        effects far from the data lets the random effects absorb the misfit (their covariance starts
+        huge) and then crawls along the ridge where fixed effects and random-effect means trade off;
+        the population start removes that ridge from the path (see the README, "Defaults and
+        convergence"). False: start at ``init`` / the model's own values.
     statistics:
         ``fb.CustomStatistics`` to supply S and T by hand; default: derived from the model.
     langevin_steps, burn_in, langevin_step:
@@ -115,6 +125,7 @@ class FedMM:
     control_variates: str = "e_step"
     projection: bool = True
     init: Any = None
+    population_start: bool = True
     statistics: CustomStatistics | None = None
     langevin_steps: int = 20
     burn_in: int = 10
@@ -142,6 +153,7 @@ class FedMM:
         check_init(self.init, self.name)
         require_choice(self.projection, f"{self.name} projection", (True, False))
         require_choice(self.uncertainty, f"{self.name} uncertainty", (True, False))
+        require_choice(self.population_start, f"{self.name} population_start", (True, False))
         require_int(self.langevin_steps, f"{self.name} langevin_steps", 1)
         require_int(self.burn_in, f"{self.name} burn_in", 0)
         if self.burn_in >= self.langevin_steps:
@@ -199,6 +211,7 @@ class FedMMRun(Staged):
         theta_shapes = jax.eval_shape(lambda k: fm.init_globals(k, cfg.init), jax.random.PRNGKey(0))
         theta = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), theta_shapes)
         example = jax.tree_util.tree_map(lambda a: a[0], stack_clients(problem.data))
+        self._example_rows = (example.data, example.mask)
         if self._custom:  # a user's statistics may not be traceable: evaluate them
             template = self._template(theta, example)
         else:  # only the structure is needed: trace it (evaluating op by op compiles every operation)
@@ -210,7 +223,11 @@ class FedMMRun(Staged):
         self._omega = float(cfg.compressor.omega(self.q))
         omega_p = self._omega + (1 + self._omega) * (1 - self._p) / self._p
         self.alpha = float(cfg.alpha) if cfg.alpha is not None else 1.0 / (1.0 + omega_p)
-        self.setup_stages = 2 if cfg.control_variates == "e_step" and self.alpha > 0 else 1
+        given = set(cfg.init or ())
+        self._pop_sites = () if self._custom or not cfg.population_start or not self.stats.has_population_start else \
+            tuple(n for lin in self.stats.linears for n in lin.coef_sites if n not in given)
+        self._stage0 = 1 if self._pop_sites else 0  # the population pass comes first
+        self.setup_stages = self._stage0 + (2 if cfg.control_variates == "e_step" and self.alpha > 0 else 1)
 
     # ------------------------------------------------------------------ S and T
     def _e_step(self, theta_u: Params, client: ClientData, z=None, step=None, key=None):
@@ -256,13 +273,18 @@ class FedMMRun(Staged):
     # set-up (engine.Setup): a federated E-step at theta_0 for S_0, and (control variates "e_step") a
     # second at theta_1 = T(S_0) for V_i = s_i(theta_1) - S_0
     def setup_server(self, key: jax.Array) -> tuple[Params, Params]:
-        """theta_0: user values where given, else prior medians; sent to every client."""
+        """theta_0: user values where given, else the model's deterministic start; sent to every client."""
         theta0 = self._fm.init_globals(key, self.cfg.init)
         return theta0, theta0
 
     def setup_client(self, stage: int, key: jax.Array, payload: Any, state: Any, client: ClientData):
-        """Stage 0: the client's chain and step (Monte Carlo E-steps) and s_i(theta_0) back; stage 1:
-        V_i = s_i(theta_1) - S_0, kept and sent back."""
+        """With the population start, stage 0 first: the client's least-squares statistics of the
+        non-personalised model at theta_0. Then: the client's chain and step (Monte Carlo E-steps) and
+        s_i(theta_0) back; next V_i = s_i(theta_1) - S_0, kept and sent back."""
+        if self._stage0 and stage == 0:
+            stats = self.stats.population_statistics(self._fm.constrain(payload), client.data, client.mask)
+            return state, ravel_pytree(stats)[0]
+        stage -= self._stage0
         k_z, k_e = jax.random.split(key)
         if stage == 0:
             theta0 = payload
@@ -279,13 +301,17 @@ class FedMMRun(Staged):
         return ClientState(v_i, z, state.step), v_i
 
     def setup_server_step(self, stage: int, key: jax.Array, state: Any, uploads: jax.Array):
-        """Stage 0: S_0 = Proj(sum_i mu_i s_i), theta_1 = T(S_0); stage 1: V = sum_i mu_i V_i."""
+        """Population stage: theta_0's coefficients from the summed least-squares statistics; then
+        S_0 = Proj(sum_i mu_i s_i), theta_1 = T(S_0); then V = sum_i mu_i V_i."""
+        if self._stage0 and stage == 0:
+            return self._population_start(state, uploads)
+        stage -= self._stage0
         if stage == 0:
             s0 = jnp.tensordot(self._mu, uploads, 1)
             if self.cfg.projection:
                 s0 = self.project(s0)
             theta1 = self.m_step(s0, state)
-            if self.setup_stages == 2:
+            if self.setup_stages - self._stage0 == 2:
                 return (s0, theta1), (s0, theta1)
             v = jnp.zeros_like(s0)
         else:
@@ -293,6 +319,18 @@ class FedMMRun(Staged):
             v = jnp.tensordot(self._mu, uploads, 1)
         server = ServerState(s0, v, theta1, jnp.zeros_like(s0), jnp.zeros((), jnp.int32))
         return server, self._broadcast(s0, theta1)
+
+    def _population_start(self, theta0: Params, uploads: jax.Array) -> tuple[Params, Params]:
+        """theta_0 with the coefficients of ``self._pop_sites`` replaced by the non-personalised model's
+        least-squares fit (the statistics are sums over rows, so the clients' uploads simply add)."""
+        theta_c = self._fm.constrain(theta0)
+        shapes = jax.eval_shape(lambda: self.stats.population_statistics(theta_c, *self._example_rows))
+        _, unravel = ravel_pytree(jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
+        coef = self.stats.population_coefficients(unravel(jnp.sum(uploads, 0)), theta_c)
+        theta = dict(theta0)
+        for n in self._pop_sites:
+            theta[n] = self._fm.sites[n].transform.inv(coef[n])
+        return theta, theta
 
     def _auto_step(self, theta, z0, client: ClientData) -> jax.Array:
         """A client's Langevin step for its latents: the configured one, or 0.1 / lambda_max of the
@@ -377,9 +415,32 @@ class FedMMRun(Staged):
             statistic = self._unravel(jnp.tensordot(self._mu, s_i, 1) * self._N)  # E-step at theta-hat
             k_global = jax.random.split(jax.random.split(key)[1])[1]
             parts.update(louis.posterior_summary(self, k_global, theta, statistic, tris))
+            parts.update(jax.jit(self._gradient_parts)(theta, statistic, tris))
         if locals_ is not None:
             parts.update(louis.local_parts(locals_))
         return parts
+
+    def _gradient_parts(self, theta: Params, statistic, covariance_tris: jax.Array) -> dict[str, jax.Array]:
+        """The gradient of the marginal log posterior at theta-hat by Fisher's identity,
+
+            grad l(theta) = sum_i E[grad log p(D_i, h | theta) | D_i, theta]
+                          = grad_theta' Q(theta'; s(theta)) at theta' = theta,
+
+        plus grad log p(theta): Q is linear in the statistic, so the clients' expected complete-data scores
+        sum to the surrogate's gradient at the summed E-step statistic s(theta-hat), which the final
+        exchange already brings (no extra upload). Flat, unconstrained (``ravel_pytree`` order of theta),
+        the ascent direction. On EM's slow ridge the statistic barely changes between rounds while this
+        gradient, measured in the information's metric (Newton decrement g^T I^{-1} g), stays large.
+        With a Monte Carlo E-step the gradient is an average over the client chains' kept draws;
+        ``gradient_cov`` = sum_i Cov_i / (kept draws) is its noise covariance as if the draws were
+        independent (a chain's autocorrelation makes the true noise larger)."""
+        flat, unravel = ravel_pytree(theta)
+        objective = lambda x: self.stats.surrogate(unravel(x), statistic) + self._fm.log_prior(unravel(x))  # noqa: E731
+        out = {"gradient": jax.grad(objective)(flat)}
+        if self._mc:
+            keep = self.cfg.langevin_steps - self.cfg.burn_in
+            out["gradient_cov"] = louis._symmetric(jnp.sum(covariance_tris, 0), flat.size) / keep
+        return out
 
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
         """T of the final (or averaged) statistic; with ``uncertainty``, the final exchange
