@@ -25,15 +25,17 @@ Point estimates (TAMUNA / Scaffnew / GD / FedAvg, FedSOUL's theta*, FedMM / FedE
 ``trace``
     From the per-round history ``theta/<site>``: over the last quarter of the rounds (at least
     :data:`MIN_ROUNDS`; the end of the run, so a fit that settled earlier is not blamed for its
-    approach), the change of the linear trend of ten batch means (slope times window length) per coordinate, in standard errors
-    (``res.standard_errors`` where the fit has them; tolerance :data:`TRACE_TOL_SE` = 0.1 as above) or
+    approach), the change of the linear trend of ten batch means (slope times window length) per
+    coordinate, in standard errors (``res.standard_errors`` where the fit has them; tolerance
+    :data:`TRACE_TOL_SE` = 0.1 as above) or
     else relative to the coordinate's scale max(|mean|, distance travelled from the first round)
     (tolerance :data:`TRACE_TOL_REL` = 1e-3). The threshold is raised to the Monte Carlo noise of that
     change: the Student-t quantile (8 degrees of freedom, two-sided level :data:`NOISE_LEVEL` divided
     by the number of coordinates, Bonferroni) times its batch-means standard error. This catches a
     fit still drifting (a capped step, a too small learning rate); it cannot see a very slow linear
     convergence whose change over the window is small against its remaining distance (that is what
-    the decrement is for).
+    the decrement is for). With fewer than :data:`MIN_ROUNDS` rounds a ``rounds`` row takes its place
+    (failed where no decrement can decide instead).
 ``statistic_change`` (FedMM / FedEM)
     The EM mean field h(S) = s(T(S)) - S (``field_norm`` per round) relative to |S|. EM converges
     linearly: when |h| decays at the rate rho per round over the last quarter of the rounds (a
@@ -51,13 +53,13 @@ Samplers (LMC, D-/P-/B-ELF, QLSD) and the clients' local chains:
     R-hat <= 1.01 and ESS >= 100 per chain (400 for 4 chains): below 100 per chain the Monte Carlo
     error of the tail quantiles and of R-hat itself is too large to trust them. A single chain is
     split in halves (so R-hat still compares its beginning with its end).
+    Fewer than 8 draws per chain give one failed ``draws`` row instead.
 ``local_rhat``
     R-hat of each client's local chains from the final exchange (FedSOUL's personal posteriors;
     ``num_chains`` chains per client), the worst client per site. Threshold 1.01, raised to what chance
     alone gives at the client's ESS (each chain's own, summed) over that many clients
-    (:func:`local_rhat_limit`): the largest of
-    a hundred clients' R-hats of well-mixed chains with 200 effective draws each is above 1.01 by
-    chance alone, and would otherwise warn on every fit.
+    (:func:`local_rhat_limit`): the largest of a hundred clients' R-hats of well-mixed chains with 200
+    effective draws each is above 1.01 by chance alone, and would otherwise warn on every fit.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from .errors import ConvergenceWarning
+
+# A check that cannot run on a fit's outputs (an unexpected shape, say) gives one failed ``checks`` row
+# and its warning rather than an exception: the fit is kept, its convergence is unknown (report()).
 
 DECREMENT_TOL = 0.01
 """Newton decrement tolerance: 0.1 standard error, squared."""
@@ -246,7 +251,8 @@ def statistic_check(field_norm: Any, statistic_norm: float, gamma: float = 1.0) 
                      "(stochastic E-step, compression or partial participation); the trace check decides")}
 
 
-def _arviz_stats(draws: Mapping[str, np.ndarray], extra_dims: Mapping[str, list[str]]) -> dict[str, dict[str, np.ndarray]]:
+def _arviz_stats(draws: Mapping[str, np.ndarray],
+                 extra_dims: Mapping[str, list[str]]) -> dict[str, dict[str, np.ndarray]]:
     """``{site: {"rhat", "ess_bulk", "ess_tail": array}}`` of ``{site: (chain, draw, ...)}`` through the
     project's ArviZ adapter (ArviZ 0.23's InferenceData or 1.x's DataTree). One chain is split in two."""
     import xarray as xr
@@ -509,7 +515,8 @@ _CRITERIA = {
     "trace": "the drift of the estimate over the last quarter of the rounds",
     "rounds": "the number of rounds (too few to check the trace)",
     "statistic_change": "the EM statistic's extrapolated remaining change (relative)",
-    "rhat": "split R-hat", "draws": "the number of draws", "ess_bulk": "the bulk effective sample size", "ess_tail": "the tail effective sample size",
+    "rhat": "split R-hat", "draws": "the number of draws",
+    "ess_bulk": "the bulk effective sample size", "ess_tail": "the tail effective sample size",
     "local_rhat": "split R-hat of the clients' local chains",
     "checks": "any check",
 }
