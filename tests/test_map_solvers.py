@@ -150,6 +150,7 @@ def test_safeguard_reaches_the_newton_map_from_a_flat_start(algo):
     assert parts["final_bits"] == (n * 32 * (d + d * (d + 1) // 2), n * 32 * d)
 
 
+@pytest.mark.slow
 def test_without_the_safeguard_gd_misses_the_map_from_a_flat_start():
     """The issue's failure, reproduced: the same fit with safeguard=False ends far from the MAP."""
     data, _, _, ref = wide_prior_logistic()

@@ -305,8 +305,12 @@ class LangevinRun(Staged):
             self._spread = jnp.asarray(np.linalg.inv(chol).T, sol.x.dtype)  # S S' = H^-1
         except np.linalg.LinAlgError:  # not positive definite at the mode found: jitter as for a given start
             self._spread = None
-        if self.cfg.step_size is None:
+        if self.cfg.step_size is None and self._spread is not None:
             self._precond = self._spread
+            self._whiten = jnp.asarray(chol, sol.x.dtype)  # x @ L = (L' x)': the whitened coordinates S^-1 x
+            if self.cfg.downlink_ef:  # the clients need S to read the whitened downlink: sent once, upper triangle
+                d, n = int(sol.x.size), problem.data.num_clients
+                self.map_bits = (self.map_bits[0], self.map_bits[1] + n * FLOAT_BITS * (d * (d + 1) // 2))
         return sol.x
 
     # ------------------------------------------------------------------ potentials
@@ -390,11 +394,19 @@ class LangevinRun(Staged):
             x = s.x - gamma * (s.g @ self._precond) @ self._precond.T + jnp.sqrt(2 * gamma) * z @ self._precond.T
         if not self.cfg.downlink_ef:
             return ServerState(x, x, s.g), Message(x, jnp.asarray(FLOAT_BITS * x.size, jnp.int32))
-        sent, v, bits = self._compress(self._down, k_comp, x - s.w)
-        return ServerState(x, s.w + v, s.g), Message(sent, bits)
+        if self._precond is None:
+            sent, v, bits = self._compress(self._down, k_comp, x - s.w)
+            return ServerState(x, s.w + v, s.g), Message(sent, bits)
+        # preconditioned: compress the difference in the whitened coordinates y = S^-1 x (S^-1 = L', H = L L'),
+        # where every coordinate has the posterior's scale; the clients map it back with S (sent once)
+        sent, v, bits = self._compress(self._down, k_comp, (x - s.w) @ self._whiten)
+        return ServerState(x, s.w + v @ self._precond.T, s.g), Message(sent, bits)
 
     def client_step(self, key, payload, state: ClientState, client: ClientData):
-        w = state.w + payload if self.cfg.downlink_ef else payload
+        if not self.cfg.downlink_ef:
+            w = payload
+        else:
+            w = state.w + (payload if self._precond is None else payload @ self._precond.T)
         grad = self._grad(w, client)
         if self.cfg.uplink_ef:
             sent, c, bits = self._compress(self._up, key, grad - state.g)
