@@ -131,24 +131,23 @@ def test_raw_scale_defaults_reach_the_mle_and_equal_the_standardised_fit():
     assert abs(ridge.params["beta"][0] / statsmodels_mle(balanced)["beta"][0] - 1) > 0.2
 
 
-@pytest.mark.filterwarnings("ignore::fedbayes.ConvergenceWarning")  # one round, on purpose
 def test_population_start_is_least_squares_and_in_the_ledger():
     """The population pass sets beta to the pooled OLS fit (the random effects at their mean 0) before
-    the first E-step, and each client's G^T (y - o) and G^T G (2 + 4 floats) are in res.init_bits,
+    the first E-step, and each client's G^T (y - o) and G^T G (2 + 4 floats) are in the set-up's bits,
     with theta_0 (d floats) to every client; a user's value for beta switches it off."""
     data = sleepstudy_like(balanced=False)
     p = data.pooled()
     ols = np.linalg.lstsq(np.asarray(p["x"]), np.asarray(p["y"]), rcond=None)[0]
-    res = fb.fed_fit(fb.models.linear_mixed_effects, data, fb.FedMM(uncertainty=False), num_rounds=1, seed=0)
     run = fb.FedMM(uncertainty=False).build(_problem(data))
     assert run.setup_stages == 3 and run._pop_sites == ("beta",)
+    run.init(jax.random.PRNGKey(0), _problem(data))  # the set-up exchange, as fed_fit runs it
     C, q, d = data.num_clients, run.q, run.dim
-    assert res.init_bits == (32 * C * (6 + q + q), 32 * C * (d + d + (q + d)))
+    assert run.init_bits == (32 * C * (6 + q + q), 32 * C * (d + d + (q + d)))
     # theta_1 = T(S_0) with S_0 the E-step at (beta = OLS, Omega = I, sigma = 1): check theta_0 directly
     theta0, _ = run.setup_server(jax.random.PRNGKey(0))
     fm = run._fm
-    uploads = jax.vmap(lambda c: run.setup_client(0, None, theta0, None, c)[1])(_clients(data))
-    start, _ = run.setup_server_step(0, None, theta0, uploads)
+    uploads = jax.jit(jax.vmap(lambda c: run.setup_client(0, None, theta0, None, c)[1]))(_clients(data))
+    start, _ = jax.jit(lambda u: run.setup_server_step(0, None, theta0, u))(uploads)
     np.testing.assert_allclose(fm.constrain(start)["beta"], ols, rtol=1e-10)
     np.testing.assert_allclose(fm.constrain(start)["sigma"], 1.0)
     off = fb.FedMM(init={"beta": np.zeros(2)}, uncertainty=False).build(_problem(data))
