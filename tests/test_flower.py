@@ -154,7 +154,9 @@ def test_flower_run_equals_fed_fit(name):
     _check_bytes(res)
     assert res.algorithm == ref.algorithm and type(res) is type(ref)
     if name == "fedsoul":  # the personalised part: each client's posterior, computed on its node, came back
-        assert ref.local_samples and res.final_bits == (0, 5 * 32 * 6)  # theta-bar to 5 clients: beta 2, scale_tril 3, sigma 1
+        # theta-bar to 5 clients (beta 2, scale_tril 3, sigma 1: d = 6); back, for the standard errors, each
+        # client's mean score (d) and two d(d+1)/2 triangles (Louis' term, the score's Monte Carlo covariance)
+        assert ref.local_samples and ref.standard_errors and res.final_bits == (5 * 32 * (6 + 6 * 7), 5 * 32 * 6)
     if name == "fedmm":  # Louis' information: theta-hat out, s_i(theta-hat) and a score covariance back
         assert ref.standard_errors and ref.local_info["responsibilities"].shape[0] == 4
         d, q = ref.information.shape[0], sum(np.size(v) for v in jax.tree_util.tree_leaves(ref.statistic))
@@ -388,8 +390,9 @@ def test_a_client_missing_the_final_exchange_keeps_the_rest(name):
         assert ref.standard_errors and not res.standard_errors and res.information is None
         d, q = ref.information.shape[0], sum(np.size(v) for v in jax.tree_util.tree_leaves(ref.statistic))
         assert res.final_bits == (3 * 32 * (q + d * (d + 1) // 2), 4 * 32 * d)  # three answers, four sent
-    else:
-        assert res.final_bits == ref.final_bits  # nothing comes back; the estimate went to all five
+    else:  # FedSOUL's standard errors need every client's Louis terms (d + d(d+1) floats, d = 6)
+        assert ref.standard_errors and not res.standard_errors and res.information is None
+        assert res.final_bits == (4 * 32 * (6 + 6 * 7), 5 * 32 * 6)  # four answers, five sent
 
 
 COMPRESSORS = [fb.compress.identity(), fb.compress.identity(16), fb.compress.identity(64), fb.compress.rand_k(3),

@@ -489,7 +489,10 @@ class FedSOULRun(Staged):
         k = client_key(key, client.index, self.num_clients)
         zs, step = self._sample_one(k, theta, state.z, state.v, state.step, client, self.cfg.num_samples,
                                     self.cfg.warmup)
-        upload = louis.draws_information(self._fm, theta, zs, client) if self.uncertainty else ()
+        # Louis' terms from the first chain only: it continues the client's training chain, at stationarity
+        # after the rounds, while the others start from prior draws (for R-hat) and may still be on their way
+        first = jax.tree_util.tree_map(lambda a: a[:1], zs)
+        upload = louis.draws_information(self._fm, theta, first, client) if self.uncertainty else ()
         return {"local_samples": zs, "step_size": step}, upload
 
     def final_server(self, key, server: ServerState, theta: Params, uploads, locals_) -> dict[str, Any]:

@@ -160,15 +160,17 @@ def draws_information(fm, theta_u: Params, zs: Params, client: ClientData,
     theta, d numbers) and the draws' mean z_bar, returns
 
     * the Fisher-identity gradient  G_i = mean_m g_m  ~ grad_theta log p(D_i | theta);
-    * Louis' term  mean_m[-grad^2_theta ell(theta, z_m)] - C_i,  ~ -grad^2_theta log p(D_i | theta), where the
-      score's covariance is taken from the local posterior's Laplace covariance V = P^-1,
-      P = mean_m[-grad^2_z ell(theta, z_m)], through the score's second-order expansion about z_bar
-      (J = mean_m d g / dz (d x q), T_a = d^2 g_a / dz^2 at z_bar):
+    * Louis' term  E[-grad^2_theta ell] - C_i,  ~ -grad^2_theta log p(D_i | theta), where both moments are taken
+      under the local posterior's Laplace covariance V = P^-1, P = mean_m[-grad^2_z ell(theta, z_m)], by
+      second-order expansions about z_bar (J = mean_m d g / dz (d x q), T_a = d^2 g_a / dz^2 at z_bar):
 
           C_i = J V J^T + 1/2 [tr(T_a V T_b V)]_ab,
+          E[-grad^2_theta ell] = -grad^2_theta ell(z_bar) - 1/2 sum_jk V_jk d^2/dz_j dz_k grad^2_theta ell(z_bar),
 
-      exact for a Gaussian local posterior and a score quadratic in z (a linear mixed model's), as in
-      FedMM's per-client Gaussian latents. Not the draws' sample covariance: where a client's data
+      exact for a Gaussian local posterior and a log-density quadratic in z (a linear mixed model's), as
+      in FedMM's per-client Gaussian latents; the draws enter through z_bar, P and J only, so a chain
+      that explores its posterior slowly costs only the error of its mean. Not the draws' sample
+      moments: where a client's data
       determine its latents well, E[-grad^2] and Cov[g] are both close to the complete-data information
       and the observed information is their small difference (the fraction of missing information
       near 1), so a relative error of a few percent in Cov[g] (the Monte Carlo error of a few hundred
@@ -191,7 +193,6 @@ def draws_information(fm, theta_u: Params, zs: Params, client: ClientData,
     ell = lambda x, h: fm.client_log_joint(unravel(x), unravel_z(h), client.data, client.mask)  # noqa: E731
     score = jax.grad(ell, argnums=0)
     g = jax.vmap(lambda h: score(flat, h))(zflat)  # (n, d)
-    a = jax.vmap(lambda h: -jax.hessian(ell, argnums=0)(flat, h))(zflat)  # (n, d, d)
     p = jax.vmap(lambda h: -jax.hessian(ell, argnums=1)(flat, h))(zflat)  # (n, q, q)
     jac = jax.vmap(lambda h: jax.jacfwd(score, argnums=1)(flat, h))(zflat)  # (n, d, q)
     zbar = jnp.mean(zflat, 0)
@@ -200,7 +201,17 @@ def draws_information(fm, theta_u: Params, zs: Params, client: ClientData,
     J = jnp.mean(jac, 0)
     TV = third @ V
     cov = J @ V @ J.T + 0.5 * jnp.einsum("aij,bji->ab", TV, TV)
-    info = jnp.mean(a, 0) - cov
+    # E[-grad^2_theta ell] by the same expansion: -grad^2_theta ell(z_bar) - 1/2 sum_r D^2_{v_r} grad^2_theta ell(z_bar),
+    # v_r the columns of chol(V) (second directional derivatives: q of them, each d x d)
+    neg_hess = lambda h: -jax.hessian(ell, argnums=0)(flat, h)  # noqa: E731
+
+    def curvature_along(v):
+        along = lambda t: neg_hess(zbar + t * v)  # noqa: E731
+        return jax.jvp(lambda t: jax.jvp(along, (t,), (jnp.ones_like(t),))[1], (jnp.zeros(()),), (jnp.ones(()),))[1]
+
+    root = lapack_free_cholesky(0.5 * (V + V.T))
+    expected = neg_hess(zbar) + 0.5 * jnp.sum(jax.vmap(curvature_along)(root.T), 0)
+    info = expected - cov
     mean = jnp.mean(g, 0)
     nb = max(1, min(num_batches, S))
     per = S // nb
