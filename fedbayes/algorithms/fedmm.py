@@ -17,6 +17,12 @@ defined under compression; ``projection=False`` is FedEM (Dieuleveut et al. 2021
 (the digest's recipe): a federated E-step at theta_0 gives S_0 = sum_i mu_i s_i(theta_0); with
 ``control_variates="e_step"`` one more pass sets V_i = h_i(S_0) (no heterogeneity term in Theorem 1).
 With gamma = 1, p = 1, no compression and exact E-steps the iterates are centralised EM's.
+For mixed models (linear-Gaussian terms, per-client latents) theta_0's fixed effects come first from
+one federated least-squares pass on the non-personalised model (``population_start``): from fixed
+effects far from the data the random effects absorb the misfit and EM crawls along the ridge where
+fixed effects and random-effect means trade off (issue 21: sleepstudy in ms stopped at 152 for 251).
+After the last round, the final exchange's statistic at theta-hat also gives the gradient of the
+marginal log posterior by Fisher's identity (``parts["gradient"]``, no extra upload).
 
 The M-step uses the prior as the MAP-EM penalty: T(s) = argmax Q(theta; N s) + log p(theta).
 """
