@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
+import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.distributions import biject_to
 from numpyro.distributions.transforms import IdentityTransform, Transform
@@ -91,6 +92,51 @@ class local(Messenger):
     def process_message(self, msg: dict[str, Any]) -> None:
         if msg["type"] == "sample":
             msg["infer"] = {**(msg.get("infer") or {}), _LOCAL_FLAG: True}
+
+
+class _BernoulliLogits(dist.BernoulliLogits):
+    """``Bernoulli(logits=x)`` with NumPyro's log-density, evaluated so that its derivatives are right
+    at x = 0.
+
+    NumPyro computes ``-(clip(x, 0) + log1p(exp(-|x|)) - x y)``, whose autodiff gradient at x = 0 is
+    ``y`` instead of ``y - 1/2`` (``clip`` and ``abs`` take one-sided derivatives there). Every logit of
+    a logistic model is exactly 0 at the deterministic start (coefficients at their prior mean 0), so a
+    gradient there would be off by half a count per observation: Newton's and gradient descent's first
+    step would go uphill. ``x y - logaddexp(x, 0)`` is the same value (the same operations, to rounding)
+    and ``logaddexp`` carries the exact derivative (sigmoid).
+    """
+
+    def log_prob(self, value):
+        x = self.logits
+        finite = jnp.isfinite(x)
+        safe = jnp.where(finite, x, 0.0)
+        smooth = safe * value - jnp.logaddexp(safe, 0.0)
+        return jnp.where(finite, smooth, super().log_prob(value))
+
+
+def _smooth_logits(fn: Any) -> Any:
+    """``fn`` with every ``Bernoulli(logits=...)`` in it (through expand / to_event / mask) replaced by
+    :class:`_BernoulliLogits`; any other distribution unchanged."""
+    if type(fn) is dist.BernoulliLogits:
+        return _BernoulliLogits(logits=fn.logits, validate_args=fn._validate_args)
+    if isinstance(fn, dist.ExpandedDistribution):
+        base = _smooth_logits(fn.base_dist)
+        return fn if base is fn.base_dist else base.expand(fn.batch_shape)
+    if isinstance(fn, dist.Independent):
+        base = _smooth_logits(fn.base_dist)
+        return fn if base is fn.base_dist else base.to_event(fn.reinterpreted_batch_ndims)
+    if isinstance(fn, dist.MaskedDistribution):
+        base = _smooth_logits(fn.base_dist)
+        return fn if base is fn.base_dist else base.mask(fn._mask)
+    return fn
+
+
+class _SmoothLogits(Messenger):
+    """Evaluate the model's Bernoulli-logit sites with exact derivatives at logit 0 (:class:`_BernoulliLogits`)."""
+
+    def process_message(self, msg: dict[str, Any]) -> None:
+        if msg["type"] == "sample":
+            msg["fn"] = _smooth_logits(msg["fn"])
 
 
 class _DataMask(Messenger):
@@ -332,11 +378,18 @@ class FedModel:
         Extra keyword arguments passed to every model call (not data: same on every client).
     """
 
+    @property
+    def model(self) -> Callable:
+        """The user's model as fedbayes evaluates it: Bernoulli-logit sites with exact derivatives at logit 0
+        (:class:`_BernoulliLogits`; the same values). ``user_model`` is the function as given."""
+        user = self.__dict__.get("user_model", self.__dict__.get("model"))  # results pickled before user_model
+        return _SmoothLogits(user)
+
     @serialized
     def __init__(self, model: Callable, data: FederatedData, model_kwargs: Mapping[str, Any] | None = None):
         if not callable(model):
             raise ModelError(f"model must be a callable NumPyro model, got {type(model).__name__}")
-        self.model = model
+        self.user_model = model
         self.model_kwargs = dict(model_kwargs or {})
         clash = set(self.model_kwargs) & set(data.keys)
         if clash:
