@@ -145,7 +145,8 @@ class Setup(Protocol):
     clients need but only the server can compute (TAMUNA's step size from every client's curvature)
     are named in ``shared_settings``: after set-up the optional Python hook
     ``setup_done(server_state, last_uploads)`` sets them on the run (e.g. ``run.gamma``), and a network
-    sends them to every client once (``SETTING_BITS`` each).
+    sends them to every client once (``SETTING_BITS`` each float: a setting may be an array, e.g.
+    TAMUNA's preconditioner S, whose shape the client's own run knows before set-up).
     """
 
     setup_stages: int
@@ -202,7 +203,7 @@ def staged_setup(run: Any, key: jax.Array, num_clients: int,
             jax.random.fold_in(k_server, stage + 1), state, uploads)
     if hasattr(run, "setup_done"):
         run.setup_done(state, uploads)
-    down += num_clients * SETTING_BITS * len(getattr(run, "shared_settings", ()))
+    down += num_clients * SETTING_BITS * sum(int(np.size(getattr(run, name))) for name in getattr(run, "shared_settings", ()))
     run.init_bits = (int(up), int(down))
     return state, payload
 

@@ -119,7 +119,11 @@ def wide_prior_logistic(seed=0, clients=8):
 BAD = {"w": np.array([-8.0, 8.0, -8.0])}
 
 
-@pytest.mark.parametrize("algo", [fb.GD(init=BAD), pytest.param(fb.TAMUNA(init=BAD), marks=pytest.mark.slow)],
+# precondition=False: the safeguard on the model's own coordinates. Preconditioned by the Hessian at this
+# flat start (where mostly the prior curves the objective) S is far too large near the MAP, the safeguard
+# needs many halvings and 600 rounds end 5% away: the preconditioner is only as good as the start.
+@pytest.mark.parametrize("algo", [fb.GD(init=BAD, precondition=False),
+                                  pytest.param(fb.TAMUNA(init=BAD, precondition=False), marks=pytest.mark.slow)],
                          ids=["gd", "tamuna"])
 def test_safeguard_reaches_the_newton_map_from_a_flat_start(algo):
     """Without the safeguard GD stalls ~30% away from the MAP (a cycle); with it (the default for the
@@ -154,7 +158,8 @@ def test_safeguard_reaches_the_newton_map_from_a_flat_start(algo):
 def test_without_the_safeguard_gd_misses_the_map_from_a_flat_start():
     """The issue's failure, reproduced: the same fit with safeguard=False ends far from the MAP."""
     data, _, _, ref = wide_prior_logistic()
-    res = fb.fed_fit(fb.models.logistic_regression(5.0), data, fb.GD(init=BAD, safeguard=False), num_rounds=600)
+    res = fb.fed_fit(fb.models.logistic_regression(5.0), data, fb.GD(init=BAD, safeguard=False, precondition=False),
+                     num_rounds=600)
     assert np.abs(res.params["w"] - ref).max() > 0.05 * np.abs(ref).max()
 
 

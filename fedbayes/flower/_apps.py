@@ -321,9 +321,14 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         rt, index = _runtime_of(context), _client_index(context)
         stage, run = int(_header(msg)["stage"]), rt.run
         if stage == run.setup_stages:
-            values = np.frombuffer(_data(msg), dtype=np.float64)
-            for name, value in zip(run.shared_settings, values):
-                setattr(run, name, float(value))
+            values, start = np.frombuffer(_data(msg), dtype=np.float64), 0
+            for name in run.shared_settings:  # a scalar, or an array of the shape the client's run already has
+                current = getattr(run, name, None)
+                shape = () if current is None else np.shape(current)
+                size = int(np.prod(shape, dtype=np.int64))
+                value, start = values[start:start + size], start + size
+                setattr(run, name, float(value[0]) if shape == () else
+                        jnp.asarray(value.reshape(shape), dtype=np.asarray(current).dtype))
             return Message(_content(b"", {}), reply_to=msg)
         payload = wire.unpack(_data(msg), rt.setup_payloads[stage])
         state = None if stage == 0 else _load(context, _STATE, rt.state_def(stage - 1))
@@ -489,8 +494,9 @@ class _Server:
         rt.server_state, rt.broadcast = engine.staged_setup(run, rt.k_init, num, exchange)
         names = tuple(getattr(run, "shared_settings", ()))
         if names:
-            data = np.asarray([getattr(run, name) for name in names], np.float64).tobytes()
-            acks = self._to_every_client("setup", -1, data, engine.SETTING_BITS * len(names), (),
+            values = [np.ravel(np.asarray(getattr(run, name), np.float64)) for name in names]
+            data = np.concatenate(values).tobytes()
+            acks = self._to_every_client("setup", -1, data, engine.SETTING_BITS * sum(v.size for v in values), (),
                                          {"stage": run.setup_stages})  # empty acknowledgements
             if any(ack is None for ack in acks):
                 raise FedbayesError(f"{run.name}: a client did not acknowledge the shared settings {names}")
