@@ -495,7 +495,7 @@ def test_qlsd_without_memory_holds_x_in_rounds_nobody_answered():
     data, P, _ = gaussian_clients()
     gamma = 0.1 / np.linalg.eigvalsh(P).max()
     for memory in (False, True):
-        res = fb.fed_fit(gauss_model, data, fb.QLSD(step_size=gamma, num_chains=2, memory=memory), num_rounds=600,
+        res = fb.fed_fit(gauss_model, data, fb.QLSD(step_size=gamma, num_chains=2, memory=memory, warmup=0), num_rounds=600,
                          seed=1, faults=fb.Faults(drop=0.6), fault_policy=NEVER_STOP)
         x = res.global_samples["x"]
         empty = np.flatnonzero(res.history["active"][:-1] == 0)

@@ -1,5 +1,7 @@
 """fb.reference.nuts against closed-form posteriors; communication tables and plots from real fits."""
 
+import copy
+
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
@@ -87,8 +89,14 @@ def test_communication_table_accumulates_the_ledger_and_measures_error(glm_fits)
     assert list(custom["round"]) == [1, 8, 15, 22, 29, 36, 43, 50, 57, 60]
     reach = dg.communication_to_reach(table, tolerance=float(table["error"].max()))
     assert list(reach["round"]) == [1, 1]  # every method starts within the largest error
+    # without a reference the recorded objective (F at each broadcast point, the safeguard's record) is the measure
+    by_objective = dg.communication_table(fits)
+    for name, res in fits.items():
+        np.testing.assert_array_equal(by_objective[by_objective["method"] == name]["error"], res.history["objective"])
+    blind = copy.copy(fits["GD"])
+    blind.history = {k: v for k, v in blind.history.items() if k != "objective"}
     with pytest.raises(fb.ConfigError):
-        dg.communication_table(fits)  # no reference, no error function, no recorded objective
+        dg.communication_table(blind)  # no reference, no error function, no recorded objective
     with pytest.raises(fb.DataError, match="no trajectory"):
         dg.communication_table(fits, reference={"v": w_map})
 
