@@ -224,6 +224,15 @@ def test_newton_map_equals_scikit_learn(contraception_df):
     np.testing.assert_allclose(sk.coef_[0], w, rtol=1e-5, atol=1e-7)
 
 
+def _assert_lme_good_and_quiet(res, conv, ref) -> None:
+    """A linear mixed model's fit against statsmodels' (fixed effects, random-effect sds, residual sd)."""
+    est = rd.lme_estimates(res.params)
+    misses = (_fixed_effects_misses(est["beta"], ref["beta"], ref["beta_se"])
+              + _relative_misses("re_sd", est["re_sd"], ref["re_sd"], RE_SD_TOL)
+              + _relative_misses("sigma", est["sigma"], ref["sigma"], SIGMA_TOL))
+    _assert_good_and_quiet(misses, conv, res)
+
+
 # -------------------------------------------------------------- second tier: the default fits
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
@@ -234,22 +243,14 @@ def test_sleepstudy_fedsoul_defaults(sleep_df, sleep_ref):
     """Default FedSOUL on reaction times in ms (the issue: intercept 1.9 instead of 251 after 2000 rounds)."""
     res, conv = _fit(fb.models.linear_mixed_effects, rd.sleepstudy_data(sleep_df), fb.FedSOUL(),
                      num_rounds=ROUNDS_FEDSOUL)
-    est = rd.lme_estimates(res.params)
-    misses = (_fixed_effects_misses(est["beta"], sleep_ref["beta"], sleep_ref["beta_se"])
-              + _relative_misses("re_sd", est["re_sd"], sleep_ref["re_sd"], RE_SD_TOL)
-              + _relative_misses("sigma", est["sigma"], sleep_ref["sigma"], SIGMA_TOL))
-    _assert_good_and_quiet(misses, conv, res)
+    _assert_lme_good_and_quiet(res, conv, sleep_ref)
 
 
 @pytest.mark.slow
 def test_sleepstudy_fedmm_defaults(sleep_df, sleep_ref):
     """Default FedMM (default num_rounds) from the default start (the issue: stops on the EM ridge at 152)."""
     res, conv = _fit(fb.models.linear_mixed_effects, rd.sleepstudy_data(sleep_df), fb.FedMM())
-    est = rd.lme_estimates(res.params)
-    misses = (_fixed_effects_misses(est["beta"], sleep_ref["beta"], sleep_ref["beta_se"])
-              + _relative_misses("re_sd", est["re_sd"], sleep_ref["re_sd"], RE_SD_TOL)
-              + _relative_misses("sigma", est["sigma"], sleep_ref["sigma"], SIGMA_TOL))
-    _assert_good_and_quiet(misses, conv, res)
+    _assert_lme_good_and_quiet(res, conv, sleep_ref)
 
 
 @pytest.mark.slow
