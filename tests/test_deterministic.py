@@ -18,6 +18,9 @@ import fedbayes as fb
 from fedbayes.model import FedModel
 from fedbayes.result import Result, az, group
 
+# Fits: the second tier (make test-slow, run by .ci/run), to keep make test under 10 minutes.
+pytestmark = pytest.mark.slow
+
 EXACT = dict(rtol=1e-12, atol=1e-12)  # the same float64 formula evaluated by XLA and by NumPy
 
 

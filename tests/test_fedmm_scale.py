@@ -11,6 +11,9 @@ import fedbayes as fb
 from fedbayes.model import FedModel
 from lme_reference import marginal_loglik
 
+# Fits: the second tier (make test-slow, run by .ci/run), to keep make test under 10 minutes.
+pytestmark = pytest.mark.slow
+
 BETA, SIGMA = np.array([251.4, 10.47]), 25.6  # lme4's sleepstudy: fixed effects and residual sd (ms)
 COV = np.array([[24.7**2, 0.07 * 24.7 * 5.9], [0.07 * 24.7 * 5.9, 5.9**2]])  # its random intercept / slope
 

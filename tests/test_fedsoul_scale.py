@@ -13,6 +13,9 @@ import pytest
 import fedbayes as fb
 from fedbayes.optim import newton_direction
 
+# Fits: the second tier (make test-slow, run by .ci/run), to keep make test under 10 minutes.
+pytestmark = pytest.mark.slow
+
 
 def test_newton_direction_commutes_with_a_change_of_units():
     # x = S x' + c: gradient g' = S g, information I' = S I S (S diagonal); nonlinear (log-scale)

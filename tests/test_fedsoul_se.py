@@ -12,6 +12,9 @@ import fedbayes as fb
 from fedbayes.algorithms.fedsoul import FedSOULRun
 from lme_reference import local_posterior, marginal_loglik
 
+# Fits: the second tier (make test-slow, run by .ci/run), to keep make test under 10 minutes.
+pytestmark = pytest.mark.slow
+
 C = 20
 
 

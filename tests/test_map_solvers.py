@@ -12,6 +12,9 @@ import fedbayes as fb
 from fedbayes.algorithms import tamuna as tm
 from fedbayes.engine import Problem, run_rounds
 
+# Fits: the second tier (make test-slow, run by .ci/run), to keep make test under 10 minutes.
+pytestmark = pytest.mark.slow
+
 
 def sleep_like(scale=1.0, shift=0.0, clients=18, seed=0):
     """Reaction-time-like data on raw units: intercept ~250 ms, slope ~10 ms/day over days 0..9,

@@ -12,6 +12,9 @@ import pytest
 import fedbayes as fb
 from fedbayes.algorithms import tamuna as tm
 
+# Fits: the second tier (make test-slow, run by .ci/run), to keep make test under 10 minutes.
+pytestmark = pytest.mark.slow
+
 N = 8
 
 

@@ -13,6 +13,9 @@ import fedbayes as fb
 from fedbayes.errors import DataError
 from fedbayes.model import FedModel
 
+# Fits: the second tier (make test-slow, run by .ci/run), to keep make test under 10 minutes.
+pytestmark = pytest.mark.slow
+
 CALLS = {"model": 0}
 
 

@@ -9,6 +9,9 @@ import pytest
 import fedbayes as fb
 from fedbayes.engine import Problem
 
+# Fits: the second tier (make test-slow, run by .ci/run), to keep make test under 10 minutes.
+pytestmark = pytest.mark.slow
+
 PRIOR = 5.0
 
 

@@ -16,6 +16,9 @@ import fedbayes as fb
 from fedbayes.algorithms.newton import federated_newton
 from fedbayes.engine import stack_clients
 
+# Fits: the second tier (make test-slow, run by .ci/run), to keep make test under 10 minutes.
+pytestmark = pytest.mark.slow
+
 
 def _model(x, y=None):
     w = numpyro.sample("w", dist.Normal(0.0, 5.0).expand([x.shape[1]]).to_event(1))
