@@ -37,7 +37,7 @@ def reference():
     return model, data, w.mean(0), w.std(0)
 
 
-def check(res, mean, sd):
+def assert_matches_nuts(res, mean, sd):
     w = res.global_samples["w"]
     # Monte Carlo error. Preconditioned at the mode, the chains move in y = S^-1 x, where the posterior is
     # close to N(0, I), with step gamma = 0.1: each coordinate is about AR(1) with rho = 1 - gamma = 0.9,
@@ -55,7 +55,7 @@ def check(res, mean, sd):
 @pytest.mark.slow
 def test_lmc_defaults_match_nuts(reference):
     model, data, mean, sd = reference
-    check(fb.fed_fit(model, data, fb.LMC(), num_rounds=6000), mean, sd)
+    assert_matches_nuts(fb.fed_fit(model, data, fb.LMC(), num_rounds=6000), mean, sd)
 
 
 @pytest.mark.slow
@@ -64,7 +64,7 @@ def test_lmc_defaults_match_nuts(reference):
                          ids=["d-elf", "p-elf", "b-elf", "qlsd"])
 def test_compressed_samplers_defaults_match_nuts(reference, algo):
     model, data, mean, sd = reference
-    check(fb.fed_fit(model, data, algo, num_rounds=6000), mean, sd)
+    assert_matches_nuts(fb.fed_fit(model, data, algo, num_rounds=6000), mean, sd)
 
 
 def test_default_start_is_the_mode_with_dispersed_chains():
