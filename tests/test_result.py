@@ -38,9 +38,12 @@ def test_idata_holds_estimates_history_and_ledger(res):
     hist = group(res.idata, "fed_history")
     assert hist["theta_phi"].dims[0] == "round" and hist.sizes["round"] == 40
     np.testing.assert_array_equal(hist["bits_up"].values, res.history["bits_up"])
-    assert hist.attrs["bits_up_total"] == res.bits_up == int(res.history["bits_up"].sum())
-    # FedSOUL's final exchange: theta_bar (phi 20x2, mu 2, sigma 1) to all 12 clients, nothing back
-    assert (hist.attrs["final_bits_up"], hist.attrs["final_bits_down"]) == res.final_bits == (0, 12 * 32 * 43)
+    # FedSOUL's final exchange: theta_bar (phi 20x2, mu 2, sigma 1: d = 43) to all 12 clients; each sends
+    # back its Louis terms (the mean score, d floats, and two upper triangles of d(d+1)/2 floats)
+    d = 43
+    final_up = 12 * 32 * (d + d * (d + 1))
+    assert (hist.attrs["final_bits_up"], hist.attrs["final_bits_down"]) == res.final_bits == (final_up, 12 * 32 * d)
+    assert hist.attrs["bits_up_total"] == res.bits_up == int(res.history["bits_up"].sum()) + final_up
     assert hist.attrs["bits_down_total"] == res.bits_down == (int(res.history["bits_down"].sum()) + res.init_bits[1]
                                                                + res.final_bits[1])
     clients = group(res.idata, "fed_clients")
