@@ -170,6 +170,18 @@ def test_default_settings_reach_the_map_by_name(logit):
     np.testing.assert_allclose(fb.result.group(res.idata, "fed_params")["w"], xstar, atol=1e-10)
 
 
+def test_default_settings_with_every_client_reach_the_map(logit):
+    """Every client in every round turns the monotonicity safeguard on. TAMUNA's F at x_bar rises while
+    the control variates settle (each coordinate is a mean over s < n clients' local iterates): the
+    safeguard must wait rather than halve gamma at once (which once halved it every round until it
+    underflowed and the fit diverged)."""
+    model, data, xstar = logit
+    res = fb.fed_fit(model, data, fb.TAMUNA(), num_rounds=1500)
+    assert res.settings["safeguard"] and res.settings["s"] < N
+    assert res.settings["step_halvings"] <= 2
+    np.testing.assert_allclose(res.params["w"], xstar, atol=1e-10)
+
+
 # ------------------------------------------------------------------- invariants and ledger
 
 

@@ -278,11 +278,13 @@ class FedSOULRun(Staged):
         zeros = {n: jnp.zeros(fm.sites[n].unconstrained_shape) for n in fm.global_names}
         flat, unravel = ravel_pytree(zeros)
         f = lambda x: ravel_pytree(fm.constrain(unravel(x)))[0]  # noqa: E731
-        curved = jnp.zeros(flat.shape, bool)
-        for point in (0.3, -0.7):
-            second = jax.jacfwd(jax.jacfwd(f))(jnp.full(flat.shape, point))  # (D, d, d)
-            curved = curved | jnp.any(jnp.diagonal(second, axis1=1, axis2=2) != 0, axis=0)
-        return curved
+
+        @jax.jit
+        def curved(points):
+            second = jax.vmap(jax.jacfwd(jax.jacfwd(f)))(points)  # (2, D, d, d)
+            return jnp.any(jnp.diagonal(second, axis1=2, axis2=3) != 0, axis=(0, 1))
+
+        return curved(jnp.stack([jnp.full(flat.shape, 0.3), jnp.full(flat.shape, -0.7)]))
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -519,14 +521,8 @@ class FedSOULRun(Staged):
         return parts
 
     def _uncertainty(self, key, theta: Params, grads, info_tris, cov_tris) -> dict[str, Any]:
-        fm, d = self._fm, self.dim
-        flat, unravel = ravel_pytree(theta)
-        prior_grad = ravel_pytree(jax.grad(fm.log_prior)(theta))[0]
-        prior_info = -jax.hessian(lambda x: fm.log_prior(unravel(x)))(flat)
-        information = prior_info + _symmetric(jnp.sum(info_tris, 0), d)
-        k_approx = jax.random.fold_in(key, 21)
-        shape = (self.cfg.num_chains, self.cfg.num_samples)
-        out = louis.normal_approximation(fm, k_approx, theta, information, shape)
+        out = louis.finish_normal_approximation(jax.jit(self._uncertainty_arrays)(key, theta, grads, info_tris,
+                                                                                   cov_tris))
         if not out.pop("positive_definite"):
             warnings.warn(
                 f"FedSOUL: Louis' observed information at the estimate is not positive definite (smallest "
@@ -534,6 +530,18 @@ class FedSOULRun(Staged):
                 "standard errors or normal approximation: the estimate is not at a maximum of the marginal "
                 "likelihood (run more rounds) or the model is not identified there (e.g. a rotation of a "
                 "latent subspace); the local posteriors are unaffected", ConvergenceWarning, stacklevel=2)
+        return out
+
+    def _uncertainty_arrays(self, key, theta: Params, grads, info_tris, cov_tris) -> dict[str, Any]:
+        """The traceable part of :meth:`_uncertainty` (one compilation, not one per operation)."""
+        fm, d = self._fm, self.dim
+        flat, unravel = ravel_pytree(theta)
+        prior_grad = ravel_pytree(jax.grad(fm.log_prior)(theta))[0]
+        prior_info = -jax.hessian(lambda x: fm.log_prior(unravel(x)))(flat)
+        information = prior_info + _symmetric(jnp.sum(info_tris, 0), d)
+        k_approx = jax.random.fold_in(key, 21)
+        shape = (self.cfg.num_chains, self.cfg.num_samples)
+        out = louis.normal_approximation_arrays(fm, k_approx, theta, information, shape)
         out["gradient"] = prior_grad + jnp.sum(grads, 0)
         out["gradient_cov"] = _symmetric(jnp.sum(cov_tris, 0), d)
         return out

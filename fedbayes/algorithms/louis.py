@@ -228,23 +228,39 @@ def normal_approximation(fm, key: jax.Array, theta_u: Params, information: jax.A
     """Standard errors (delta method, constrained sites) and draws ``shape = (chains, draws)`` of
     N(theta_u, I^-1) mapped to the constrained space, from an information matrix I in the unconstrained
     coordinates of theta_u. Where I is not positive definite the covariance is not defined: the
-    standard errors are NaN and the draws are left out (``"positive_definite": False``)."""
+    standard errors are NaN and the draws are left out (``"positive_definite": False``). One compiled
+    computation (:func:`normal_approximation_arrays`)."""
+    arrays = jax.jit(lambda k, t, i: normal_approximation_arrays(fm, k, t, i, shape))(key, theta_u, information)
+    return finish_normal_approximation(arrays)
+
+
+def normal_approximation_arrays(fm, key: jax.Array, theta_u: Params, information: jax.Array,
+                                shape: tuple[int, int] = (1, NUM_DRAWS)) -> dict[str, Any]:
+    """The traceable part of :func:`normal_approximation`: ``positive_definite`` is a boolean array, the
+    standard errors and draws are NaN where it is false (:func:`finish_normal_approximation` turns it
+    into a bool and drops the draws)."""
     flat, unravel = ravel_pytree(theta_u)
     information = 0.5 * (information + information.T)
     lam, vec = jnp.linalg.eigh(information)
-    pd = bool(jnp.all(jnp.isfinite(lam))) and bool(jnp.min(lam) > 0)
+    pd = jnp.all(jnp.isfinite(lam)) & (jnp.min(lam) > 0)
     cov_u = (vec / jnp.where(lam > 0, lam, jnp.nan)) @ vec.T
     constrained_flat = lambda x: ravel_pytree(fm.constrain(unravel(x)))[0]  # noqa: E731
     Jc = jax.jacfwd(constrained_flat)(flat)
     cov_c = Jc @ cov_u @ Jc.T
     _, unravel_c = ravel_pytree(fm.constrain(theta_u))
-    se = unravel_c(jnp.sqrt(jnp.clip(jnp.diag(cov_c), 0.0)) if pd else jnp.full(Jc.shape[0], jnp.nan))
-    out: dict[str, Any] = {"information": information, "cov_unconstrained": cov_u, "se": se,
-                           "positive_definite": pd}
-    if pd:
-        chains, draws = shape
-        root = vec * jnp.sqrt(1.0 / lam)  # root root^T = I^-1
-        eps = jax.random.normal(key, (chains * draws, flat.size))
-        approx = jax.vmap(lambda x: fm.constrain(unravel(x)))(flat + eps @ root.T)
-        out["global_approx"] = {k: v.reshape((chains, draws) + v.shape[1:]) for k, v in approx.items()}
+    se = unravel_c(jnp.where(pd, jnp.sqrt(jnp.clip(jnp.diag(cov_c), 0.0)), jnp.nan))
+    chains, draws = shape
+    root = vec * jnp.sqrt(1.0 / jnp.where(pd, lam, jnp.nan))  # root root^T = I^-1
+    eps = jax.random.normal(key, (chains * draws, flat.size))
+    approx = jax.vmap(lambda x: fm.constrain(unravel(x)))(flat + eps @ root.T)
+    return {"information": information, "cov_unconstrained": cov_u, "se": se, "positive_definite": pd,
+            "global_approx": {k: v.reshape((chains, draws) + v.shape[1:]) for k, v in approx.items()}}
+
+
+def finish_normal_approximation(out: dict[str, Any]) -> dict[str, Any]:
+    """The result of :func:`normal_approximation_arrays` as :func:`normal_approximation` returns it."""
+    out = dict(out)
+    out["positive_definite"] = pd = bool(out["positive_definite"])
+    if not pd:
+        out.pop("global_approx")
     return out

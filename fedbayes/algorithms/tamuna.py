@@ -229,7 +229,7 @@ class TAMUNA:
         point (one float), so the server knows F = sum_i f_i at each iterate; when F rises above the
         best value so far by more than rounding (1e3 eps (|F| + 1)) and has not improved for
         ceil(10 / p) rounds (``SAFEGUARD_PATIENCE``: TAMUNA's F need not fall every round, GD's does),
-        or rises above its starting value, the server halves gamma
+        or (GD) rises above its starting value, the server halves gamma
         (the broadcast carries the number of halvings: one float). gamma = 1 / L_max is measured at
         the start, and the curvature may be larger along the path (a start where a logistic likelihood
         is flat); GD then oscillates instead of converging. None (default): on when the step is
@@ -282,6 +282,7 @@ class TAMUNA:
     compression = True  # False: every cohort member uploads everything (s = c)
     full_participation = False  # True: the special case needs c = n
     auto_safeguard = True  # safeguard=None turns it on (automatic step, every client every round)
+    monotone = False  # F may rise for a while (local steps, control variates settling, shared coordinates)
     auto_precondition = True  # precondition=None turns it on (automatic step, d <= DENSE_CURVATURE)
     divergence_hint = ("lower step_size below 2 / L_max (or leave it None for 1 / L_max at the start); the objective "
                        "must be smooth and strongly convex near the path")
@@ -367,6 +368,7 @@ class GD(TAMUNA):
     control_variates = False
     compression = False
     full_participation = True
+    monotone = True  # with a step below 2 / L, F falls every round: a rise above the start halves at once
 
     def __post_init__(self):
         super().__post_init__()
@@ -645,7 +647,11 @@ class TAMUNARun(Staged):
         stall = jnp.where(F < state.best, 0, state.stall + 1)
         rise = (F > state.best + tol) | ~jnp.isfinite(F)
         patience = math.ceil(SAFEGUARD_PATIENCE / self.p)  # local steps and control variates: F need not fall every round
-        trigger = complete & rise & ((stall >= patience) | (F > first + tol) | ~jnp.isfinite(F))
+        # GD falls every round from a good step, so a rise above the start halves at once; TAMUNA's F rises
+        # while its control variates settle (with s < n each coordinate is a mean of s clients' local
+        # iterates), and halving then would only slow them down: it waits for the patience to run out
+        above_start = (F > first + tol) if self.cfg.monotone else jnp.zeros((), bool)
+        trigger = complete & rise & ((stall >= patience) | above_start | ~jnp.isfinite(F))
         new = ServerState(
             x=state.x,
             halvings=state.halvings + jnp.where(trigger, 1.0, 0.0).astype(state.halvings.dtype),
