@@ -281,9 +281,12 @@ def staged_init(run: Any, key: jax.Array, problem: Problem) -> tuple[PyTree, PyT
     box: dict[str, PyTree] = {"states": None}
 
     def exchange(stage: int, k_clients: jax.Array, payload: PyTree) -> PyTree:
-        keys = jax.vmap(lambda i: setup_client_key(k_clients, i, stage))(clients.index)
-        step = jax.jit(jax.vmap(lambda k, p, c, cl: run.setup_client(stage, k, p, c, cl), in_axes=(0, None, 0, 0)))
-        box["states"], uploads = step(keys, payload, box["states"], clients)
+        @jax.jit
+        def step(k_clients, payload, states, clients):
+            one = lambda p, c, cl: run.setup_client(stage, setup_client_key(k_clients, cl.index, stage), p, c, cl)  # noqa: E731
+            return jax.vmap(one, in_axes=(None, 0, 0))(payload, states, clients)
+
+        box["states"], uploads = step(k_clients, payload, box["states"], clients)
         return uploads
 
     state, broadcast = staged_setup(run, key, problem.data.num_clients, exchange)

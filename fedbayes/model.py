@@ -684,12 +684,25 @@ class FedModel:
         return {n: self.sites[n].transform.inv(jnp.asarray(v)) for n, v in c.items()}
 
     def constrain(self, u: Params) -> Params:
-        """Map unconstrained values (globals and/or locals) to the model's constrained space."""
-        return self._constrain(u)
+        """Map unconstrained values (globals and/or locals) to the model's constrained space (compiled once
+        per structure of ``u``, so that a call outside ``jit`` is one program, not one per operation)."""
+        return self._jitted("_constrain")(u)
 
     def unconstrain(self, c: Mapping[str, Any]) -> Params:
-        """Map constrained values to unconstrained space."""
-        return self._unconstrain(c)
+        """Map constrained values to unconstrained space (compiled, as :meth:`constrain`)."""
+        return self._jitted("_unconstrain")(c)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling: the compiled helpers are rebuilt on first use."""
+        state = dict(self.__dict__)
+        state.pop("_jit_cache", None)
+        return state
+
+    def _jitted(self, name: str):
+        cache = self.__dict__.setdefault("_jit_cache", {})
+        if name not in cache:
+            cache[name] = jax.jit(getattr(self, name))
+        return cache[name]
 
     def _log_jacobian(self, u: Params) -> jax.Array:
         total = jnp.zeros(())

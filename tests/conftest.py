@@ -52,3 +52,18 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("fuzzing harness: outcome of every fuzzed call")
         for line in lines:
             terminalreporter.line(line)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tiers of tests/tiers.py: listed tests get the ``slow`` or ``heavy`` marker (a ``heavy`` test
+    is run by ``make test-heavy`` only, whatever its module marks)."""
+    import pytest
+    import tiers
+
+    root = config.rootpath
+    for item in items:
+        path = item.path.relative_to(root).as_posix()
+        name = getattr(item, "originalname", None) or item.name.split("[")[0]
+        which = tiers.tier(path, name)
+        if which is not None:
+            item.add_marker(getattr(pytest.mark, which))

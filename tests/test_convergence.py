@@ -337,7 +337,7 @@ def test_fedmm_converged_does_not_warn():
 def test_resumed_fit_is_checked_like_the_uninterrupted_one(tmp_path):
     data, _, _ = _linear_data()
     path = tmp_path / "fit.ckpt"
-    res, caught = _fit_warnings(linear_model, data, fb.GD(), num_rounds=60, seed=0, chunk_size=30,
+    res, caught = _fit_warnings(linear_model, data, fb.GD(precondition=False), num_rounds=60, seed=0, chunk_size=30,
                                 checkpoint=path)  # the model is a top-level function: the checkpoint names it
     with warnings.catch_warnings(record=True) as again:
         warnings.simplefilter("always")

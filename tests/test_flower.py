@@ -456,7 +456,7 @@ def test_ray_simulation_engine_equals_fed_fit():
                           num_cpus_per_client=2)
     _same(ref, res, exact=False)
     _check_bytes(res)
-    assert res.local_samples and res.final_bits == (0, 5 * 32 * 6)
+    assert res.local_samples and res.final_bits == (5 * 32 * (6 + 6 * 7), 5 * 32 * 6)  # as test_flower_run_equals_fed_fit
 
 
 def test_simulate_refuses_bad_options():

@@ -21,6 +21,7 @@ Cov = J V J^T + 1/2 tr(H_a V H_b V)); per-observation Gaussian latents and Monte
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
 from ..engine import ClientData
+from ..errors import ConvergenceWarning
 from ..expfam import lapack_free_cholesky, lapack_free_spd_inverse
 from ..kernels import ula_chain
 from ..model import Params
@@ -112,30 +114,23 @@ def observed_information(run, theta_u: Params, statistic, covariance_tris: jax.A
 
 
 def posterior_summary(run, key, theta_u: Params, statistic, covariance_tris: jax.Array) -> dict[str, Any]:
-    """Louis' information, standard errors and approximate global posterior draws (the server's part)."""
-    return jax.jit(lambda *a: _summary(run, *a))(key, theta_u, statistic, covariance_tris)
+    """Louis' information, standard errors and approximate global posterior draws (the server's part;
+    one compiled computation). Where the information is not positive definite the standard errors are
+    NaN, the draws are left out and a :class:`ConvergenceWarning` says so."""
+    out = finish_normal_approximation(jax.jit(lambda *a: _summary(run, *a))(key, theta_u, statistic,
+                                                                            covariance_tris))
+    if not out.pop("positive_definite"):
+        warnings.warn(
+            f"{run.name}: Louis' observed information at the estimate is not positive definite (smallest "
+            f"eigenvalue {float(jnp.linalg.eigvalsh(out['information'])[0]):.3g}), so the globals have no "
+            "standard errors or normal approximation: the estimate is not at a maximum of the likelihood "
+            "(run more rounds) or the model is not identified there", ConvergenceWarning, stacklevel=3)
+    return out
 
 
 def _summary(run, k_global, theta_u, statistic, covariance_tris):
-    fm = run._fm
     information = observed_information(run, theta_u, statistic, covariance_tris)
-    flat, unravel = ravel_pytree(theta_u)
-    information = 0.5 * (information + information.T)
-    cov_u = jnp.linalg.inv(information)
-    constrained_flat = lambda x: ravel_pytree(fm.constrain(unravel(x)))[0]  # noqa: E731
-    Jc = jax.jacfwd(constrained_flat)(flat)
-    cov_c = Jc @ cov_u @ Jc.T
-    _, unravel_c = ravel_pytree(fm.constrain(theta_u))
-    se = unravel_c(jnp.sqrt(jnp.clip(jnp.diag(cov_c), 0.0)))
-    draws = flat + jax.random.normal(k_global, (NUM_DRAWS, flat.size)) @ jnp.linalg.cholesky(
-        cov_u + 1e-300 * jnp.eye(flat.size)).T
-    approx = jax.vmap(lambda x: fm.constrain(unravel(x)))(draws)
-    return {
-        "information": information,
-        "cov_unconstrained": cov_u,
-        "se": se,
-        "global_approx": {k: v[None] for k, v in approx.items()},
-    }
+    return normal_approximation_arrays(run._fm, k_global, theta_u, information, (1, NUM_DRAWS))
 
 
 def local_parts(extra: dict) -> dict[str, Any]:

@@ -1,0 +1,140 @@
+"""Which tests run in which tier, by measured duration.
+
+``make test`` (the first tier, under 10 minutes on 2 cores) runs every test not marked ``slow`` or
+``heavy``; ``make test-slow`` (the second tier, also run by ``.ci/run``) runs those marked ``slow``;
+``make test-heavy`` (the third tier: Flower's Ray engine and ``flwr run`` subprocesses, FedMM's
+compiled final pass on Flower, the real-data samplers; not in ``.ci/run``, whose 40 minutes it would
+exceed) runs those marked ``heavy``.
+
+A test is marked ``slow`` in its module (``@pytest.mark.slow``) or listed in ``SECOND_TIER`` below:
+the test functions (all their parametrisations) that took more than about 15 s each on the 2-core CI
+machine, measured with ``pytest --durations=0`` over the whole suite (2026-11-25: 1 000 s of the
+then 2 900 s of the first tier stayed in it). ``ALL`` moves a whole module. A new test lands in the
+first tier; move it here when it is slow.
+"""
+
+ALL = "ALL"
+
+SECOND_TIER: dict[str, object] = {
+    "tests/test_api.py": (
+        "test_bad_data_and_prediction_inputs",
+        "test_divergence_is_reported_with_the_round_and_the_cause",
+    ),
+    "tests/test_checkpoint.py": (
+        "test_a_killed_fit_resumes_to_exactly_the_uninterrupted_result",
+    ),
+    "tests/test_client_names.py": (
+        "test_fit_idata_uses_client_names",
+    ),
+    "tests/test_compress.py": (
+        "test_compressors_commute_with_powers_of_two",
+        "test_monte_carlo_mean_and_variance_bound",
+        "test_range_float64",
+        "test_wire_format_round_trip",
+    ),
+    "tests/test_convergence.py": (
+        "test_sampler_under_run_warns",
+    ),
+    "tests/test_elf.py": (
+        "test_error_feedback_invariants_hold_every_round",
+        "test_error_feedback_with_an_odd_compressor_has_the_exact_mean",
+        "test_identity_compressors_reproduce_lmc",
+        "test_samplers_match_nuts_on_pooled_logistic_regression",
+        "test_splitting_the_data_leaves_the_stationary_law_unchanged",
+    ),
+    "tests/test_engine.py": (
+        "test_fit_reports_progress_between_chunks",
+    ),
+    "tests/test_expfam.py": (
+        "test_gmm_statistics_and_m_step",
+        "test_map_m_step_maximises_surrogate_plus_prior",
+    ),
+    "tests/test_faults.py": (
+        "test_delf_with_faults_keeps_the_exact_stationary_mean",
+        "test_langevin_memories_and_copies_stay_in_step_under_faults",
+        "test_min_clients_stops_the_fit_at_the_first_round_with_fewer_answers",
+        "test_tamuna_with_faults_reaches_the_exact_minimiser",
+    ),
+    "tests/test_fedmm.py": (
+        "test_control_variates_under_partial_participation_and_quantisation",
+        "test_uploads_are_statistics_not_data",
+    ),
+    "tests/test_fedsoul.py": (
+        "test_fedsoul_learns_the_subspace_from_the_best_of_three_starts",
+        "test_ledger_counts_every_message",
+        "test_partial_participation_and_compression_keep_the_server_update_unbiased",
+        "test_reference_mml_agrees_with_statsmodels",
+    ),
+    "tests/test_flower.py": (
+        "test_a_client_missing_the_final_exchange_keeps_the_rest",
+        "test_a_node_writes_its_personal_posterior_where_its_config_says",
+        "test_an_unreachable_node_is_a_dropped_client",
+        "test_every_algorithm_runs_on_flower",
+        "test_flower_run_equals_fed_fit",
+        "test_the_server_expects_the_messages_clients_send",
+        "test_the_server_needs_no_client_data",
+    ),
+    "tests/test_fuzz.py": ALL,
+    "tests/test_fuzz_regressions.py": (
+        "test_a_failing_callback_is_named_and_the_checkpoint_kept",
+        "test_fits_of_seeds_2_32_apart_differ_and_small_seeds_are_unchanged",
+    ),
+    "tests/test_import_race.py": (
+        "test_simultaneous_first_imports_of_fedbayes_all_succeed",
+    ),
+    "tests/test_model.py": (
+        "test_fisher_identity_gradient_matches_the_closed_form_marginal",
+        "test_splitting_pooled_data_gives_the_same_target",
+    ),
+    "tests/test_qlsd.py": (
+        "test_stationary_mean_is_exact_and_memory_reduces_the_variance",
+    ),
+    "tests/test_reference.py": (
+        "test_nuts_reference_matches_the_closed_form_hierarchical_posterior",
+    ),
+    "tests/test_result.py": (
+        "test_idata_has_local_sites_with_a_client_dim",
+        "test_settings_hold_the_options_and_the_resolved_hyper_parameters",
+    ),
+    "tests/test_save_load.py": (
+        "test_a_fedsoul_result_saves_loads_and_predicts_bit_for_bit",
+    ),
+    "tests/test_stall.py": (
+        "test_fedmm_on_1000_clients_of_a_full_covariance_mixture_finishes",
+        "test_fedmm_with_a_scalar_observed_site",
+    ),
+    "tests/test_starts.py": (
+        "test_start_is_the_exact_prior_centre_and_ignores_the_key",
+    ),
+    "tests/test_tamuna.py": (
+        "test_exact_convergence_with_compression_and_partial_participation",
+        "test_fedsoul_warm_starts_from_the_global_model",
+        "test_mask_has_s_ones_per_row_and_balanced_columns",
+        "test_models_with_local_latents_need_the_population_mean_option",
+    ),
+    "tests/test_threads.py": ALL,
+}
+
+THIRD_TIER: dict[str, object] = {
+    "tests/test_flower.py": (
+        "test_ray_simulation_engine_equals_fed_fit",
+        "test_fedmm_on_flower_for_linear_gaussian_models",
+    ),
+    "tests/test_flower_app.py": ALL,
+    "tests/test_real_data.py": ("test_contraception_logistic_samplers_defaults",),
+}
+
+
+def _listed(table: dict[str, object], path: str, name: str) -> bool:
+    entry = table.get(path)
+    return entry is not None and (entry == ALL or name in entry)
+
+
+def tier(path: str, name: str) -> str | None:
+    """"heavy", "slow" or None (the first tier) for test function ``name`` of the file ``path``
+    (relative to the repository, e.g. ``tests/test_api.py``)."""
+    if _listed(THIRD_TIER, path, name):
+        return "heavy"
+    if _listed(SECOND_TIER, path, name):
+        return "slow"
+    return None
