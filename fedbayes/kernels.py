@@ -58,6 +58,22 @@ def ula_chain(
     return jax.lax.scan(body, x0, jax.random.split(key, num_steps))
 
 
+def preconditioned_ula_step(key: jax.Array, x: PyTree, grad_log_density: PyTree, step_size: jax.Array | float,
+                            root: jax.Array) -> PyTree:
+    """One ULA move with the constant preconditioner M = R R^T (``root`` R, (q, q) on the flattened x):
+
+        x' = x + gamma M grad log pi(x) + sqrt(2 gamma) R xi,      xi ~ N(0, I_q),
+
+    i.e. plain ULA on u with x = x_0 + R u, whose target's Hessian is R^T (grad^2 -log pi) R. For a
+    Gaussian target N(m, P^{-1}) and R R^T = P^{-1} every direction has unit curvature, so the chain
+    mixes in about 1 / gamma moves whatever P's condition number, and its stationary covariance is
+    P^{-1} / (1 - gamma / 2) (the scalar case's bias, in the whitened coordinates)."""
+    flat, unravel = ravel_pytree(x)
+    g = ravel_pytree(grad_log_density)[0]
+    xi = jax.random.normal(key, flat.shape, flat.dtype)
+    return unravel(flat + step_size * (root @ (root.T @ g)) + jnp.sqrt(2.0 * step_size) * (root @ xi))
+
+
 def power_iteration(
     hvp: Callable[[jax.Array], jax.Array], v0: jax.Array, num_iters: int
 ) -> tuple[jax.Array, jax.Array]:

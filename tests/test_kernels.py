@@ -9,7 +9,7 @@ import pytest
 
 import fedbayes as fb
 from fedbayes.errors import ConfigError
-from fedbayes.kernels import curvature, ula_chain
+from fedbayes.kernels import curvature, preconditioned_ula_step, ula_chain
 
 
 def test_ula_gaussian_stationary_law_is_exact():
@@ -33,6 +33,45 @@ def test_ula_gaussian_stationary_law_is_exact():
     np.testing.assert_array_less(np.abs(emp - sigma_gamma), 5 * se_cov)
     # and the test can tell the biased law from the target: P^{-1} is many standard errors away
     assert np.max(np.abs(np.linalg.inv(np.asarray(P)) - sigma_gamma) / se_cov) > 20
+
+
+def test_preconditioned_ula_stationary_law_is_exact_and_mixes_whatever_the_scales():
+    """Target N(m, P^{-1}) with condition number 1e4 (a random intercept in ms and a slope in ms/day);
+    preconditioner R with R R^T = Q^{-1} for a Q near P. In u = R^{-1} x the move is plain ULA on the
+    target N(R^{-1} m, (R^T P R)^{-1}), so its stationary law is N(m, R (A - gamma A^2 / 2)^{-1} R^T) with
+    A = R^T P R, exactly (the scalar case's formula, whitened). 100 moves at gamma = 0.5 reach it from 0;
+    plain ULA with its stable step 1 / lambda_max has then moved the wide direction by 1%."""
+    rot = np.array([[np.cos(0.3), -np.sin(0.3)], [np.sin(0.3), np.cos(0.3)]])
+    P = rot @ np.diag([1.0, 1e-4]) @ rot.T
+    m = np.array([250.0, 10.0])
+    Q = rot @ np.diag([1.1, 0.9e-4]) @ rot.T  # a near miss (curvatures 10% off): R is not the exact whitening
+    R = np.linalg.cholesky(np.linalg.inv(Q))
+    A = R.T @ P @ R
+    gamma = 0.5 / np.linalg.eigvalsh(A).max()
+    grad = lambda x: -jnp.asarray(P) @ (x - jnp.asarray(m))  # noqa: E731
+
+    def chain(key, n_steps, step):
+        def body(x, k):
+            return step(k, x), None
+        return jax.lax.scan(body, jnp.zeros(2), jax.random.split(key, n_steps))[0]
+
+    n_chains = 20000
+    keys = jax.random.split(jax.random.PRNGKey(1), n_chains)
+    x = np.asarray(jax.vmap(lambda k: chain(k, 100, lambda kk, x: preconditioned_ula_step(
+        kk, x, grad(x), gamma, jnp.asarray(R))))(keys))
+    # contraction per move: max |1 - gamma a| over A's eigenvalues a = 1 - 0.5 a_min / a_max (~0.59): 100
+    # moves leave < 1e-20 of the start, so the final states are iid from the stationary law
+    sigma_gamma = R @ np.linalg.inv(A - gamma * A @ A / 2) @ R.T
+    se_mean = np.sqrt(np.diag(sigma_gamma) / n_chains)
+    np.testing.assert_array_less(np.abs(x.mean(0) - m), 5 * se_mean)
+    emp = np.cov(x.T)
+    se_cov = np.sqrt((np.outer(np.diag(sigma_gamma), np.diag(sigma_gamma)) + sigma_gamma**2) / n_chains)
+    np.testing.assert_array_less(np.abs(emp - sigma_gamma), 5 * se_cov)
+    # plain ULA, the same number of moves at its step 0.5 / lambda_max: the wide direction has not moved
+    step = 0.5 / np.linalg.eigvalsh(P).max()
+    plain = np.asarray(jax.vmap(lambda k: ula_chain(k, jnp.zeros(2), grad, step, 100)[0])(keys[:200]))
+    wide = rot[:, 1]  # the direction of curvature 1e-4: plain ULA contracts it by 1 - 5e-5 per move
+    assert abs(wide @ (plain.mean(0) - m)) > 0.9 * abs(wide @ m)
 
 
 def test_curvature_power_iteration_finds_largest_eigenvalue():

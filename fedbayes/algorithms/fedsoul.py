@@ -52,7 +52,8 @@ from ..engine import (FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Stage
                       stack_clients)
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
-from ..kernels import curvature, ula_chain, ula_step
+from ..expfam import lapack_free_cholesky, lapack_free_tril_inverse
+from ..kernels import curvature, preconditioned_ula_step, ula_step
 from ..model import FedModel, Params
 from . import louis
 from .louis import _symmetric
@@ -79,6 +80,11 @@ class Upload(NamedTuple):
     information: Any = ()  # Fisher scoring: the upper triangle of the client's complete-data information
 
 
+LOCAL_DENSE_MAX = 10
+"""``local_metric="auto"`` preconditions a client's Langevin moves by its local Hessian (dense) when it
+has at most this many local coordinates."""
+
+
 @dataclass(frozen=True)
 class FedSOUL:
     """FedSOUL (FedPop Algorithm 1 with ULA): personalised empirical-Bayes federated learning.
@@ -99,6 +105,20 @@ class FedSOUL:
         data have larger L_i and get smaller steps; ULA needs gamma_i < 2 / L_i).
     step_scale:
         gamma_i * L_i for the automatic step (the ULA covariance bias is about step_scale / 2).
+    local_metric:
+        The clients' Langevin preconditioner. "dense": each round (and for the final draws) the client
+        computes the Hessian H_i of -log p(D_i, z | theta) in z at its chain's state and moves with
+        M_i = H_i^{-1} (:func:`fedbayes.kernels.preconditioned_ula_step`; gamma_i = step_scale / the
+        largest curvature of the whitened target, about step_scale for a Gaussian local posterior),
+        falling back to the identity where H_i is not positive definite: the chain mixes in about
+        1 / step_scale moves whatever the scales of the local coordinates. "identity": plain ULA with
+        the scalar step gamma_i = step_scale / L_i (default, for now); a local posterior whose
+        directions have very different spreads (random effects on different scales, e.g. an intercept
+        in ms and a slope in ms/day) then mixes at the pace of its narrowest direction, and FedSOUL's
+        estimate of the random effects' spread is biased by the chains' transient. "auto": "dense" when a
+        client has at most ``LOCAL_DENSE_MAX`` (10) local coordinates (a q x q Hessian per round, at
+        most as many gradients as the round's 10 moves) and the step is automatic, else "identity" (a
+        given ``step_size`` is plain ULA's; with "dense" it is the step in the whitened coordinates).
     server_lr:
         eta_k: a float or a schedule ``k -> eta_k``; None (default): 1.0 for Fisher scoring, 0.05 for
         "adam" / "sgd" / an optax optimiser.
@@ -171,6 +191,7 @@ class FedSOUL:
     stateful: bool = True
     step_size: float | Sequence[float] | None = None
     step_scale: float = 0.1
+    local_metric: str = "identity"
     power_iters: int = 2
     server_lr: float | Callable | None = None
     server_optimizer: Any = "auto"
@@ -197,6 +218,7 @@ class FedSOUL:
         if self.burn_in >= self.local_steps:
             raise ConfigError(f"FedSOUL burn_in={self.burn_in} must be smaller than local_steps={self.local_steps}")
         require_int(self.power_iters, "FedSOUL power_iters")
+        require_choice(self.local_metric, "FedSOUL local_metric", ("auto", "identity", "dense"))
         require_int(self.num_samples, "FedSOUL num_samples")
         require_int(self.warmup, "FedSOUL warmup", 0)
         require_int(self.thinning, "FedSOUL thinning")
@@ -269,6 +291,10 @@ class FedSOULRun(Staged):
         self._schedule = optim.as_schedule(lr)
         self.uncertainty = small if cfg.uncertainty is None else bool(cfg.uncertainty)
         self._nonlinear = self._nonlinear_coordinates(fm) if self._fisher else None
+        q = ravel_pytree(fm.zeros_local())[0].size
+        self._dense = cfg.local_metric == "dense" or (cfg.local_metric == "auto" and cfg.step_size is None
+                                                      and 0 < q <= LOCAL_DENSE_MAX)
+        self.local_metric = "dense" if self._dense else "identity"
 
     @staticmethod
     def _nonlinear_coordinates(fm: FedModel) -> jax.Array:
@@ -303,7 +329,8 @@ class FedSOULRun(Staged):
     def _log_joint_fn(self, fm: FedModel, theta: Params, client: ClientData):
         return lambda z: fm.client_log_joint(theta, z, client.data, client.mask)
 
-    def _run_chain(self, fm, key, theta, z0, step, client, num_steps, keep_from, information: bool = False):
+    def _run_chain(self, fm, key, theta, z0, step, client, num_steps, keep_from, information: bool = False,
+                   root: jax.Array | None = None):
         """ULA chain of ``num_steps`` moves from z0; averages grad_theta log p(D, z | theta) (and the
         log joint) over the states after move ``keep_from``. With ``information``, also the complete-data
         information mean_m(-grad^2_theta log p(D, Z_m | theta)) over the same states (flat, unconstrained;
@@ -317,7 +344,7 @@ class FedSOULRun(Staged):
         def body(carry, xs):
             z, g_z, acc, acc_val, acc_h = carry
             k, m = xs
-            z = ula_step(k, z, g_z, step)
+            z = self._move(k, z, g_z, step, root)
             val, g_theta, g_z = fm.joint_grads(theta, z, client.data, client.mask)
             keep = m >= keep_from
             acc = jax.tree_util.tree_map(lambda a, g: a + jnp.where(keep, g, 0.0), acc, g_theta)
@@ -332,11 +359,37 @@ class FedSOULRun(Staged):
         mean = jax.tree_util.tree_map(lambda a: a / n, acc)
         return z, mean, acc_val / n, (acc_h / n if information else None)
 
+    @staticmethod
+    def _move(key, z, g_z, step, root):
+        return ula_step(key, z, g_z, step) if root is None else preconditioned_ula_step(key, z, g_z, step, root)
+
+    def _metric(self, fm, theta, z, client) -> jax.Array | None:
+        """``local_metric="dense"``: R with R R^T = H^{-1}, H the Hessian of -log p(D, z | theta) in z at
+        ``z`` (flat; the identity where H is not positive definite); None for plain ULA."""
+        if not self._dense:
+            return None
+        flat, unravel = ravel_pytree(z)
+        log_joint = self._log_joint_fn(fm, theta, client)
+        h = -jax.hessian(lambda f: log_joint(unravel(f)))(flat)
+        chol = lapack_free_cholesky(0.5 * (h + h.T))
+        ok = jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diagonal(chol) > 0)
+        root = jnp.swapaxes(lapack_free_tril_inverse(jnp.where(ok, chol, jnp.eye(flat.size, dtype=flat.dtype))), -1, -2)
+        return jnp.where(ok, root, jnp.eye(flat.size, dtype=flat.dtype))
+
     def _step_for(self, fm, theta, z, v, step, client, iters):
+        """``(v, gamma, R)``: the power iteration's vector, the step and the preconditioner's root (None:
+        plain ULA). With a preconditioner gamma = step_scale / the largest curvature of the whitened
+        target u -> log p(D, z + R u | theta)."""
+        root = self._metric(fm, theta, z, client)
         if not self._auto_step:
-            return v, step
-        lam, v = curvature(self._log_joint_fn(fm, theta, client), z, v, iters)
-        return v, self.cfg.step_scale / jnp.maximum(lam, 1e-12)
+            return v, step, root
+        log_joint = self._log_joint_fn(fm, theta, client)
+        if root is None:
+            lam, v = curvature(log_joint, z, v, iters)
+        else:
+            flat, unravel = ravel_pytree(z)
+            lam, v = curvature(lambda u: log_joint(unravel(flat + root @ u)), jnp.zeros_like(flat), v, iters)
+        return v, self.cfg.step_scale / jnp.maximum(lam, 1e-12), root
 
     # ------------------------------------------------------------------ protocol
     # set-up (engine.Setup): theta_0 to every client, which starts its own chain and step size
@@ -354,7 +407,7 @@ class FedSOULRun(Staged):
         z0 = fm.sample_local_prior(k_z, theta, client.data, client.mask)
         v0 = jax.random.normal(k_v, (ravel_pytree(fm.zeros_local())[0].size,))
         if self._auto_step:
-            v0, step = self._step_for(fm, theta, z0, v0, 0.0, client, 50)
+            v0, step, _ = self._step_for(fm, theta, z0, v0, 0.0, client, 50)
         else:
             steps = jnp.asarray(self.cfg.step_size, dtype=jnp.result_type(float))
             step = steps[client.index] if steps.ndim else steps
@@ -374,9 +427,9 @@ class FedSOULRun(Staged):
         fm: FedModel = self._fm
         k_init, k_chain, k_comp = jax.random.split(key, 3)
         z0 = state.z if self.cfg.stateful else fm.sample_local_prior(k_init, theta, client.data, client.mask)
-        v, step = self._step_for(fm, theta, z0, state.v, state.step, client, self.cfg.power_iters)
+        v, step, root = self._step_for(fm, theta, z0, state.v, state.step, client, self.cfg.power_iters)
         z, grad, objective, info = self._run_chain(fm, k_chain, theta, z0, step, client, self.cfg.local_steps,
-                                                   self.cfg.burn_in, self._fisher)
+                                                   self.cfg.burn_in, self._fisher, root)
         sent, bits = self._compress(k_comp, grad)
         tri = ()
         if self._fisher:  # the complete-data information as its upper triangle, uncompressed
@@ -462,12 +515,18 @@ class FedSOULRun(Staged):
         fm, cfg = self._fm, self.cfg
         n_steps = warmup + num_samples * cfg.thinning
         k_starts, k_chains = jax.random.split(key)
-        v, step = self._step_for(fm, theta, z, v, step, client, 20)
+        v, step, root = self._step_for(fm, theta, z, v, step, client, 20)
         fresh = jax.vmap(fm.sample_local_prior, in_axes=(0, None, None, None))(
             jax.random.split(k_starts, cfg.num_chains - 1), theta, client.data, client.mask)
         starts = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), z, fresh)
         score = lambda z: fm.local_score(theta, z, client.data, client.mask)  # noqa: E731
-        chain = lambda kc, z0: ula_chain(kc, z0, score, step, n_steps)[1]  # noqa: E731
+
+        def chain(kc, z0):
+            def body(z, k):
+                z = self._move(k, z, score(z), step, root)
+                return z, z
+            return jax.lax.scan(body, z0, jax.random.split(kc, n_steps))[1]
+
         zs = jax.vmap(chain)(jax.random.split(k_chains, cfg.num_chains), starts)
         return jax.tree_util.tree_map(lambda a: a[:, warmup + cfg.thinning - 1::cfg.thinning], zs), step
 
@@ -512,6 +571,7 @@ class FedSOULRun(Staged):
                                  "settings": {"server_optimizer": self.optimizer if isinstance(self.optimizer, str)
                                               else type(self.optimizer).__name__,
                                               "uncertainty": self.uncertainty,
+                                              "local_metric": self.local_metric,
                                               **({} if callable(self.server_lr) else {"server_lr": self.server_lr})}}
         if locals_ is not None:
             parts["local_samples"] = locals_["local_samples"]
@@ -558,7 +618,7 @@ class FedSOULRun(Staged):
         v0 = jax.random.normal(k_v, ravel_pytree(z0)[0].shape)
         step = jnp.asarray(np.mean(self.cfg.step_size) if self.cfg.step_size is not None else 0.0)
         if self._auto_step:
-            v0, step = self._step_for(self._fm, theta, z0, v0, step, client, 50)
+            v0, step, _ = self._step_for(self._fm, theta, z0, v0, step, client, 50)
         batch = lambda t: jax.tree_util.tree_map(lambda a: a[None], t)  # noqa: E731
         zs, _ = self.sample_locals(k_run, theta, ClientState(batch(z0), v0[None], step[None]), batch(client),
                                    num_samples, warmup)
