@@ -64,6 +64,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         path = item.path.relative_to(root).as_posix()
         name = getattr(item, "originalname", None) or item.name.split("[")[0]
-        which = tiers.tier(path, name)
+        which = tiers.tier(path, name, item.name)
         if which is not None:
             item.add_marker(getattr(pytest.mark, which))
