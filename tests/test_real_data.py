@@ -25,8 +25,9 @@ gives an autocorrelation time of about 19 rounds, so 10000 rounds (about 260 eff
 chain) left the split R-hat at 1.013, above 1.01 by chance alone; 20000 give about 500 per chain.
 Everything else is the algorithm's default.
 
-The fits are the second tier (``@pytest.mark.slow``: tens of seconds each); the normal tier checks
-the loaders and the references themselves (a few seconds).
+The fits are the second tier (``@pytest.mark.slow``: tens of seconds each), the longest of them (the
+FedSOUL GLMM fits, the samplers' 20 000 rounds, the strict expected failures) the third
+(``tests/tiers.py``); the normal tier checks the loaders and the references themselves (a few seconds).
 """
 
 from __future__ import annotations
