@@ -218,22 +218,13 @@ def draws_information(fm, theta_u: Params, zs: Params, client: ClientData,
     return mean, info[rows, cols], grad_cov[rows, cols]
 
 
-def normal_approximation(fm, key: jax.Array, theta_u: Params, information: jax.Array,
-                         shape: tuple[int, int] = (1, NUM_DRAWS)) -> dict[str, Any]:
-    """Standard errors (delta method, constrained sites) and draws ``shape = (chains, draws)`` of
-    N(theta_u, I^-1) mapped to the constrained space, from an information matrix I in the unconstrained
-    coordinates of theta_u. Where I is not positive definite the covariance is not defined: the
-    standard errors are NaN and the draws are left out (``"positive_definite": False``). One compiled
-    computation (:func:`normal_approximation_arrays`)."""
-    arrays = jax.jit(lambda k, t, i: normal_approximation_arrays(fm, k, t, i, shape))(key, theta_u, information)
-    return finish_normal_approximation(arrays)
-
-
 def normal_approximation_arrays(fm, key: jax.Array, theta_u: Params, information: jax.Array,
                                 shape: tuple[int, int] = (1, NUM_DRAWS)) -> dict[str, Any]:
-    """The traceable part of :func:`normal_approximation`: ``positive_definite`` is a boolean array, the
-    standard errors and draws are NaN where it is false (:func:`finish_normal_approximation` turns it
-    into a bool and drops the draws)."""
+    """Standard errors (delta method, constrained sites) and draws ``shape = (chains, draws)`` of
+    N(theta_u, I^-1) mapped to the constrained space, from an information matrix I in the unconstrained
+    coordinates of theta_u; traceable (call it inside ``jit``). ``positive_definite`` is a boolean array;
+    where it is false the standard errors and draws are NaN (:func:`finish_normal_approximation` turns
+    it into a bool and drops the draws)."""
     flat, unravel = ravel_pytree(theta_u)
     information = 0.5 * (information + information.T)
     lam, vec = jnp.linalg.eigh(information)
@@ -253,7 +244,8 @@ def normal_approximation_arrays(fm, key: jax.Array, theta_u: Params, information
 
 
 def finish_normal_approximation(out: dict[str, Any]) -> dict[str, Any]:
-    """The result of :func:`normal_approximation_arrays` as :func:`normal_approximation` returns it."""
+    """The result of :func:`normal_approximation_arrays` on the host: ``positive_definite`` a bool, the
+    draws left out where it is false."""
     out = dict(out)
     out["positive_definite"] = pd = bool(out["positive_definite"])
     if not pd:
