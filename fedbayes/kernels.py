@@ -35,6 +35,29 @@ def tree_normal(key: jax.Array, tree: PyTree) -> PyTree:
     return jax.tree_util.tree_unflatten(treedef, noise)
 
 
+TAME = 4.0
+"""The taming threshold kappa of :func:`langevin_move` with ``tame=True``: the drift gamma R^T grad log pi
+is shortened to at most ``TAME * sqrt(2 gamma q)`` (q coordinates), a tamed Langevin move (Brosse,
+Durmus, Moulines and Sabanis 2019) whose threshold sits where the drift is many times longer than the
+noise. At a step where ULA is stable the threshold is reached only far from the mode (for a Gaussian
+target with unit curvature in the coordinates u, at |u - m| > TAME sqrt(2 q / gamma), beyond
+18 sqrt(q) standard deviations at gamma = 0.1), so the stationary law is unchanged; far out, where a
+gradient growing faster than linearly (an exp link: Poisson rates, log-normal scales) would make the
+move overshoot and overflow (or, under MALA, be rejected again and again), each move goes at most that
+far towards the mode. The price: a chain started hundreds of standard deviations out (a random effect
+in ms drawn from a unit-scale prior) crawls there at about 2.5 whitened units per move. Tried: 50,
+which lets such chains jump but leaves MALA chains under an exp link stuck on rejected overshoots."""
+
+
+def _tame_factor(drift: jax.Array, step_size: jax.Array | float, kappa: float) -> jax.Array:
+    """The factor in (0, 1] that shortens the flat ``drift`` to at most ``kappa`` times the typical
+    length of the move's noise, ``kappa sqrt(2 gamma q)`` (q coordinates; both measured in the
+    coordinates where the noise is N(0, 2 gamma I)); 1 for a non-finite drift (the caller rejects it)."""
+    norm = jnp.sqrt(jnp.sum(drift * drift))
+    cap = kappa * jnp.sqrt(2.0 * step_size * drift.size)
+    return jnp.where(jnp.isfinite(norm) & (norm > cap), cap / jnp.where(norm > 0, norm, 1.0), 1.0)
+
+
 def ula_step(key: jax.Array, x: PyTree, grad_log_density: PyTree, step_size: jax.Array | float) -> PyTree:
     """One ULA move: ``x + step * grad log pi(x) + sqrt(2 step) * xi``, given the gradient at x."""
     noise = tree_normal(key, x)
@@ -58,20 +81,102 @@ def ula_chain(
     return jax.lax.scan(body, x0, jax.random.split(key, num_steps))
 
 
-def preconditioned_ula_step(key: jax.Array, x: PyTree, grad_log_density: PyTree, step_size: jax.Array | float,
-                            root: jax.Array) -> PyTree:
-    """One ULA move with the constant preconditioner M = R R^T (``root`` R, (q, q) on the flattened x):
+class LangevinPoint(NamedTuple):
+    """A Langevin chain's state with what the next move needs: ``log_density`` log pi(x) (up to a
+    constant), ``grad`` grad log pi(x), and ``aux``, anything else the caller evaluated at x."""
 
-        x' = x + gamma M grad log pi(x) + sqrt(2 gamma) R xi,      xi ~ N(0, I_q),
+    x: PyTree
+    log_density: jax.Array
+    grad: PyTree
+    aux: Any = ()
 
-    i.e. plain ULA on u with x = x_0 + R u, whose target's Hessian is R^T (grad^2 -log pi) R. For a
-    Gaussian target N(m, P^{-1}) and R R^T = P^{-1} every direction has unit curvature, so the chain
-    mixes in about 1 / gamma moves whatever P's condition number, and its stationary covariance is
-    P^{-1} / (1 - gamma / 2) (the scalar case's bias, in the whitened coordinates)."""
-    flat, unravel = ravel_pytree(x)
-    g = ravel_pytree(grad_log_density)[0]
-    xi = jax.random.normal(key, flat.shape, flat.dtype)
-    return unravel(flat + step_size * (root @ (root.T @ g)) + jnp.sqrt(2.0 * step_size) * (root @ xi))
+
+def langevin_move(key: jax.Array, point: LangevinPoint, evaluate: Callable[[PyTree], tuple[Any, PyTree, Any]],
+                  step_size: jax.Array | float, root: jax.Array | None = None, *, adjusted: bool = False,
+                  tame: bool = False) -> tuple[LangevinPoint, jax.Array]:
+    """One Langevin move from ``point``, Metropolis-adjusted (MALA) or not (ULA).
+
+    The proposal is, in the coordinates u with x = x_0 + R u (R = ``root``, the identity when None),
+
+        u' = u + D(x) + sqrt(2 gamma) xi,     D(x) = gamma R^T grad log pi(x),     xi ~ N(0, I_q),
+
+    with D shortened to at most ``TAME * sqrt(2 gamma q)`` when ``tame`` (see :data:`TAME`). ULA
+    (``adjusted=False``) takes it; MALA accepts it with probability
+
+        min(1, pi(x') q(x | x') / (pi(x) q(x' | x))),   log q(x' | x) = -|u' - u - D(x)|^2 / (4 gamma) + c,
+
+    whose stationary law is pi exactly, whatever gamma (the taming is a deterministic function of the
+    state, so the ratio stays exact). ``evaluate(x')`` returns ``(log pi(x'), grad log pi(x'), aux)``. A
+    proposal at which anything is non-finite is rejected in both cases (the chain stays). Returns the
+    new point and the acceptance probability (1 for an accepted ULA move, 0 for a non-finite one)."""
+    flat, unravel = ravel_pytree(point.x)
+    k_noise, k_accept = jax.random.split(key)
+
+    def drift(grad):
+        g = ravel_pytree(grad)[0]
+        d = step_size * (g if root is None else root.T @ g)
+        return d * _tame_factor(d, step_size, TAME) if tame else d
+
+    xi = jax.random.normal(k_noise, flat.shape, flat.dtype)
+    du = drift(point.grad) + jnp.sqrt(2.0 * step_size) * xi
+    x_new = unravel(flat + (du if root is None else root @ du))
+    new = LangevinPoint(x_new, *evaluate(x_new))
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in jax.tree_util.tree_leaves(new)]))
+    if adjusted:
+        back = du + drift(new.grad)
+        log_ratio = (new.log_density - point.log_density
+                     - jnp.sum(back * back) / (4.0 * step_size) + 0.5 * jnp.sum(xi * xi))
+        prob = jnp.where(finite & ~jnp.isnan(log_ratio), jnp.exp(jnp.minimum(log_ratio, 0.0)), 0.0)
+        accept = jax.random.uniform(k_accept, (), flat.dtype) < prob
+    else:
+        prob = finite.astype(flat.dtype)
+        accept = finite
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(accept, a, b), new, point), prob
+
+
+def backtrack(f: Callable[[jax.Array], jax.Array], x: jax.Array, d: jax.Array, fx: jax.Array,
+              num: int = 11) -> jax.Array:
+    """x + 2^-j d for the first j in 0..num-1 at which f is finite and no lower than ``fx`` = f(x); x
+    itself if there is none (or ``fx`` is not finite). Flat x and d; the candidates are evaluated at once."""
+    alphas = 2.0 ** -jnp.arange(num, dtype=x.dtype)
+    cand = x + alphas[:, None] * d
+    fc = jax.vmap(f)(cand)
+    good = jnp.isfinite(fc) & (fc >= fx) & jnp.all(jnp.isfinite(cand), axis=1)
+    j = jnp.argmax(good)
+    return jnp.where(good[j] & jnp.isfinite(fx), cand[j], x)
+
+
+def newton_root(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """At flat x: ``(R, d, ok)`` with R R^T = H^{-1}, H = -grad^2 f(x) (LAPACK-free Cholesky; R is the
+    identity where H is not positive definite, ``ok`` False), and the Newton direction d = H^{-1} grad f(x)
+    (where H is not positive definite: the gradient divided by ||H||_F, a step no longer than the inverse of
+    the largest curvature)."""
+    from .expfam import lapack_free_cholesky, lapack_free_tril_inverse
+
+    g = jax.grad(f)(x)
+    h = -jax.hessian(f)(x)
+    chol = lapack_free_cholesky(0.5 * (h + h.T))
+    ok = jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diagonal(chol) > 0)
+    eye = jnp.eye(x.size, dtype=x.dtype)
+    root = jnp.where(ok, lapack_free_tril_inverse(jnp.where(ok, chol, eye)).T, eye)
+    frob = jnp.sqrt(jnp.sum(h * h))
+    d = jnp.where(ok, root @ (root.T @ g), g / jnp.where(frob > 0, frob, 1.0))
+    return root, jnp.where(jnp.isfinite(d), d, 0.0), ok
+
+
+def newton_mode(log_density: Callable[[PyTree], jax.Array], x0: PyTree, num_iters: int = 20) -> PyTree:
+    """The mode of a (locally log-concave) density from ``x0`` by damped Newton iterations: each moves
+    along :func:`newton_root`'s direction by :func:`backtrack` (halving until the log-density is finite
+    and no lower). Dense Hessians, for small q: O(q^3) per iteration."""
+    flat0, unravel = ravel_pytree(x0)
+    f = lambda flat: log_density(unravel(flat))  # noqa: E731
+
+    def body(x, _):
+        _, d, _ = newton_root(f, x)
+        return backtrack(f, x, d, f(x)), None
+
+    x, _ = jax.lax.scan(body, flat0, None, length=num_iters)
+    return unravel(x)
 
 
 def power_iteration(

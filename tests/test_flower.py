@@ -366,9 +366,10 @@ def test_a_node_writes_its_personal_posterior_where_its_config_says(tmp_path):
     assert not res.local_samples
     for i in range(ref._data.num_clients):
         with np.load(tmp_path / f"client-{i}.npz") as saved:
-            assert set(saved.files) == {"local_samples/b", "step_size"}
+            assert set(saved.files) == {"local_samples/b", "step_size", "acceptance"}
             _equal(ref._local_chains["b"][i], saved["local_samples/b"], False, f"client {i}")
             _equal(ref.client_info["step_size"][i], saved["step_size"], False, f"client {i} step")
+            _equal(ref.client_info["acceptance"][i], saved["acceptance"], False, f"client {i} acceptance")
 
 
 @pytest.mark.parametrize("name", ["fedmm", "fedsoul"])

@@ -9,7 +9,7 @@ import pytest
 
 import fedbayes as fb
 from fedbayes.errors import ConfigError
-from fedbayes.kernels import curvature, preconditioned_ula_step, ula_chain
+from fedbayes.kernels import TAME, LangevinPoint, curvature, langevin_move, ula_chain
 
 
 def test_ula_gaussian_stationary_law_is_exact():
@@ -57,8 +57,12 @@ def test_preconditioned_ula_stationary_law_is_exact_and_mixes_whatever_the_scale
 
     n_chains = 20000
     keys = jax.random.split(jax.random.PRNGKey(1), n_chains)
-    x = np.asarray(jax.vmap(lambda k: chain(k, 100, lambda kk, x: preconditioned_ula_step(
-        kk, x, grad(x), gamma, jnp.asarray(R))))(keys))
+    evaluate = lambda x: (-0.5 * (x - m) @ P @ (x - m), grad(x), ())  # noqa: E731
+
+    def move(k, x):  # langevin_move without the Metropolis test: preconditioned ULA
+        return langevin_move(k, LangevinPoint(x, *evaluate(x)), evaluate, gamma, jnp.asarray(R))[0].x
+
+    x = np.asarray(jax.vmap(lambda k: chain(k, 100, move))(keys))
     # contraction per move: max |1 - gamma a| over A's eigenvalues a = 1 - 0.5 a_min / a_max (~0.59): 100
     # moves leave < 1e-20 of the start, so the final states are iid from the stationary law
     sigma_gamma = R @ np.linalg.inv(A - gamma * A @ A / 2) @ R.T
@@ -72,6 +76,81 @@ def test_preconditioned_ula_stationary_law_is_exact_and_mixes_whatever_the_scale
     plain = np.asarray(jax.vmap(lambda k: ula_chain(k, jnp.zeros(2), grad, step, 100)[0])(keys[:200]))
     wide = rot[:, 1]  # the direction of curvature 1e-4: plain ULA contracts it by 1 - 5e-5 per move
     assert abs(wide @ (plain.mean(0) - m)) > 0.9 * abs(wide @ m)
+
+
+def _langevin_chains(key, x0, evaluate, step, root, n_chains, n_steps, **kw):
+    """Final states and mean acceptance probabilities of ``n_chains`` chains of :func:`langevin_move`."""
+    def chain(k):
+        def body(point, kk):
+            point, prob = langevin_move(kk, point, evaluate, step, root, **kw)
+            return point, prob
+        end, probs = jax.lax.scan(body, LangevinPoint(x0, *evaluate(x0)), jax.random.split(k, n_steps))
+        return end.x, probs.mean()
+    return jax.jit(jax.vmap(chain))(jax.random.split(key, n_chains))
+
+
+def test_mala_stationary_law_is_the_target_at_a_step_where_ula_is_far_off():
+    """MALA (preconditioned by an R that misses the whitening by 10-30%, tamed) at gamma = 0.9 / the
+    largest whitened curvature: its final states are draws of N(m, P^-1) itself, while ULA's law at the
+    same step, N(m, R (A - gamma A^2 / 2)^-1 R^T) with A = R^T P R, is many standard errors away. The
+    same tamed move without the test reproduces that ULA law exactly, so the taming, which binds only
+    far out, leaves both laws alone."""
+    P = np.array([[4.0, 1.5, 0.0], [1.5, 2.0, 0.3], [0.0, 0.3, 0.5]])
+    m = np.array([1.0, -2.0, 3.0])
+    R = np.linalg.cholesky(np.linalg.inv(np.diag([3.0, 1.5, 0.6]) + 0.2))
+    A = R.T @ P @ R
+    gamma = 0.9 / np.linalg.eigvalsh(A).max()
+    Pj, mj = jnp.asarray(P), jnp.asarray(m)
+    evaluate = lambda x: (-0.5 * (x - mj) @ Pj @ (x - mj), -Pj @ (x - mj), ())  # noqa: E731
+    n = 20000
+    target = np.linalg.inv(P)
+    ula_law = R @ np.linalg.inv(A - gamma * A @ A / 2) @ R.T
+    for adjusted, law in ((True, target), (False, ula_law)):
+        x, acc = _langevin_chains(jax.random.PRNGKey(2), jnp.asarray(m + 2.0), evaluate, gamma, jnp.asarray(R),
+                                  n, 300, adjusted=adjusted, tame=True)
+        x = np.asarray(x)
+        # 300 moves: ULA contracts by max |1 - gamma a| <= 1 - 0.9 a_min / a_max per move (< 1e-10 left); MALA
+        # mixes at about its acceptance times that (acceptance measured 0.8 here), so the final states are iid
+        se_mean = np.sqrt(np.diag(law) / n)
+        np.testing.assert_array_less(np.abs(x.mean(0) - m), 5 * se_mean)
+        se_cov = np.sqrt((np.outer(np.diag(law), np.diag(law)) + law**2) / n)
+        np.testing.assert_array_less(np.abs(np.cov(x.T) - law), 5 * se_cov)
+        if adjusted:
+            assert 0.5 < float(acc.mean()) < 1.0
+            assert np.max(np.abs(ula_law - target) / se_cov) > 20  # the check can tell the two laws apart
+        else:
+            assert float(acc.mean()) == 1.0
+
+
+def test_tamed_mala_is_exact_on_an_exp_link_from_far_out():
+    """A Poisson random intercept's posterior, log pi(b) = s b - n e^b - b^2 / 2 (s = 400 counts in n = 4
+    visits: mode near log 100, sd about 0.05), from b = 7, with the step the mode's curvature sets. The
+    drift there (the gradient is -4e3) is about 100 sds long and MALA rejects the overshoot; tamed,
+    each move goes at most TAME noise lengths, so the chains arrive, and MALA's draws have the quadrature's
+    mean and sd."""
+    s, n = 400.0, 4.0
+    logp = lambda b: s * b - n * jnp.exp(b) - 0.5 * b**2  # noqa: E731
+    evaluate = lambda x: (jnp.sum(logp(x)), jax.grad(lambda y: jnp.sum(logp(y)))(x), ())  # noqa: E731
+    grid = np.linspace(3.5, 5.5, 200001)
+    w = np.exp(np.asarray(logp(jnp.asarray(grid))) - np.max(np.asarray(logp(jnp.asarray(grid)))))
+    mean = np.sum(w * grid) / np.sum(w)
+    sd = np.sqrt(np.sum(w * (grid - mean) ** 2) / np.sum(w))
+    curv = n * np.exp(mean) + 1.0
+    gamma = 0.5 / curv
+    x, acc = _langevin_chains(jax.random.PRNGKey(3), jnp.array([7.0]), evaluate, gamma, None, 20000, 400,
+                              adjusted=True, tame=True)
+    x = np.asarray(x)[:, 0]
+    assert np.all(np.isfinite(x))
+    # capped moves of TAME * sqrt(2 gamma) ~ 0.2 cover the 2.4 to the mode in about 12 moves; then ~380 moves
+    # at acceptance ~0.9 and contraction 1 - gamma curv = 0.5 per accepted move: iid final states
+    assert abs(x.mean() - mean) < 5 * sd / np.sqrt(x.size)
+    assert abs(x.std() / sd - 1) < 5 / np.sqrt(2 * x.size)
+    # untamed, the first move from 7 lands about 55 sds below the mode, where the reverse move is impossible:
+    # MALA rejects it, and every later one, so the chains never leave the start
+    y, _ = _langevin_chains(jax.random.PRNGKey(3), jnp.array([7.0]), evaluate, gamma, None, 200, 400,
+                            adjusted=True, tame=False)
+    assert np.all(np.asarray(y) == 7.0)
+    assert TAME == 4.0
 
 
 def test_curvature_power_iteration_finds_largest_eigenvalue():

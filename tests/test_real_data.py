@@ -237,27 +237,14 @@ def _assert_lme_good_and_quiet(res, conv, ref) -> None:
 # -------------------------------------------------------------- second tier: the default fits
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
-    "known gap of issue 21 (open): with the default local_metric='identity' the fixed effects and the residual "
-    "sd meet their bars, the random-effect sds come out 24% / 32% low and the information indefinite: the "
-    "clients' scalar-step Langevin chains mix slowly on the uncentred Days (local posterior condition number "
-    "~70, local R-hat 1.7); the fit warns. local_metric='dense' fixes it (next test); it becomes the default "
-    "once the whole suite has been re-run with it"))
+    "known gap of issue 21 (open): default FedSOUL meets every bar on sleepstudy except the Days slope, "
+    "10.19 against statsmodels' 10.47 (2.6%, bar 2% = 0.21 ms/day = 0.14 se): the averaged estimate's "
+    "Monte Carlo noise is about 0.2 on the slope (other seeds and runs: 10.20-10.46; 4000 rounds: 10.72), so the "
+    "bar needs a less noisy estimator (more draws per round or a decreasing server step), not more luck"))
 def test_sleepstudy_fedsoul_defaults(sleep_df, sleep_ref):
     """Default FedSOUL on reaction times in ms (the issue: intercept 1.9 instead of 251 after 2000 rounds)."""
     res, conv = _fit(fb.models.linear_mixed_effects, rd.sleepstudy_data(sleep_df), fb.FedSOUL(),
                      num_rounds=ROUNDS_FEDSOUL)
-    _assert_lme_good_and_quiet(res, conv, sleep_ref)
-
-
-@pytest.mark.slow
-def test_sleepstudy_fedsoul_with_the_local_hessian_metric(sleep_df, sleep_ref):
-    """FedSOUL whose clients move with their local Hessian's inverse (local_metric="dense", or "auto" with
-    two local coordinates): a local posterior mixes in about 1 / step_scale moves whatever its scales, and
-    the random-effect sds agree with statsmodels (measured: 0.05% / 1.8%; sigma 0.9%; fixed effects 0.2 /
-    0.04 standard errors), with no warning."""
-    res, conv = _fit(fb.models.linear_mixed_effects, rd.sleepstudy_data(sleep_df), fb.FedSOUL(local_metric="auto"),
-                     num_rounds=ROUNDS_FEDSOUL)
-    assert res.settings["local_metric"] == "dense"
     _assert_lme_good_and_quiet(res, conv, sleep_ref)
 
 
@@ -279,9 +266,10 @@ def test_contraception_logistic_glmm_fedsoul_defaults(contraception_df, contrace
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
-    "known gap of issue 21 (open): default FedSOUL drifts away on the Poisson random-intercept model "
-    "(intercept -21 against 1.83, tau 25 against 0.52 after 2000 rounds); the fit warns (drift, information "
-    "not positive definite, local R-hat)"))
+    "known gap of issue 21 (open): default FedSOUL on epil is within 0.25 se of the quadrature MLE on every "
+    "coefficient and 2% on tau, quietly, but the log-age coefficient (0.245 against 0.332, se 0.344) misses "
+    "the 2% bar, which for a coefficient smaller than its se is 0.02 se: the same Monte Carlo noise of the "
+    "averaged estimate as on sleepstudy"))
 def test_epil_poisson_glmm_fedsoul_defaults(epil_df, epil_ref):
     res, conv = _fit(rd.poisson_glmm, rd.epil_data(epil_df), fb.FedSOUL(), num_rounds=ROUNDS_FEDSOUL)
     misses = (_fixed_effects_misses(res.params["beta"], epil_ref["beta"], epil_ref["beta_se"])

@@ -52,8 +52,7 @@ from ..engine import (FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Stage
                       stack_clients)
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
-from ..expfam import lapack_free_cholesky, lapack_free_tril_inverse
-from ..kernels import curvature, preconditioned_ula_step, ula_step
+from ..kernels import LangevinPoint, backtrack, curvature, langevin_move, newton_mode, newton_root
 from ..model import FedModel, Params
 from . import louis
 from .louis import _symmetric
@@ -69,9 +68,10 @@ class ServerState(NamedTuple):
 
 
 class ClientState(NamedTuple):
-    z: Params
-    v: jax.Array
-    step: jax.Array
+    z: Params         # the chain's state
+    v: jax.Array      # the power iteration's vector (automatic step)
+    step: jax.Array   # the round's Langevin step
+    anchor: Params    # where the kernel's metric and step are taken (FedSOULRun._adapt)
 
 
 class Upload(NamedTuple):
@@ -87,7 +87,7 @@ has at most this many local coordinates."""
 
 @dataclass(frozen=True)
 class FedSOUL:
-    """FedSOUL (FedPop Algorithm 1 with ULA): personalised empirical-Bayes federated learning.
+    """FedSOUL (FedPop Algorithm 1; MALA or ULA local moves): personalised empirical-Bayes federated learning.
 
     Parameters
     ----------
@@ -104,21 +104,35 @@ class FedSOUL:
         -grad_z^2 log p(z | D_i, theta) tracked by a warm-started power iteration (clients with more
         data have larger L_i and get smaller steps; ULA needs gamma_i < 2 / L_i).
     step_scale:
-        gamma_i * L_i for the automatic step (the ULA covariance bias is about step_scale / 2).
+        gamma_i * L_i for the automatic step (ULA's covariance bias is about step_scale / 2).
+    local_kernel:
+        The clients' Markov kernel. "mala" (default): each Langevin proposal is accepted or rejected by
+        Metropolis-Hastings (:func:`fedbayes.kernels.langevin_move`; the log-density and gradient at the
+        proposal are the ones the next move and the Fisher gradient need anyway, so the test costs no
+        extra evaluation), and each chain's stationary law is the local posterior p(z | D_i, theta)
+        exactly (FedPop's FedSOUK covers adjusted kernels). "ula": FedPop's FedSOUL, whose local
+        stationary law is off by O(gamma); that bias reaches the estimate through the Fisher gradient
+        and is amplified along directions the data identify weakly (between-client effects against the
+        random effects' mean: on a Poisson random-intercept model with 4 counts per client, ULA at
+        step_scale 0.1 drives the intercept and the random effects' sd away without bound, MALA does
+        not). Both are tamed (:data:`fedbayes.kernels.TAME`): far from the local posterior's bulk no
+        move overshoots, and a move to a point where the log-density or a gradient is not finite is
+        rejected. The mean acceptance probability of the final draws is in
+        ``res.client_info["acceptance"]``.
     local_metric:
         The clients' Langevin preconditioner. "dense": each round (and for the final draws) the client
         computes the Hessian H_i of -log p(D_i, z | theta) in z at its chain's state and moves with
-        M_i = H_i^{-1} (:func:`fedbayes.kernels.preconditioned_ula_step`; gamma_i = step_scale / the
-        largest curvature of the whitened target, about step_scale for a Gaussian local posterior),
-        falling back to the identity where H_i is not positive definite: the chain mixes in about
-        1 / step_scale moves whatever the scales of the local coordinates. "identity": plain ULA with
-        the scalar step gamma_i = step_scale / L_i (default, for now); a local posterior whose
-        directions have very different spreads (random effects on different scales, e.g. an intercept
-        in ms and a slope in ms/day) then mixes at the pace of its narrowest direction, and FedSOUL's
-        estimate of the random effects' spread is biased by the chains' transient. "auto": "dense" when a
-        client has at most ``LOCAL_DENSE_MAX`` (10) local coordinates (a q x q Hessian per round, at
-        most as many gradients as the round's 10 moves) and the step is automatic, else "identity" (a
-        given ``step_size`` is plain ULA's; with "dense" it is the step in the whitened coordinates).
+        M_i = H_i^{-1} (gamma_i = step_scale / the largest curvature of the whitened target, about
+        step_scale for a Gaussian local posterior), falling back to the identity where H_i is not
+        positive definite: the chain mixes in about 1 / step_scale moves whatever the scales of the
+        local coordinates. "identity": the scalar step gamma_i = step_scale / L_i; a local posterior
+        whose directions have very different spreads (random effects on different scales, e.g. an
+        intercept in ms and a slope in ms/day) then mixes at the pace of its narrowest direction, and
+        FedSOUL's estimate of the random effects' spread is biased by the chains' transient. "auto"
+        (default): "dense" when a client has at most ``LOCAL_DENSE_MAX`` (10) local coordinates (a
+        q x q Hessian per round, at most as many gradients as the round's 10 moves) and the step is
+        automatic, else "identity" (a given ``step_size`` is the identity metric's; with "dense" it is
+        the step in the whitened coordinates).
     server_lr:
         eta_k: a float or a schedule ``k -> eta_k``; None (default): 1.0 for Fisher scoring, 0.05 for
         "adam" / "sgd" / an optax optimiser.
@@ -191,7 +205,8 @@ class FedSOUL:
     stateful: bool = True
     step_size: float | Sequence[float] | None = None
     step_scale: float = 0.1
-    local_metric: str = "identity"
+    local_metric: str = "auto"
+    local_kernel: str = "mala"
     power_iters: int = 2
     server_lr: float | Callable | None = None
     server_optimizer: Any = "auto"
@@ -219,6 +234,7 @@ class FedSOUL:
             raise ConfigError(f"FedSOUL burn_in={self.burn_in} must be smaller than local_steps={self.local_steps}")
         require_int(self.power_iters, "FedSOUL power_iters")
         require_choice(self.local_metric, "FedSOUL local_metric", ("auto", "identity", "dense"))
+        require_choice(self.local_kernel, "FedSOUL local_kernel", ("mala", "ula"))
         require_int(self.num_samples, "FedSOUL num_samples")
         require_int(self.warmup, "FedSOUL warmup", 0)
         require_int(self.thinning, "FedSOUL thinning")
@@ -295,6 +311,7 @@ class FedSOULRun(Staged):
         self._dense = cfg.local_metric == "dense" or (cfg.local_metric == "auto" and cfg.step_size is None
                                                       and 0 < q <= LOCAL_DENSE_MAX)
         self.local_metric = "dense" if self._dense else "identity"
+        self._adjusted = cfg.local_kernel == "mala"
 
     @staticmethod
     def _nonlinear_coordinates(fm: FedModel) -> jax.Array:
@@ -331,65 +348,84 @@ class FedSOULRun(Staged):
 
     def _run_chain(self, fm, key, theta, z0, step, client, num_steps, keep_from, information: bool = False,
                    root: jax.Array | None = None):
-        """ULA chain of ``num_steps`` moves from z0; averages grad_theta log p(D, z | theta) (and the
-        log joint) over the states after move ``keep_from``. With ``information``, also the complete-data
+        """A chain of ``num_steps`` local moves (:meth:`_move`) from z0; averages grad_theta log p(D, z | theta)
+        (and the log joint) over the states after move ``keep_from``. With ``information``, also the complete-data
         information mean_m(-grad^2_theta log p(D, Z_m | theta)) over the same states (flat, unconstrained;
         None otherwise)."""
         flat, unravel = ravel_pytree(theta)
         d = flat.size if information else 0
         hess = jax.hessian(lambda x, z: fm.client_log_joint(unravel(x), z, client.data, client.mask))
-        val, g_theta, g_z = fm.joint_grads(theta, z0, client.data, client.mask)
-        zeros = jax.tree_util.tree_map(jnp.zeros_like, g_theta)
+        evaluate = self._evaluator(theta, client)
+        start = LangevinPoint(z0, *evaluate(z0))
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, start.aux)
 
         def body(carry, xs):
-            z, g_z, acc, acc_val, acc_h = carry
+            point, acc, acc_val, acc_h = carry
             k, m = xs
-            z = self._move(k, z, g_z, step, root)
-            val, g_theta, g_z = fm.joint_grads(theta, z, client.data, client.mask)
+            point, _ = self._move(k, point, evaluate, step, root)
             keep = m >= keep_from
-            acc = jax.tree_util.tree_map(lambda a, g: a + jnp.where(keep, g, 0.0), acc, g_theta)
+            acc = jax.tree_util.tree_map(lambda a, g: a + jnp.where(keep, g, 0.0), acc, point.aux)
             if information:
-                acc_h = acc_h - jnp.where(keep, hess(flat, z), 0.0)
-            return (z, g_z, acc, acc_val + jnp.where(keep, val, 0.0), acc_h), None
+                acc_h = acc_h - jnp.where(keep, hess(flat, point.x), 0.0)
+            return (point, acc, acc_val + jnp.where(keep, point.log_density, 0.0), acc_h), None
 
         xs = (jax.random.split(key, num_steps), jnp.arange(num_steps))
-        init = (z0, g_z, zeros, jnp.zeros_like(val), jnp.zeros((d, d), flat.dtype))
-        (z, _, acc, acc_val, acc_h), _ = jax.lax.scan(body, init, xs)
+        init = (start, zeros, jnp.zeros_like(start.log_density), jnp.zeros((d, d), flat.dtype))
+        (end, acc, acc_val, acc_h), _ = jax.lax.scan(body, init, xs)
+        z = end.x
         n = num_steps - keep_from
         mean = jax.tree_util.tree_map(lambda a: a / n, acc)
         return z, mean, acc_val / n, (acc_h / n if information else None)
 
-    @staticmethod
-    def _move(key, z, g_z, step, root):
-        return ula_step(key, z, g_z, step) if root is None else preconditioned_ula_step(key, z, g_z, step, root)
+    def _evaluator(self, theta: Params, client: ClientData):
+        """z -> (log p(D, z | theta), grad_z of it, grad_theta of it): what a local move needs, and the
+        Fisher-identity gradient at the new state as the point's ``aux``."""
+        fm = self._fm
 
-    def _metric(self, fm, theta, z, client) -> jax.Array | None:
-        """``local_metric="dense"``: R with R R^T = H^{-1}, H the Hessian of -log p(D, z | theta) in z at
-        ``z`` (flat; the identity where H is not positive definite); None for plain ULA."""
-        if not self._dense:
-            return None
-        flat, unravel = ravel_pytree(z)
+        def evaluate(z):
+            val, g_theta, g_z = fm.joint_grads(theta, z, client.data, client.mask)
+            return val, g_z, g_theta
+        return evaluate
+
+    def _move(self, key, point: LangevinPoint, evaluate, step, root) -> tuple[LangevinPoint, jax.Array]:
+        """One local move (:func:`fedbayes.kernels.langevin_move`, tamed): MALA with ``local_kernel="mala"``,
+        plain ULA with ``"ula"``; ``root`` the local metric's root (None: the identity)."""
+        return langevin_move(key, point, evaluate, step, root, adjusted=self._adjusted, tame=True)
+
+    def _adapt(self, theta: Params, anchor: Params, v, step, client: ClientData, iters: int):
+        """The round's kernel at theta_k: ``(anchor', v, gamma, R)``, R the metric's root (None: identity).
+
+        The metric and the step are taken at the client's anchor a, a point that follows the local mode
+        of p(z | D_i, theta) from round to round, never at the chain's state: a kernel whose step depends
+        on the state it starts from is no longer invariant (with an exp link the curvature, so the step,
+        changes across the local posterior, and the chain lingers where its steps are small; on a
+        Poisson random-intercept model this biased the Fisher gradient of the intercept by more than its
+        size and the fit drifted away). With a metric fixed by theta_k and the anchor, each round's
+        moves are MALA (or ULA) for a fixed target and preconditioner.
+
+        "dense": R R^T = H^{-1}, H = -grad^2_z log p(D_i, z | theta_k) at a (the identity where H is not
+        positive definite), gamma = step_scale / the largest curvature of the whitened target at a (1
+        for a positive-definite H), and a' = a + a damped Newton step. "identity": R = None, gamma =
+        step_scale / L_i with L_i the largest curvature at a (power iteration from ``v``), a' = a + a
+        damped gradient step of length 1 / L_i. A given ``step_size`` is kept."""
+        fm = self._fm
         log_joint = self._log_joint_fn(fm, theta, client)
-        h = -jax.hessian(lambda f: log_joint(unravel(f)))(flat)
-        chol = lapack_free_cholesky(0.5 * (h + h.T))
-        ok = jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diagonal(chol) > 0)
-        root = jnp.swapaxes(lapack_free_tril_inverse(jnp.where(ok, chol, jnp.eye(flat.size, dtype=flat.dtype))), -1, -2)
-        return jnp.where(ok, root, jnp.eye(flat.size, dtype=flat.dtype))
-
-    def _step_for(self, fm, theta, z, v, step, client, iters):
-        """``(v, gamma, R)``: the power iteration's vector, the step and the preconditioner's root (None:
-        plain ULA). With a preconditioner gamma = step_scale / the largest curvature of the whitened
-        target u -> log p(D, z + R u | theta)."""
-        root = self._metric(fm, theta, z, client)
+        flat, unravel = ravel_pytree(anchor)
+        f = lambda x: log_joint(unravel(x))  # noqa: E731
+        if self._dense:
+            root, d, _ = newton_root(f, flat)
+            moved = backtrack(f, flat, d, f(flat))
+            if self._auto_step:
+                lam, v = curvature(lambda u: f(flat + root @ u), jnp.zeros_like(flat), v, iters)
+                step = self.cfg.step_scale / jnp.maximum(lam, 1e-12)
+            return unravel(moved), v, step, root
         if not self._auto_step:
-            return v, step, root
-        log_joint = self._log_joint_fn(fm, theta, client)
-        if root is None:
-            lam, v = curvature(log_joint, z, v, iters)
-        else:
-            flat, unravel = ravel_pytree(z)
-            lam, v = curvature(lambda u: log_joint(unravel(flat + root @ u)), jnp.zeros_like(flat), v, iters)
-        return v, self.cfg.step_scale / jnp.maximum(lam, 1e-12), root
+            return anchor, v, step, None
+        lam, v = curvature(log_joint, anchor, v, iters)
+        lam = jnp.maximum(lam, 1e-12)
+        fa, g = jax.value_and_grad(f)(flat)
+        moved = backtrack(f, flat, g / lam, fa, num=3)
+        return unravel(moved), v, self.cfg.step_scale / lam, None
 
     # ------------------------------------------------------------------ protocol
     # set-up (engine.Setup): theta_0 to every client, which starts its own chain and step size
@@ -401,17 +437,32 @@ class FedSOULRun(Staged):
         return theta, theta
 
     def setup_client(self, stage: int, key: jax.Array, theta: Params, state: Any, client: ClientData):
-        """z_0 ~ p(z | theta_0) and the Langevin step (50 power iterations from a random start)."""
+        """The chain's start z_0 and first anchor (:meth:`_start`), and the Langevin step (50 power
+        iterations from a random start)."""
         fm = self._fm
         k_z, k_v = jax.random.split(key)
-        z0 = fm.sample_local_prior(k_z, theta, client.data, client.mask)
+        z0, anchor = self._start(k_z, theta, client)
         v0 = jax.random.normal(k_v, (ravel_pytree(fm.zeros_local())[0].size,))
-        if self._auto_step:
-            v0, step, _ = self._step_for(fm, theta, z0, v0, 0.0, client, 50)
-        else:
-            steps = jnp.asarray(self.cfg.step_size, dtype=jnp.result_type(float))
-            step = steps[client.index] if steps.ndim else steps
-        return ClientState(z0, v0, step), ()
+        steps = jnp.asarray(0.0 if self._auto_step else self.cfg.step_size, dtype=jnp.result_type(float))
+        step = steps[client.index] if steps.ndim else steps
+        _, v0, step, _ = self._adapt(theta, anchor, v0, step, client, 50)
+        return ClientState(z0, v0, step, anchor), ()
+
+    def _start(self, key, theta: Params, client: ClientData) -> tuple[Params, Params]:
+        """A client's chain start, a draw from p(z | theta) (FedPop's), and its first anchor: with the
+        dense local metric the local mode of p(z | D_i, theta) (:func:`fedbayes.kernels.newton_mode` from
+        the better of z = 0 and the draw, in unconstrained space), so that the metric is the local
+        posterior's from the first round, wherever the chain starts; else the draw."""
+        fm = self._fm
+        draw = fm.sample_local_prior(key, theta, client.data, client.mask)
+        if not self._dense:
+            return draw, draw
+        log_joint = self._log_joint_fn(fm, theta, client)
+        zero = jax.tree_util.tree_map(jnp.zeros_like, draw)
+        f0, f1 = log_joint(zero), log_joint(draw)
+        better = jnp.isfinite(f0) & ~(f1 > f0)
+        start = jax.tree_util.tree_map(lambda a, b: jnp.where(better, a, b), zero, draw)
+        return draw, newton_mode(log_joint, start)
 
     def setup_server_step(self, stage: int, key: jax.Array, theta: Params, uploads: Any):
         zeros = jax.tree_util.tree_map(jnp.zeros_like, theta)
@@ -427,7 +478,7 @@ class FedSOULRun(Staged):
         fm: FedModel = self._fm
         k_init, k_chain, k_comp = jax.random.split(key, 3)
         z0 = state.z if self.cfg.stateful else fm.sample_local_prior(k_init, theta, client.data, client.mask)
-        v, step, root = self._step_for(fm, theta, z0, state.v, state.step, client, self.cfg.power_iters)
+        anchor, v, step, root = self._adapt(theta, state.anchor, state.v, state.step, client, self.cfg.power_iters)
         z, grad, objective, info = self._run_chain(fm, k_chain, theta, z0, step, client, self.cfg.local_steps,
                                                    self.cfg.burn_in, self._fisher, root)
         sent, bits = self._compress(k_comp, grad)
@@ -435,7 +486,7 @@ class FedSOULRun(Staged):
         if self._fisher:  # the complete-data information as its upper triangle, uncompressed
             tri = info[jnp.triu_indices(self.dim)]
             bits = bits + FLOAT_BITS * tri.size
-        return ClientState(z, v, step), Message(Upload(sent, objective, tri), bits + FLOAT_BITS)
+        return ClientState(z, v, step, anchor), Message(Upload(sent, objective, tri), bits + FLOAT_BITS)
 
     def _compress(self, key, grad: Params) -> tuple[tuple[Params, Any], jax.Array]:
         """(exact sites, the other sites compressed as one vector) as sent, and the bits."""
@@ -509,34 +560,49 @@ class FedSOULRun(Staged):
             lambda s, t: jnp.where(w > 0, s / jnp.where(w > 0, w, 1.0), t), state.avg_sum, state.theta
         )
 
-    def _sample_one(self, key, theta: Params, z, v, step, client: ClientData, num_samples: int, warmup: int):
-        """One client's local posterior samples at ``theta``: ``num_chains`` ULA chains (the client's own
-        chain state and fresh starts from p(z | theta)), ``({site: (chains, S, ...)}, step size)``."""
+    def _sample_one(self, key, theta: Params, state: ClientState, client: ClientData, num_samples: int,
+                    warmup: int):
+        """One client's local posterior samples at ``theta``: ``num_chains`` chains of the local kernel (the
+        client's own chain state, and fresh starts: with the dense metric the anchor plus twice the metric's
+        root times N(0, I) draws, overdispersed about the bulk; otherwise draws from p(z | theta)),
+        ``({site: (chains, S, ...)}, step size, mean acceptance probability after warm-up)``. The kernel is
+        :meth:`_adapt`'s at the anchor, moved to the mode at ``theta`` first (5 Newton steps) when dense."""
         fm, cfg = self._fm, self.cfg
         n_steps = warmup + num_samples * cfg.thinning
         k_starts, k_chains = jax.random.split(key)
-        v, step, root = self._step_for(fm, theta, z, v, step, client, 20)
-        fresh = jax.vmap(fm.sample_local_prior, in_axes=(0, None, None, None))(
-            jax.random.split(k_starts, cfg.num_chains - 1), theta, client.data, client.mask)
-        starts = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), z, fresh)
-        score = lambda z: fm.local_score(theta, z, client.data, client.mask)  # noqa: E731
+        anchor = state.anchor
+        if self._dense:
+            anchor = newton_mode(self._log_joint_fn(fm, theta, client), anchor, 5)
+        anchor, _, step, root = self._adapt(theta, anchor, state.v, state.step, client, 20)
+        if self._dense:
+            flat, unravel = ravel_pytree(anchor)
+            noise = jax.random.normal(k_starts, (cfg.num_chains - 1, flat.size), flat.dtype)
+            fresh = jax.vmap(lambda e: unravel(flat + 2.0 * root @ e))(noise)
+        else:
+            fresh = jax.vmap(fm.sample_local_prior, in_axes=(0, None, None, None))(
+                jax.random.split(k_starts, cfg.num_chains - 1), theta, client.data, client.mask)
+        starts = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), state.z, fresh)
+        log_joint = self._log_joint_fn(fm, theta, client)
+        evaluate = lambda z: (*jax.value_and_grad(log_joint)(z), ())  # noqa: E731
 
         def chain(kc, z0):
-            def body(z, k):
-                z = self._move(k, z, score(z), step, root)
-                return z, z
-            return jax.lax.scan(body, z0, jax.random.split(kc, n_steps))[1]
+            def body(point, k):
+                point, prob = self._move(k, point, evaluate, step, root)
+                return point, (point.x, prob)
+            return jax.lax.scan(body, LangevinPoint(z0, *evaluate(z0)), jax.random.split(kc, n_steps))[1]
 
-        zs = jax.vmap(chain)(jax.random.split(k_chains, cfg.num_chains), starts)
-        return jax.tree_util.tree_map(lambda a: a[:, warmup + cfg.thinning - 1::cfg.thinning], zs), step
+        zs, probs = jax.vmap(chain)(jax.random.split(k_chains, cfg.num_chains), starts)
+        keep = lambda a: a[:, warmup + cfg.thinning - 1::cfg.thinning]  # noqa: E731
+        return jax.tree_util.tree_map(keep, zs), step, jnp.mean(probs[:, warmup:])
 
     def sample_locals(self, key, theta: Params, states: ClientState, clients: ClientData, num_samples=None, warmup=None):
-        """Local posterior samples of every client at ``theta``: ``({site: (C, chains, S, ...)}, steps (C,))``."""
+        """Local posterior samples of every client at ``theta``: ``({site: (C, chains, S, ...)}, steps (C,),
+        mean acceptance probabilities after warm-up (C,))``."""
         num_samples = self.cfg.num_samples if num_samples is None else num_samples
         warmup = self.cfg.warmup if warmup is None else warmup
-        one = lambda k, z, v, s, c: self._sample_one(k, theta, z, v, s, c, num_samples, warmup)  # noqa: E731
+        one = lambda k, s, c: self._sample_one(k, theta, s, c, num_samples, warmup)  # noqa: E731
         keys = jax.random.split(key, clients.index.shape[0])
-        return jax.jit(jax.vmap(one))(keys, states.z, states.v, states.step, clients)
+        return jax.jit(jax.vmap(one))(keys, states, clients)
 
     # ------------------------------------------------------------------ final exchange (engine.Final)
     def final_message(self, key, server: ServerState) -> Params:
@@ -548,13 +614,12 @@ class FedSOULRun(Staged):
         ``uncertainty``, its Louis terms from the same draws go back (:func:`louis.draws_information`: the
         mean score, d floats, and two upper triangles, d(d+1)/2 floats each); otherwise nothing."""
         k = client_key(key, client.index, self.num_clients)
-        zs, step = self._sample_one(k, theta, state.z, state.v, state.step, client, self.cfg.num_samples,
-                                    self.cfg.warmup)
+        zs, step, acceptance = self._sample_one(k, theta, state, client, self.cfg.num_samples, self.cfg.warmup)
         # Louis' terms from the first chain only: it continues the client's training chain, at stationarity
-        # after the rounds, while the others start from prior draws (for R-hat) and may still be on their way
+        # after the rounds, while the others start overdispersed (for R-hat) and may still be on their way
         first = jax.tree_util.tree_map(lambda a: a[:1], zs)
         upload = louis.draws_information(self._fm, theta, first, client) if self.uncertainty else ()
-        return {"local_samples": zs, "step_size": step}, upload
+        return {"local_samples": zs, "step_size": step, "acceptance": acceptance}, upload
 
     def final_server(self, key, server: ServerState, theta: Params, uploads, locals_) -> dict[str, Any]:
         """Averaged estimate, last iterate, (when collected) every client's local posterior samples, and
@@ -572,10 +637,11 @@ class FedSOULRun(Staged):
                                               else type(self.optimizer).__name__,
                                               "uncertainty": self.uncertainty,
                                               "local_metric": self.local_metric,
+                                              "local_kernel": self.cfg.local_kernel,
                                               **({} if callable(self.server_lr) else {"server_lr": self.server_lr})}}
         if locals_ is not None:
             parts["local_samples"] = locals_["local_samples"]
-            parts["client_info"] = {"step_size": locals_["step_size"]}
+            parts["client_info"] = {"step_size": locals_["step_size"], "acceptance": locals_["acceptance"]}
         if self.uncertainty and uploads is not None:
             parts.update(self._uncertainty(key, theta, *uploads))
         return parts
@@ -612,14 +678,13 @@ class FedSOULRun(Staged):
         return final_exchange(self, key, server, states, stack_clients(problem.data))
 
     def sample_new_client(self, key, theta: Params, client: ClientData, num_samples: int, warmup: int) -> Params:
-        """Local posterior samples for a client unseen in training, from a prior draw (no server round trip)."""
+        """Local posterior samples for a client unseen in training, from :meth:`_start` (no server round trip)."""
         k_z, k_v, k_run = jax.random.split(key, 3)
-        z0 = self._fm.sample_local_prior(k_z, theta, client.data, client.mask)
+        z0, anchor = self._start(k_z, theta, client)
         v0 = jax.random.normal(k_v, ravel_pytree(z0)[0].shape)
         step = jnp.asarray(np.mean(self.cfg.step_size) if self.cfg.step_size is not None else 0.0)
-        if self._auto_step:
-            v0, step, _ = self._step_for(self._fm, theta, z0, v0, step, client, 50)
+        _, v0, step, _ = self._adapt(theta, anchor, v0, step, client, 50)
         batch = lambda t: jax.tree_util.tree_map(lambda a: a[None], t)  # noqa: E731
-        zs, _ = self.sample_locals(k_run, theta, ClientState(batch(z0), v0[None], step[None]), batch(client),
-                                   num_samples, warmup)
+        zs, _, _ = self.sample_locals(k_run, theta, batch(ClientState(z0, v0, step, anchor)), batch(client),
+                                      num_samples, warmup)
         return jax.tree_util.tree_map(lambda a: a[0].reshape((-1,) + a.shape[3:]), zs)
