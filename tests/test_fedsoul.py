@@ -13,6 +13,7 @@ from fedbayes.engine import Message, Problem, RoundInfo, sample_cohort, stack_cl
 from fedbayes.errors import ConfigError
 from fedbayes.optim import polynomial_decay
 from lme_reference import local_posterior, mml
+from real_data import poisson_glmm
 
 
 @pytest.fixture(scope="module")
@@ -120,20 +121,6 @@ def test_partial_participation_and_compression_keep_the_server_update_unbiased(c
         assert np.any(s.std(0) > 0)  # the update really is random (the check is not vacuous)
 
 
-def _poisson_intercepts(x, y=None):
-    """y_ij ~ Poisson(exp(x_ij^T beta + b_i)), b_i ~ N(0, tau^2): a Poisson random-intercept model."""
-    import numpyro
-    import numpyro.distributions as dist
-    from numpyro.distributions import constraints
-
-    beta = numpyro.param("beta", jnp.zeros(x.shape[-1]))
-    tau = numpyro.param("tau", 1.0, constraint=constraints.positive)
-    with fb.local():
-        b = numpyro.sample("b", dist.Normal(0.0, tau))
-    with numpyro.plate("obs", x.shape[0]):
-        numpyro.sample("y", dist.Poisson(jnp.exp(x @ beta + b)), obs=y)
-
-
 def _poisson_score_by_quadrature(x, y, beta, tau):
     """The exact gradient of sum_i log p(y_i | beta, tau) in (beta, log tau): the Fisher identity's
     expectations over each client's one-dimensional posterior of b_i on a fine grid."""
@@ -159,7 +146,7 @@ def test_fisher_gradient_is_exact_on_a_poisson_random_intercept_model():
     x = np.stack([np.ones((C, n)), np.repeat(rng.normal(size=(C, 1)), n, 1), rng.integers(0, 2, (C, n))], -1)
     y = rng.poisson(np.exp(x @ np.array([2.0, 0.5, -0.2]) + rng.normal(0, 0.5, (C, 1)))).astype(float)
     data = fb.FederatedData({"x": list(x), "y": list(y)})
-    problem = Problem(fb.FedModel(_poisson_intercepts, data), data, 10)
+    problem = Problem(fb.FedModel(poisson_glmm, data), data, 10)
     run = fb.FedSOUL().build(problem)
     assert run.local_metric == "dense"
     beta, tau = np.array([1.2, 0.2, 0.0]), 1.5  # the intercept 0.8 low: on the ridge against the b_i's mean
