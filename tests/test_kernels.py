@@ -24,13 +24,7 @@ def test_ula_gaussian_stationary_law_is_exact():
     final, _ = jax.vmap(lambda k: ula_chain(k, jnp.zeros(3), grad, gamma, n_steps))(keys)
     x = np.asarray(final)
     sigma_gamma = np.linalg.inv(np.asarray(P - gamma * P @ P / 2))
-    # mean: exact; standard error from the known stationary covariance
-    se_mean = np.sqrt(np.diag(sigma_gamma) / n_chains)
-    np.testing.assert_array_less(np.abs(x.mean(0) - np.asarray(m)), 5 * se_mean)
-    # covariance: Var(S_jk) = (S_jj S_kk + S_jk^2) / n for Gaussian samples
-    emp = np.cov(x.T)
-    se_cov = np.sqrt((np.outer(np.diag(sigma_gamma), np.diag(sigma_gamma)) + sigma_gamma**2) / n_chains)
-    np.testing.assert_array_less(np.abs(emp - sigma_gamma), 5 * se_cov)
+    se_cov = _assert_gaussian_law(x, np.asarray(m), sigma_gamma)  # mean exact, covariance ULA's
     # and the test can tell the biased law from the target: P^{-1} is many standard errors away
     assert np.max(np.abs(np.linalg.inv(np.asarray(P)) - sigma_gamma) / se_cov) > 20
 
@@ -50,32 +44,30 @@ def test_preconditioned_ula_stationary_law_is_exact_and_mixes_whatever_the_scale
     gamma = 0.5 / np.linalg.eigvalsh(A).max()
     grad = lambda x: -jnp.asarray(P) @ (x - jnp.asarray(m))  # noqa: E731
 
-    def chain(key, n_steps, step):
-        def body(x, k):
-            return step(k, x), None
-        return jax.lax.scan(body, jnp.zeros(2), jax.random.split(key, n_steps))[0]
-
     n_chains = 20000
     keys = jax.random.split(jax.random.PRNGKey(1), n_chains)
     evaluate = lambda x: (-0.5 * (x - m) @ P @ (x - m), grad(x), ())  # noqa: E731
-
-    def move(k, x):  # langevin_move without the Metropolis test: preconditioned ULA
-        return langevin_move(k, LangevinPoint(x, *evaluate(x)), evaluate, gamma, jnp.asarray(R))[0].x
-
-    x = np.asarray(jax.vmap(lambda k: chain(k, 100, move))(keys))
+    # langevin_move without the Metropolis test and untamed: preconditioned ULA
+    x, _ = _langevin_chains(jax.random.PRNGKey(1), jnp.zeros(2), evaluate, gamma, jnp.asarray(R), n_chains, 100)
+    x = np.asarray(x)
     # contraction per move: max |1 - gamma a| over A's eigenvalues a = 1 - 0.5 a_min / a_max (~0.59): 100
     # moves leave < 1e-20 of the start, so the final states are iid from the stationary law
-    sigma_gamma = R @ np.linalg.inv(A - gamma * A @ A / 2) @ R.T
-    se_mean = np.sqrt(np.diag(sigma_gamma) / n_chains)
-    np.testing.assert_array_less(np.abs(x.mean(0) - m), 5 * se_mean)
-    emp = np.cov(x.T)
-    se_cov = np.sqrt((np.outer(np.diag(sigma_gamma), np.diag(sigma_gamma)) + sigma_gamma**2) / n_chains)
-    np.testing.assert_array_less(np.abs(emp - sigma_gamma), 5 * se_cov)
+    _assert_gaussian_law(x, m, R @ np.linalg.inv(A - gamma * A @ A / 2) @ R.T)
     # plain ULA, the same number of moves at its step 0.5 / lambda_max: the wide direction has not moved
     step = 0.5 / np.linalg.eigvalsh(P).max()
     plain = np.asarray(jax.vmap(lambda k: ula_chain(k, jnp.zeros(2), grad, step, 100)[0])(keys[:200]))
     wide = rot[:, 1]  # the direction of curvature 1e-4: plain ULA contracts it by 1 - 5e-5 per move
     assert abs(wide @ (plain.mean(0) - m)) > 0.9 * abs(wide @ m)
+
+
+def _assert_gaussian_law(x, mean, cov):
+    """iid draws ``x`` (n, q) of N(mean, cov): the sample mean and covariance within 5 of their standard
+    errors (Var(S_jk) = (S_jj S_kk + S_jk^2) / n for Gaussian samples); returns the covariance's errors."""
+    n = x.shape[0]
+    np.testing.assert_array_less(np.abs(x.mean(0) - mean), 5 * np.sqrt(np.diag(cov) / n))
+    se_cov = np.sqrt((np.outer(np.diag(cov), np.diag(cov)) + cov**2) / n)
+    np.testing.assert_array_less(np.abs(np.cov(x.T) - cov), 5 * se_cov)
+    return se_cov
 
 
 def _langevin_chains(key, x0, evaluate, step, root, n_chains, n_steps, **kw):
@@ -108,13 +100,9 @@ def test_mala_stationary_law_is_the_target_at_a_step_where_ula_is_far_off():
     for adjusted, law in ((True, target), (False, ula_law)):
         x, acc = _langevin_chains(jax.random.PRNGKey(2), jnp.asarray(m + 2.0), evaluate, gamma, jnp.asarray(R),
                                   n, 300, adjusted=adjusted, tame=True)
-        x = np.asarray(x)
         # 300 moves: ULA contracts by max |1 - gamma a| <= 1 - 0.9 a_min / a_max per move (< 1e-10 left); MALA
         # mixes at about its acceptance times that (acceptance measured 0.8 here), so the final states are iid
-        se_mean = np.sqrt(np.diag(law) / n)
-        np.testing.assert_array_less(np.abs(x.mean(0) - m), 5 * se_mean)
-        se_cov = np.sqrt((np.outer(np.diag(law), np.diag(law)) + law**2) / n)
-        np.testing.assert_array_less(np.abs(np.cov(x.T) - law), 5 * se_cov)
+        se_cov = _assert_gaussian_law(np.asarray(x), m, law)
         if adjusted:
             assert 0.5 < float(acc.mean()) < 1.0
             assert np.max(np.abs(ula_law - target) / se_cov) > 20  # the check can tell the two laws apart

@@ -112,16 +112,14 @@ class FedSOUL:
         extra evaluation), and each chain's stationary law is the local posterior p(z | D_i, theta)
         exactly (FedPop's FedSOUK covers adjusted kernels). "ula": FedPop's FedSOUL, whose local
         stationary law is off by O(gamma); that bias reaches the estimate through the Fisher gradient
-        and is amplified along directions the data identify weakly (between-client effects against the
-        random effects' mean: on a Poisson random-intercept model with 4 counts per client, ULA at
-        step_scale 0.1 drives the intercept and the random effects' sd away without bound, MALA does
-        not). Both are tamed (:data:`fedbayes.kernels.TAME`): far from the local posterior's bulk no
+        (on MASS epil at step_scale 0.1 it is within the gradient's Monte Carlo error). Both are tamed (:data:`fedbayes.kernels.TAME`): far from the local posterior's bulk no
         move overshoots, and a move to a point where the log-density or a gradient is not finite is
         rejected. The mean acceptance probability of the final draws is in
         ``res.client_info["acceptance"]``.
     local_metric:
         The clients' Langevin preconditioner. "dense": each round (and for the final draws) the client
-        computes the Hessian H_i of -log p(D_i, z | theta) in z at its chain's state and moves with
+        computes the Hessian H_i of -log p(D_i, z | theta) in z at its anchor (:meth:`FedSOULRun._adapt`,
+        a point that follows the local mode, not the chain's state) and moves with
         M_i = H_i^{-1} (gamma_i = step_scale / the largest curvature of the whitened target, about
         step_scale for a Gaussian local posterior), falling back to the identity where H_i is not
         positive definite: the chain mixes in about 1 / step_scale moves whatever the scales of the
