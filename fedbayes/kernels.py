@@ -41,11 +41,13 @@ is shortened to at most ``TAME * sqrt(2 gamma q)`` (q coordinates), a tamed Lang
 Durmus, Moulines and Sabanis 2019) whose threshold sits where the drift is many times longer than the
 noise. At a step where ULA is stable the threshold is reached only far from the mode (for a Gaussian
 target with unit curvature in the coordinates u, at |u - m| > TAME sqrt(2 q / gamma), beyond
-18 sqrt(q) standard deviations at gamma = 0.1), so the stationary law is unchanged; far out, where a
+18 sqrt(q) standard deviations at gamma = 0.1 and 5.7 sqrt(q) at gamma = 1, FedSOUL's MALA default; MALA's
+stationary law is exact whatever the threshold, since the taming is a function of the state), so the
+stationary law is unchanged; far out, where a
 gradient growing faster than linearly (an exp link: Poisson rates, log-normal scales) would make the
 move overshoot and overflow (or, under MALA, be rejected again and again), each move goes at most that
 far towards the mode. The price: a chain started hundreds of standard deviations out (a random effect
-in ms drawn from a unit-scale prior) crawls there at about 2.5 whitened units per move. Tried: 50,
+in ms drawn from a unit-scale prior) crawls there at about 2.5 whitened units per move at gamma = 0.1 (5.7 at gamma = 1). Tried: 50,
 which lets such chains jump but leaves MALA chains under an exp link stuck on rejected overshoots."""
 
 

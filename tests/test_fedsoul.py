@@ -67,12 +67,14 @@ def test_automatic_steps_follow_each_clients_curvature(lme_fit):
     # is the local Hessian's inverse, in which every direction has unit curvature: gamma_i = step_scale exactly.
     assert res.settings["local_metric"] == "dense"
     np.testing.assert_allclose(res.client_info["step_size"], 0.1, rtol=1e-6)
-    # With the identity metric gamma_i = 0.1 / lambda_max(P_i): clients with more data take smaller steps.
+    # With the identity metric gamma_i = step_scale / lambda_max(P_i) (the MALA default step_scale is 1.0):
+    # clients with more data take smaller steps.
     ident = fb.fed_fit(fb.models.linear_mixed_effects, data, fb.FedSOUL(local_metric="identity", num_samples=10,
                                                                           warmup=10), num_rounds=5, seed=0)
+    assert ident.settings["step_scale"] == 1.0 and ident.settings["local_kernel"] == "mala"
     lam = np.array([np.linalg.eigvalsh(np.linalg.inv(local_posterior(ident.params, data.client(i))[1])).max()
                     for i in range(data.num_clients)])
-    np.testing.assert_allclose(ident.client_info["step_size"], 0.1 / lam, rtol=1e-4)
+    np.testing.assert_allclose(ident.client_info["step_size"], 1.0 / lam, rtol=1e-4)
     big, small = np.argmax(data.sizes), np.argmin(data.sizes)
     assert ident.client_info["step_size"][big] < ident.client_info["step_size"][small]
 

@@ -124,8 +124,7 @@ THIRD_TIER: dict[str, object] = {
     "tests/test_real_data.py": (
         "test_contraception_logistic_samplers_defaults",
         "test_contraception_logistic_glmm_fedsoul_defaults",
-        "test_sleepstudy_fedsoul_defaults",  # the strict expected failures of the known gaps
-        "test_epil_poisson_glmm_fedsoul_defaults",
+        "test_epil_poisson_glmm_fedsoul_defaults",  # the strict expected failure of the known gap
     ),
     "tests/test_stall.py": (  # the 1000-client run that hung stays in CI
         "test_no_lapack_call_is_batched_over_clients_or_rows",

@@ -104,7 +104,13 @@ class FedSOUL:
         -grad_z^2 log p(z | D_i, theta) tracked by a warm-started power iteration (clients with more
         data have larger L_i and get smaller steps; ULA needs gamma_i < 2 / L_i).
     step_scale:
-        gamma_i * L_i for the automatic step (ULA's covariance bias is about step_scale / 2).
+        gamma_i * L_i for the automatic step. None (default): 1.0 for "mala", 0.1 for "ula". ULA's
+        covariance bias is about step_scale / 2, so its steps must be small; MALA has no such bias and a
+        longer step mixes faster: on a Gaussian local posterior with the dense metric each move is an
+        AR(1) step with coefficient 1 - step_scale, accepted 65-80% of the time at 1.0 on the real-data
+        tests (one or two random effects per client; 92% at 0.5), and the Fisher gradient's Monte Carlo
+        error is about half of that at 0.1 (MASS epil's final exchange) (sleepstudy's Days slope: 10.19 at
+        0.1, 10.41-10.58 over four seeds at 1.0, against statsmodels' 10.47).
     local_kernel:
         The clients' Markov kernel. "mala" (default): each Langevin proposal is accepted or rejected by
         Metropolis-Hastings (:func:`fedbayes.kernels.langevin_move`; the log-density and gradient at the
@@ -202,7 +208,7 @@ class FedSOUL:
     burn_in: int = 0
     stateful: bool = True
     step_size: float | Sequence[float] | None = None
-    step_scale: float = 0.1
+    step_scale: float | None = None
     local_metric: str = "auto"
     local_kernel: str = "mala"
     power_iters: int = 2
@@ -237,7 +243,8 @@ class FedSOUL:
         require_int(self.warmup, "FedSOUL warmup", 0)
         require_int(self.thinning, "FedSOUL thinning")
         require_int(self.num_chains, "FedSOUL num_chains")
-        if isinstance(self.step_scale, bool) or not isinstance(self.step_scale, numbers.Real) or not 0 < self.step_scale < 2:
+        if self.step_scale is not None and (isinstance(self.step_scale, bool) or not isinstance(self.step_scale, numbers.Real)
+                                            or not 0 < self.step_scale < 2):
             raise ConfigError(f"FedSOUL step_scale must lie in (0, 2) (ULA is unstable beyond 2), got {self.step_scale!r}")
         if self.step_size is not None:
             try:
@@ -310,6 +317,7 @@ class FedSOULRun(Staged):
                                                       and 0 < q <= LOCAL_DENSE_MAX)
         self.local_metric = "dense" if self._dense else "identity"
         self._adjusted = cfg.local_kernel == "mala"
+        self.step_scale = cfg.step_scale if cfg.step_scale is not None else (1.0 if self._adjusted else 0.1)
 
     @staticmethod
     def _nonlinear_coordinates(fm: FedModel) -> jax.Array:
@@ -415,7 +423,7 @@ class FedSOULRun(Staged):
             moved = backtrack(f, flat, d, f(flat))
             if self._auto_step:
                 lam, v = curvature(lambda u: f(flat + root @ u), jnp.zeros_like(flat), v, iters)
-                step = self.cfg.step_scale / jnp.maximum(lam, 1e-12)
+                step = self.step_scale / jnp.maximum(lam, 1e-12)
             return unravel(moved), v, step, root
         if not self._auto_step:
             return anchor, v, step, None
@@ -423,7 +431,7 @@ class FedSOULRun(Staged):
         lam = jnp.maximum(lam, 1e-12)
         fa, g = jax.value_and_grad(f)(flat)
         moved = backtrack(f, flat, g / lam, fa, num=3)
-        return unravel(moved), v, self.cfg.step_scale / lam, None
+        return unravel(moved), v, self.step_scale / lam, None
 
     # ------------------------------------------------------------------ protocol
     # set-up (engine.Setup): theta_0 to every client, which starts its own chain and step size
@@ -636,6 +644,7 @@ class FedSOULRun(Staged):
                                               "uncertainty": self.uncertainty,
                                               "local_metric": self.local_metric,
                                               "local_kernel": self.cfg.local_kernel,
+                                              "step_scale": self.step_scale,
                                               **({} if callable(self.server_lr) else {"server_lr": self.server_lr})}}
         if locals_ is not None:
             parts["local_samples"] = locals_["local_samples"]
