@@ -1,6 +1,6 @@
 """fedbayes: Bayesian federated inference for NumPyro models."""
 
-from . import checkpoint, compress, diagnostics, faults, flower, models, reference, wire
+from . import checkpoint, compress, diagnostics, faults, flower, models, protocol, reference, wire
 from .algorithms import (BELF, DELF, GD, LMC, PELF, QLSD, TAMUNA, FedAvg, FedEM, FedMM, FedSOUL, ParamAveragingEM, Scaffnew,
                          curvature_step_size, theory_step_size)
 from .algorithms import tamuna
@@ -12,6 +12,7 @@ from .errors import (CallbackError, CheckpointError, CheckpointWarning, ClientIn
 from .faults import Aggregation, FaultPolicy, Faults
 from .kernels import ULA
 from .model import FedModel, local
+from .protocol import FederatedRun
 from .result import Result, load
 from .wire import WireError
 
@@ -22,5 +23,6 @@ __all__ = [
     "Result", "ULA", "compress", "diagnostics", "reference", "fed_fit", "local", "models", "partition_dirichlet", "partition_iid",
     "partition_shards", "curvature_step_size", "theory_step_size", "resume", "checkpoint", "faults", "Faults",
     "FaultPolicy", "Aggregation", "TooFewClientsError", "CheckpointError", "CallbackError", "CheckpointWarning",
-    "ClientIndexError", "ConvergenceWarning", "PrecisionWarning", "StalledError", "WireError", "load",
+    "ClientIndexError", "ConvergenceWarning", "PrecisionWarning", "StalledError", "WireError", "load", "protocol",
+    "FederatedRun",
 ]

@@ -1,18 +1,18 @@
 """The federated round loop shared by every algorithm.
 
-An algorithm is a set of pure functions over pytrees (see :class:`Algorithm`):
+An algorithm is a :class:`fedbayes.protocol.FederatedRun`: pure functions over pytrees for its set-up
+exchange, its rounds and its final exchange (the protocol, declared once in :mod:`fedbayes.protocol`):
 
     init(key, problem)                                   -> server_state, client_states, broadcast
     client_step(key, broadcast, client_state, client)    -> client_state, upload
     server_step(key, server_state, uploads, round_info)  -> server_state, broadcast, diagnostics
 
-An algorithm that can run on a real network also splits ``init`` into a set-up exchange (:class:`Setup`):
-the server starts without any client's data, each client starts its state from its own data, and
-what the server needs of the clients (sums of statistics, curvature) comes back as messages;
-:func:`staged_init` runs it vectorised, :mod:`fedbayes.flower` message by message. An algorithm
-whose result needs every client's data at the final estimate (FedSOUL's personal posteriors, FedMM's
-observed information) ends with a final exchange (:class:`Final`), run the same two ways
-(:func:`final_exchange` vectorised).
+``init`` is the set-up exchange: the server starts without any client's data, each client starts its
+state from its own data, and what the server needs of the clients (sums of statistics, curvature)
+comes back as messages; :func:`staged_init` runs it vectorised, :mod:`fedbayes.flower` message by
+message. An algorithm whose result needs every client's data at the final estimate (FedSOUL's personal
+posteriors, FedMM's observed information) ends with a final exchange (``final_exchange``), run the same
+two ways (:func:`final_exchange` vectorised).
 
 ``upload`` and ``broadcast`` are :class:`Message` objects: exactly what crosses the network, already
 compressed, with their exact size in bits. Nothing else passes between clients and server. A payload
@@ -27,7 +27,7 @@ probability p < 1 (FedMM's Bernoulli participation) has each cohort member take 
 with probability p: only active clients' new states are kept, only their messages are counted, and
 the server sees who answered in ``RoundInfo.active``. Each member also gets its slot in the cohort
 and the round's public key (``ClientData.slot``, ``ClientData.shared_key``) for randomness the
-cohort must share. An algorithm with a ``client_finish`` method gets a second half-round: after the
+cohort must share. An algorithm that ``replies`` gets a second half-round (``client_finish``): after the
 server step, each member receives the server's reply (the new broadcast, of which it is charged
 only the bits ``client_finish`` reports) and updates its state. Every upload is screened for
 faults (dropped, non-finite, absurdly large: :mod:`fedbayes.faults`); a faulty member is left out of
@@ -41,7 +41,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -50,120 +50,8 @@ import numpy as np
 from .data import FederatedData
 from .errors import ConfigError, FedbayesError, StalledError
 from .faults import DROPPED, KIND_NAMES, NONFINITE, OK, TOO_LARGE, FaultPolicy, Faults, screen
-from .wire import FLOAT_BITS as WIRE_FLOAT_BITS
+from .protocol import FLOAT_BITS, SETTING_BITS, ClientData, FederatedRun, Message, Problem, PyTree, RoundInfo
 from .wire import decode_tree
-
-PyTree = Any
-
-FLOAT_BITS = WIRE_FLOAT_BITS
-"""Bits of one uncompressed float on the wire (float32), used by every ledger entry."""
-
-
-class Message(NamedTuple):
-    """A message on the wire: its (decoded) payload and its exact size in bits."""
-
-    payload: PyTree
-    bits: jax.Array
-
-
-class ClientData(NamedTuple):
-    """One client's padded data as the client step sees it (stacked over clients in the engine).
-
-    Inside a round two more fields are set: ``slot``, the client's position in the round's cohort
-    (0 .. cohort_size - 1, assigned by the server), and ``shared_key``, the round's public random key,
-    the same for every member of the cohort and the server (a function of the seed and the round
-    number, so it costs nothing on the wire). Algorithms use them for randomness the whole cohort
-    must agree on, such as TAMUNA's number of local steps and compression mask.
-    """
-
-    data: dict[str, jax.Array]
-    mask: jax.Array
-    size: jax.Array
-    index: jax.Array
-    slot: jax.Array | None = None
-    shared_key: jax.Array | None = None
-
-
-class RoundInfo(NamedTuple):
-    """What the server knows about a round: its index, the cohort, who answered usefully (``active``)
-    and which expected members failed (``faulty``: dropped, or an upload rejected by the screen of
-    :mod:`fedbayes.faults`; their uploads arrive zeroed)."""
-
-    round: jax.Array
-    cohort: jax.Array
-    active: jax.Array
-    num_clients: int
-    shared_key: jax.Array | None = None
-    faulty: jax.Array | None = None
-
-
-class Problem(NamedTuple):
-    """A federated problem: the analysed model, the data, the planned rounds and the cohort size."""
-
-    model: Any
-    data: FederatedData
-    num_rounds: int
-    cohort_size: int | None = None  # None: every client every round
-
-
-class Algorithm(Protocol):
-    name: str
-
-    def init(self, key: jax.Array, problem: Problem) -> tuple[PyTree, PyTree, Message]: ...
-
-    def client_step(
-        self, key: jax.Array, broadcast: PyTree, client_state: PyTree, client: ClientData
-    ) -> tuple[PyTree, Message]: ...
-
-    def server_step(
-        self, key: jax.Array, server_state: PyTree, uploads: Message, info: RoundInfo
-    ) -> tuple[PyTree, Message, dict[str, jax.Array]]: ...
-
-    # Optional: a second half of the round for the cohort, after the server step. An algorithm that
-    # defines it gets ``client_finish(new_broadcast_payload, client_state, client, own_upload_payload)
-    # -> (client_state, bits_received)``; the bits are added to the round's downlink for that client.
-
-    # Optional: for an algorithm whose clients keep a copy of server state (P-/B-ELF's w), the pair
-    # ``resync_message(server_state) -> Message`` (the server's, from the state that opened the round)
-    # and ``resync(client_state, payload) -> client_state`` (the client's) brings a faulty client's copy
-    # back in step; the message's bits are charged on that client's downlink.
-
-
-class Setup(Protocol):
-    """The set-up exchange of an algorithm that can run on a real network (e.g. Flower).
-
-    ``init`` of such an algorithm is :func:`staged_init`: the server starts without any client's data,
-    then ``setup_stages`` exchanges with every client follow, each a payload to all and an upload back,
-    and the last server step returns the server state and the first round's broadcast:
-
-        setup_server(key)                                         -> server_state, payload
-        setup_client(stage, key, payload, client_state, client)   -> client_state, upload
-        setup_server_step(stage, key, server_state, uploads)      -> server_state, payload (last: Message)
-
-    All three are pure (traceable) functions; ``client_state`` is None at stage 0 and ``client`` is the
-    client's own data only. ``uploads`` are stacked over all clients in index order. Settings the
-    clients need but only the server can compute (TAMUNA's step size from every client's curvature)
-    are named in ``shared_settings``: after set-up the optional Python hook
-    ``setup_done(server_state, last_uploads)`` sets them on the run (e.g. ``run.gamma``), and a network
-    sends them to every client once (``SETTING_BITS`` each float: a setting may be an array, e.g.
-    TAMUNA's preconditioner S, whose shape the client's own run knows before set-up).
-    """
-
-    setup_stages: int
-    shared_settings: tuple[str, ...]
-
-    def setup_server(self, key: jax.Array) -> tuple[PyTree, PyTree]: ...
-
-    def setup_client(self, stage: int, key: jax.Array, payload: PyTree, client_state: PyTree,
-                     client: ClientData) -> tuple[PyTree, PyTree]: ...
-
-    def setup_server_step(self, stage: int, key: jax.Array, server_state: PyTree,
-                          uploads: PyTree) -> tuple[PyTree, PyTree]: ...
-
-
-SETTING_BITS = 64
-"""Bits of one shared setting (a float64 sent once to each client after set-up)."""
-
 
 def dense_bits(tree: PyTree) -> int:
     """Bits of a dense payload on the wire (:func:`fedbayes.wire.pack`: 32 per float or int element)."""
@@ -181,13 +69,9 @@ def setup_client_key(k_clients: jax.Array, index: jax.Array, stage: int) -> jax.
     return jax.random.fold_in(jax.random.fold_in(k_clients, index), stage)
 
 
-def has_setup(run: Any) -> bool:
-    return all(hasattr(run, name) for name in ("setup_server", "setup_client", "setup_server_step", "setup_stages"))
-
-
-def staged_setup(run: Any, key: jax.Array, num_clients: int,
+def staged_setup(run: FederatedRun, key: jax.Array, num_clients: int,
                  exchange: Callable[[int, jax.Array, PyTree], PyTree]) -> tuple[PyTree, Message]:
-    """The server's side of a :class:`Setup` exchange: ``exchange(stage, clients_key, payload)`` delivers
+    """The server's side of the set-up exchange: ``exchange(stage, clients_key, payload)`` delivers
     the payload to every client and returns their uploads stacked in client order (vectorised in
     :func:`staged_init`, messages on a network). Returns ``(server_state, first broadcast)`` and sets
     ``run.init_bits = (up, down)``: every client's uploads, and the payloads (and shared settings) sent
@@ -201,45 +85,10 @@ def staged_setup(run: Any, key: jax.Array, num_clients: int,
         up += dense_bits(uploads)
         state, payload = jax.jit(lambda k, st, u, s=stage: run.setup_server_step(s, k, st, u))(
             jax.random.fold_in(k_server, stage + 1), state, uploads)
-    if hasattr(run, "setup_done"):
-        run.setup_done(state, uploads)
-    down += num_clients * SETTING_BITS * sum(int(np.size(getattr(run, name))) for name in getattr(run, "shared_settings", ()))
+    run.setup_done(state, uploads)
+    down += num_clients * SETTING_BITS * sum(int(np.size(getattr(run, name))) for name in run.shared_settings)
     run.init_bits = (int(up), int(down))
     return state, payload
-
-
-class Final(Protocol):
-    """The final exchange of an algorithm whose result needs each client's data at the estimate
-    (``final_exchange = True`` on the run). After the last round the server sends one payload to
-    every client; each client computes, from its own data and state, what stays with it (``local``:
-    its personal posterior) and what goes back (``upload``); the server combines the uploads:
-
-        final_message(key, server_state)                          -> payload
-        final_client(key, payload, client_state, client)          -> local, upload
-        final_server(key, server_state, payload, uploads, locals) -> parts of the Result
-
-    All pure (traceable); ``key`` is the fit's final key, public to both ends (a client derives its
-    own with :func:`client_key`). ``uploads`` are stacked over all clients in index order; ``locals``
-    likewise when the caller collected them (a simulation), None otherwise (a deployment, where
-    personal posteriors stay on their clients); ``uploads`` is None when a client did not answer on a
-    network, and ``final_server`` then returns the estimate and the collected local parts (a missing
-    client's are NaN) without what needs every upload. The bits are the run's ``final_bits``
-    (:func:`final_exchange`): the payload to every client and every upload, dense.
-    """
-
-    final_exchange: bool
-
-    def final_message(self, key: jax.Array, server_state: PyTree) -> PyTree: ...
-
-    def final_client(self, key: jax.Array, payload: PyTree, client_state: PyTree,
-                     client: ClientData) -> tuple[PyTree, PyTree]: ...
-
-    def final_server(self, key: jax.Array, server_state: PyTree, payload: PyTree, uploads: PyTree,
-                     locals_: PyTree | None) -> dict[str, Any]: ...
-
-
-def has_final(run: Any) -> bool:
-    return bool(getattr(run, "final_exchange", False))
 
 
 def client_key(key: jax.Array, index: jax.Array, num_clients: int) -> jax.Array:
@@ -256,7 +105,7 @@ def final_bits(payload: PyTree, uploads: PyTree, num_clients: int) -> tuple[int,
 
 def final_exchange(run: Any, key: jax.Array, server_state: PyTree, client_states: PyTree,
                    clients: ClientData) -> dict[str, Any]:
-    """The :class:`Final` exchange with every client at once (vectorised), local parts collected;
+    """The final exchange (:class:`fedbayes.protocol.FederatedRun`) with every client at once (vectorised), local parts collected;
     the parts carry ``final_bits``."""
     payload = jax.jit(run.final_message)(key, server_state)
     step = jax.jit(jax.vmap(run.final_client, in_axes=(None, None, 0, 0)))
@@ -266,17 +115,8 @@ def final_exchange(run: Any, key: jax.Array, server_state: PyTree, client_states
     return parts
 
 
-class Staged:
-    """Mixin for a :class:`Setup` algorithm: ``init`` is :func:`staged_init`; no shared settings."""
-
-    shared_settings: tuple[str, ...] = ()
-
-    def init(self, key: jax.Array, problem: Problem) -> tuple[PyTree, PyTree, Message]:
-        return staged_init(self, key, problem)
-
-
-def staged_init(run: Any, key: jax.Array, problem: Problem) -> tuple[PyTree, PyTree, Message]:
-    """``init`` of an algorithm with a :class:`Setup` exchange, every client at once (vectorised)."""
+def staged_init(run: FederatedRun, key: jax.Array, problem: Problem) -> tuple[PyTree, PyTree, Message]:
+    """``init`` of a run: its set-up exchange with every client at once (vectorised)."""
     clients = stack_clients(problem.data)
     box: dict[str, PyTree] = {"states": None}
 
@@ -383,7 +223,7 @@ def round_plan(base_key: jax.Array, k: jax.Array, num_clients: int, cohort_size:
     return rk, cohort, keys, k_server, k_shared, expected
 
 
-def server_half(algorithm: Algorithm, server_state: PyTree, payload: PyTree, upload_bits: jax.Array,
+def server_half(algorithm: FederatedRun, server_state: PyTree, payload: PyTree, upload_bits: jax.Array,
                 broadcast_bits: jax.Array, expected: jax.Array, received: jax.Array, policy: FaultPolicy | None,
                 k: jax.Array, cohort: jax.Array, num_clients: int, k_server: jax.Array, k_shared: jax.Array):
     """The server's half of a round, from the decoded uploads (stacked over the cohort; rows not
@@ -416,17 +256,17 @@ def server_half(algorithm: Algorithm, server_state: PyTree, payload: PyTree, upl
     return server_state, new_broadcast, payload, record
 
 
-def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, cohort_size: int, base_key: jax.Array,
+def make_round(algorithm: FederatedRun, clients: ClientData, num_clients: int, cohort_size: int, base_key: jax.Array,
                faults: Faults | None = None, policy: FaultPolicy | None = None):
     """The pure function of one round: ``(carry, k) -> (carry, record)``.
 
     Every upload is screened (:func:`fedbayes.faults.screen`); ``faults`` injects simulated ones
     first. A faulty member's upload is zeroed before the server step, its client state is rolled back
-    (and, for an algorithm with ``resync_message`` / ``resync``, re-sent its copy of server state, the
+    (and, for an algorithm that ``resyncs``, re-sent its copy of server state, the
     bits counted on the downlink) and it gets no ``client_finish`` reply.
     """
 
-    participation = float(getattr(algorithm, "participation", 1.0))
+    participation = float(algorithm.participation)
 
     def round_fn(carry, k):
         server_state, client_states, broadcast = carry
@@ -447,12 +287,12 @@ def make_round(algorithm: Algorithm, clients: ClientData, num_clients: int, coho
             num_clients, k_server, k_shared)
         active, faulty = record.pop("_active"), record.pop("_faulty")
         bits_down = broadcast.bits
-        if hasattr(algorithm, "client_finish"):  # the server's reply to this round's answering members
+        if algorithm.replies:  # the server's reply to this round's answering members
             finish = jax.vmap(algorithm.client_finish, in_axes=(None, 0, _CLIENT_AXES, 0))
             new_states, reply_bits = finish(decode_tree(new_broadcast.payload), new_states, members, payload)
             bits_down = bits_down + jnp.where(active, reply_bits, 0)
         kept = _where_active(active, new_states, old_states)
-        if hasattr(algorithm, "resync_message"):  # a faulty member's copy of server state is re-sent
+        if algorithm.resyncs:  # a faulty member's copy of server state is re-sent
             again = algorithm.resync_message(opening)
             resynced = jax.vmap(algorithm.resync, in_axes=(0, None))(old_states, decode_tree(again.payload))
             kept = _where_active(faulty, resynced, kept)
@@ -499,12 +339,12 @@ def chunk_plan(start: int, end: int, size: int) -> list[tuple[int, int]]:
     return plan
 
 
-def _compiled_chunk(algorithm: Algorithm, num_clients: int, cohort_size: int, faults: Faults | None = None,
+def _compiled_chunk(algorithm: FederatedRun, num_clients: int, cohort_size: int, faults: Faults | None = None,
                     policy: FaultPolicy | None = None):
     """The jitted scan over a chunk of rounds, kept on the algorithm object so that later calls of
     :func:`run_rounds` (a run continued in segments) reuse its compilation. The algorithm's
     attributes (e.g. a step size set by ``init``) are read when the chunk is first traced."""
-    cache = algorithm.__dict__.setdefault("_engine_chunks", {}) if hasattr(algorithm, "__dict__") else {}
+    cache = algorithm.__dict__.setdefault("_engine_chunks", {})
     key = (num_clients, cohort_size, faults, policy)
     if key not in cache:
         def chunk(carry, ks, clients, base_key):
@@ -632,7 +472,7 @@ def wait_ready(tree: PyTree, stall_timeout: float | None, what: str, *,
 
 
 def run_rounds(
-    algorithm: Algorithm,
+    algorithm: FederatedRun,
     problem: Problem,
     carry: tuple[PyTree, PyTree, Message],
     *,
@@ -672,7 +512,7 @@ def run_rounds(
     clients = stack_clients(problem.data)
     min_clients = (FaultPolicy() if policy is None else policy).min_clients
     run_chunk = _compiled_chunk(algorithm, problem.data.num_clients, cohort_size, faults, policy)
-    bar = Progress(num_rounds, getattr(algorithm, "name", type(algorithm).__name__), progress)
+    bar = Progress(num_rounds, algorithm.name, progress)
     plan = [c for c in chunk_plan(0, num_rounds, chunk_size) if c[0] >= start]
     if not plan or plan[0][0] != start:
         plan = chunk_plan(start, num_rounds, chunk_size)

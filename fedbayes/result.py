@@ -16,7 +16,7 @@ from numpyro import handlers
 
 from ._keys import require_seed, seed_key
 from .data import FederatedData
-from .engine import ClientData
+from .protocol import ClientData
 from .errors import CheckpointError, DataError, FedbayesError
 from .model import FedModel, serialized
 

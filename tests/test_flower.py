@@ -29,7 +29,7 @@ pytest.importorskip("flwr", reason='Flower is not installed: pip install "fedbay
 
 import fedbayes as fb  # noqa: E402
 from fedbayes import flower, wire  # noqa: E402
-from fedbayes.engine import _FAULT_STREAM, has_final, round_plan  # noqa: E402
+from fedbayes.engine import _FAULT_STREAM, round_plan  # noqa: E402
 from fedbayes.flower._apps import (FlowerSpec, LocalGrid, _content, _forget, _runtime, _server_identity,  # noqa: E402
                                 payload_bytes, run_server)
 
@@ -244,7 +244,7 @@ def test_the_server_expects_the_messages_clients_send(algo):
                 assert _layout(getattr(server, name)) == _layout(getattr(client, name)), name
             if not getattr(client.run, "shared_settings", ()):  # TAMUNA's steps read its set-up's step size
                 assert _layout(server.upload_template()) == _layout(client.upload_template())
-            if has_final(client.run):
+            if client.run.final_exchange:
                 assert _layout(server.final_templates()) == _layout(client.final_templates())
         finally:
             _forget(spec.token)

@@ -30,6 +30,7 @@ from fedbayes.algorithms.tamuna import map_estimate
 from fedbayes.engine import Message, Problem, _compiled_chunk, run_rounds, stack_clients, wait_ready
 from fedbayes.errors import StalledError
 from fedbayes.model import FedModel
+from fedbayes.protocol import FederatedRun
 
 # ---------------------------------------------------------------------------------------- the deadlock
 
@@ -305,11 +306,16 @@ def test_param_averaging_em_map_init_on_a_random_intercept_model():
 
 # ---------------------------------------------------------------------------------------- what stopped a fit
 
-class _Scripted:
+class _Scripted(FederatedRun):
     """An engine algorithm (one float per client and server) whose uploads or global state turn NaN at
-    a given round: to check how the engine names the cause."""
+    a given round: to check how the engine names the cause. Only the round is run (no set-up, no end)."""
 
     name = "Scripted"
+
+    def setup_server(self, key):
+        raise NotImplementedError
+
+    setup_client = setup_server_step = finalize = setup_server
 
     def __init__(self, nan_uploads_at=None, nan_state_at=None):
         self.nan_uploads_at, self.nan_state_at = nan_uploads_at, nan_state_at

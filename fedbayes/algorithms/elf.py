@@ -39,11 +39,12 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..compress import Compressor, identity, require_contractive, scale_to_contractive
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, stack_clients
+from ..engine import stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import fault_weight
 from ..kernels import curvature
 from ..model import FedModel, serialized
+from ..protocol import FLOAT_BITS, ClientData, FederatedRun, Message, Problem, RoundInfo, dense_message
 from .tamuna import check_init, resolve_init
 
 DENSE_CURVATURE = 1000
@@ -266,8 +267,13 @@ class BELF(_Langevin):
                 _ef_compressor(self.downlink, self.rescale, self.name))
 
 
-class LangevinRun(Staged):
-    """A federated Langevin sampler bound to a model: the engine protocol plus ``finalize``."""
+class LangevinRun(FederatedRun):
+    """A federated Langevin sampler bound to a model (:class:`fedbayes.protocol.FederatedRun`). P-/B-ELF's
+    clients keep a copy of the server's w, which a faulty member is re-sent (``resyncs``); the other
+    samplers take part in the same exchange with an empty message (0 bits), so every sampler's ledger and
+    Flower messages follow one rule."""
+
+    resyncs = True
 
     def __init__(self, cfg: _Langevin, fm: FedModel, problem: Problem):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
@@ -328,7 +334,7 @@ class LangevinRun(Staged):
         neg_u = lambda y: -jnp.sum(jax.vmap(self.client_potential, in_axes=(None, 0))(y, clients))  # noqa: E731
         return curvature(neg_u, x, jnp.ones_like(x), 100)[0]
 
-    # ------------------------------------------------------------------ set-up (engine.Setup)
+    # ------------------------------------------------------------------ set-up (fedbayes.protocol)
     setup_stages = 1
 
     def setup_server(self, key: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -393,7 +399,7 @@ class LangevinRun(Staged):
         else:  # x - gamma S S' g + sqrt(2 gamma) S z: Langevin in y = S^-1 x, the same stationary law
             x = s.x - gamma * (s.g @ self._precond) @ self._precond.T + jnp.sqrt(2 * gamma) * z @ self._precond.T
         if not self.cfg.downlink_ef:
-            return ServerState(x, x, s.g), Message(x, jnp.asarray(FLOAT_BITS * x.size, jnp.int32))
+            return ServerState(x, x, s.g), dense_message(x)
         if self._precond is None:
             sent, v, bits = self._compress(self._down, k_comp, x - s.w)
             return ServerState(x, s.w + v, s.g), Message(sent, bits)
@@ -420,7 +426,7 @@ class LangevinRun(Staged):
         broadcast is added); LMC, D-ELF and QLSD keep no copy and send nothing (0 bits)."""
         if not self.cfg.downlink_ef:  # state.x: every Langevin server state has it (QLSD's has no w)
             return Message(jnp.zeros((0,), state.x.dtype), jnp.asarray(0, jnp.int32))
-        return Message(state.w, jnp.asarray(FLOAT_BITS * state.w.size, jnp.int32))
+        return dense_message(state.w)
 
     def resync(self, state: ClientState, payload: jax.Array) -> ClientState:
         """A faulty client keeps its gradient memory (the server did not add its message) and, under

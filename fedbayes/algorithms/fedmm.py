@@ -40,9 +40,9 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import (FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, client_key, final_exchange,
-                      stack_clients)
+from ..engine import client_key, final_exchange, stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_fraction, require_int
+from ..protocol import ClientData, FederatedRun, Message, Problem, RoundInfo, dense_message
 from ..expfam import CustomStatistics, Derived, derive
 from ..faults import fault_weight
 from ..kernels import curvature, ula_chain
@@ -188,7 +188,7 @@ class FedEM(FedMM):
     name = "FedEM"
 
 
-class FedMMRun(Staged):
+class FedMMRun(FederatedRun):
     """FedMM bound to a model and data: the engine's init / client_step / server_step / finalize."""
 
     def __init__(self, cfg: FedMM, fm: FedModel, stats: Derived | CustomStatistics, problem: Problem):
@@ -276,7 +276,7 @@ class FedMMRun(Staged):
         return ravel_pytree(self.stats.project(self._unravel(s_flat)))[0]
 
     # ------------------------------------------------------------------ engine protocol
-    # set-up (engine.Setup): a federated E-step at theta_0 for S_0, and (control variates "e_step") a
+    # set-up (fedbayes.protocol): a federated E-step at theta_0 for S_0, and (control variates "e_step") a
     # second at theta_1 = T(S_0) for V_i = s_i(theta_1) - S_0
     def setup_server(self, key: jax.Array) -> tuple[Params, Params]:
         """theta_0: user values where given, else the model's deterministic start; sent to every client."""
@@ -348,7 +348,7 @@ class FedMMRun(Staged):
         return 0.1 / lam
 
     def _broadcast(self, s: jax.Array, theta: Params) -> Message:
-        return Message(Broadcast(s, theta), jnp.asarray(FLOAT_BITS * (self.q + self.dim), jnp.int32))
+        return dense_message(Broadcast(s, theta))
 
     def client_step(self, key: jax.Array, payload: Broadcast, state: ClientState, client: ClientData):
         """E-step at theta_t; upload Quant(s_i - S_t - V_i); V_i += (alpha/p) Q_i."""
@@ -389,7 +389,7 @@ class FedMMRun(Staged):
 
     @property
     def final_exchange(self) -> bool:
-        """Louis' information needs every client's score covariance at the estimate (engine.Final)."""
+        """Louis' information needs every client's score covariance at the estimate (the final exchange)."""
         return not self._custom and bool(self.cfg.uncertainty)
 
     def _server_parts(self, server: ServerState, theta: Params) -> dict[str, Any]:
@@ -488,7 +488,7 @@ class ParamAveragingRun(FedMMRun):
     def _broadcast(self, s, theta):
         """theta alone: the clients run a full local EM step and need no statistic (an empty ``s`` keeps
         the message's structure, so the wire carries exactly the ledger's bits)."""
-        return Message(Broadcast(jnp.zeros((0,), s.dtype), theta), jnp.asarray(FLOAT_BITS * self.dim, jnp.int32))
+        return dense_message(Broadcast(jnp.zeros((0,), s.dtype), theta))
 
     def client_step(self, key, payload: Broadcast, state: ClientState, client: ClientData):
         s_i, z = self._e_step(payload.theta, client, state.z, state.step, key)
@@ -499,7 +499,7 @@ class ParamAveragingRun(FedMMRun):
         theta_i = self.stats.m_step(s, payload.theta, prior_weight=weight) if not self._custom else \
             self._fm.unconstrain(self.stats.m_step(s))
         flat = ravel_pytree(self._fm.constrain(theta_i))[0]
-        return ClientState(state.v, z, state.step), Message(flat, jnp.asarray(FLOAT_BITS * flat.size, jnp.int32))
+        return ClientState(state.v, z, state.step), dense_message(flat)
 
     def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
         mu = self._mu[info.cohort] * info.active

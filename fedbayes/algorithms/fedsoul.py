@@ -48,12 +48,12 @@ from jax.flatten_util import ravel_pytree
 
 from .. import optim
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import (FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, client_key, final_exchange,
-                      stack_clients)
+from ..engine import client_key, final_exchange, stack_clients
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
 from ..kernels import LangevinPoint, backtrack, curvature, langevin_move, newton_mode, newton_root
 from ..model import FedModel, Params
+from ..protocol import FLOAT_BITS, ClientData, FederatedRun, Message, Problem, RoundInfo, dense_message
 from . import louis
 from .louis import _symmetric
 from .tamuna import check_init, resolve_init
@@ -291,10 +291,10 @@ class FedSOUL:
         return FedSOULRun(self, fm, int(self.average_from * problem.num_rounds), resolve_init(self.init, problem), n)
 
 
-class FedSOULRun(Staged):
+class FedSOULRun(FederatedRun):
     """FedSOUL bound to a model: ``init``, ``client_step``, ``server_step`` of the engine protocol."""
 
-    final_exchange = True  # personal posteriors at the estimate: engine.Final
+    final_exchange = True  # personal posteriors at the estimate
 
     def __init__(self, cfg: FedSOUL, fm: FedModel, avg_start: int, init_values: Mapping[str, Any] | None,
                  num_clients: int):
@@ -434,7 +434,7 @@ class FedSOULRun(Staged):
         return unravel(moved), v, self.step_scale / lam, None
 
     # ------------------------------------------------------------------ protocol
-    # set-up (engine.Setup): theta_0 to every client, which starts its own chain and step size
+    # set-up (fedbayes.protocol): theta_0 to every client, which starts its own chain and step size
     setup_stages = 1
 
     def setup_server(self, key: jax.Array) -> tuple[Params, Params]:
@@ -478,7 +478,7 @@ class FedSOULRun(Staged):
         return ServerState(theta, opt_state, zeros, jnp.zeros(()), info), self._broadcast(theta)
 
     def _broadcast(self, theta: Params) -> Message:
-        return Message(theta, jnp.asarray(FLOAT_BITS * ravel_pytree(theta)[0].size, jnp.int32))
+        return dense_message(theta)
 
     def client_step(self, key, theta: Params, state: ClientState, client: ClientData):
         fm: FedModel = self._fm
@@ -610,7 +610,7 @@ class FedSOULRun(Staged):
         keys = jax.random.split(key, clients.index.shape[0])
         return jax.jit(jax.vmap(one))(keys, states, clients)
 
-    # ------------------------------------------------------------------ final exchange (engine.Final)
+    # ------------------------------------------------------------------ final exchange (fedbayes.protocol)
     def final_message(self, key, server: ServerState) -> Params:
         """The estimate theta_bar (the averaged iterate), sent to every client."""
         return self.averaged_theta(server)

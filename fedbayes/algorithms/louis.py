@@ -8,7 +8,7 @@ expectations over h ~ p(h | D_i, theta). The first sum is -grad^2 Q(theta; s) fo
 statistic s at theta (Q is linear in s), so the server computes it from the statistics; each client
 computes the covariance of its complete-data score locally (from the same E-step posterior) and
 sends that symmetric d x d matrix once, as its d(d+1)/2 upper triangle, with its E-step statistic
-(FedMM's final exchange, :class:`fedbayes.engine.Final`); its local posterior stays with it. The
+(FedMM's final exchange, :class:`fedbayes.protocol.FederatedRun`); its local posterior stays with it. The
 server adds the prior's curvature -grad^2 log p(theta) and inverts: Cov(theta-hat) ~ I^{-1}
 (unconstrained coordinates), standard errors of the constrained sites by the delta method, and draws of the asymptotic normal
 approximation N(theta-hat, I^{-1}) as an approximate posterior for the globals.
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from ..engine import ClientData
+from ..protocol import ClientData
 from ..errors import ConvergenceWarning
 from ..expfam import lapack_free_cholesky, lapack_free_spd_inverse
 from ..kernels import ula_chain

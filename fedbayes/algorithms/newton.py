@@ -43,13 +43,13 @@ its l_i at each trial point and (l_i, grad l_i, upper triangle of the Hessian) a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine import FLOAT_BITS, ClientData
+from ..protocol import FLOAT_BITS, ClientData
 
 DENSE_CURVATURE = 1000
 """Up to this many coordinates the clients send their Hessians (Newton); beyond, gradients only."""

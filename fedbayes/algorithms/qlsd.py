@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo
+from ..protocol import ClientData, Message, Problem, RoundInfo, dense_message
 from ..errors import ConfigError
 from ..model import FedModel
 from .elf import LangevinRun, ServerState, _Langevin
@@ -92,7 +92,7 @@ class QLSDRun(LangevinRun):
 
     def setup_server_step(self, stage: int, key: jax.Array, x0: jax.Array, uploads):
         """x_0 (prior medians, jittered per chain as in LMC) is the first broadcast; H = 0."""
-        return QLSDServer(x0, jnp.zeros_like(x0)), Message(x0, jnp.asarray(FLOAT_BITS * x0.size, jnp.int32))
+        return QLSDServer(x0, jnp.zeros_like(x0)), dense_message(x0)
 
     def client_step(
         self, key: jax.Array, payload: jax.Array, state: QLSDClient, client: ClientData

@@ -56,12 +56,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from ..engine import FLOAT_BITS, ClientData, Message, Problem, RoundInfo, Staged, final_exchange, stack_clients
+from ..engine import final_exchange, stack_clients
 from ..wire import Masked
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
 from ..kernels import power_iteration
 from ..model import FedModel, serialized
+from ..protocol import FLOAT_BITS, ClientData, FederatedRun, Message, Problem, RoundInfo
 
 POPULATION_MEAN = "population-mean"
 
@@ -403,8 +404,11 @@ class FedAvg(TAMUNA):
 # ---------------------------------------------------------------------------------------- run
 
 
-class TAMUNARun(Staged):
-    """TAMUNA bound to a model and data: the engine protocol (with the reply to the cohort) and ``finalize``."""
+class TAMUNARun(FederatedRun):
+    """TAMUNA bound to a model and data (:class:`fedbayes.protocol.FederatedRun`): the cohort gets the
+    server's reply after each round (``replies``)."""
+
+    replies = True
 
     def __init__(self, cfg: TAMUNA, fm: FedModel, problem: Problem):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
@@ -545,7 +549,7 @@ class TAMUNARun(Staged):
             return jnp.ones((self.dim,), bool)
         return mask_column(jax.random.fold_in(shared_key, 1), slot, self.dim, self.c, self.s)
 
-    # set-up (engine.Setup): x_0 to every client; when gamma or p is estimated, each client's extreme
+    # set-up (fedbayes.protocol): x_0 to every client; when gamma or p is estimated, each client's extreme
     # Hessian eigenvalues back (with preconditioning: its dense Hessian's upper triangle), from which the
     # server sets gamma, p and eta (and S) and sends them to all
     setup_stages = 1
@@ -684,7 +688,7 @@ class TAMUNARun(Staged):
         h = h + (self.eta / gamma) * jnp.where(q, x_bar - mine, 0.0)
         return h, FLOAT_BITS * (jnp.sum(q) + (1 if self.safeguard else 0))
 
-    # final exchange (engine.Final): the estimate to every client, its log-likelihood's gradient and
+    # final exchange (fedbayes.protocol): the estimate to every client, its log-likelihood's gradient and
     # Hessian (upper triangle; d <= DENSE_CURVATURE) back, so the result carries the convergence material
     final_exchange = True
 

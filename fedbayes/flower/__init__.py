@@ -6,7 +6,7 @@
   (chains, control variates, error-feedback memories) in Flower's ``context.state`` and its data
   partition to itself. Messages carry the compressed encodings (:mod:`fedbayes.wire`), so the bytes
   Flower moves are the ledger's bits, rounded up to whole bytes per message. A run starts with the
-  algorithm's set-up exchange and ends with its final exchange (:class:`fedbayes.engine.Final`), so the
+  algorithm's set-up exchange and ends with its final exchange (:class:`fedbayes.protocol.FederatedRun`), so the
   server never reads client data; personal posteriors stay on their nodes.
 * :func:`simulate`: the same apps under Flower's simulation engine in this process, returning the
   :class:`fedbayes.Result` that :func:`fedbayes.fed_fit` returns for the same arguments.

@@ -24,11 +24,12 @@ from .._keys import seed_key
 from ..algorithms.elf import _Langevin
 from ..api import _fault_table, _public, _validated
 from ..data import FederatedData
-from ..engine import (ClientData, Problem, Progress, _host_records, first_short_round, has_final, has_setup,
-                      resolve_cohort_size, round_plan, server_half, setup_client_key, setup_keys, stack_clients)
+from ..engine import (Progress, _host_records, first_short_round, resolve_cohort_size, round_plan, server_half,
+                      setup_client_key, setup_keys, stack_clients)
 from ..errors import ConfigError, FedbayesError, TooFewClientsError
 from ..faults import FaultPolicy
 from ..model import FedModel
+from ..protocol import ClientData, Problem
 from ..result import Result
 
 PAYLOAD = "p"  # the one ArrayRecord key of a message's payload (its bytes count in Flower's measure)
@@ -84,13 +85,11 @@ class _Runtime:
         self.cohort = resolve_cohort_size(fit.clients_per_round, data.num_clients)
         problem = Problem(FedModel(fit.model, data, fit.model_kwargs), data, fit.num_rounds, self.cohort)
         self.run = run = fit.algorithm.build(problem)
-        if not has_setup(run):
-            raise ConfigError(f"{run.name} has no set-up exchange (fedbayes.engine.Setup: setup_server, setup_client, "
-                              "setup_server_step), so it cannot start on a network")
         self.k_init, self.k_rounds, self.k_final = jax.random.split(seed_key(fit.seed), 3)
         self.k_server, self.k_clients = setup_keys(self.k_init)
         self.clients = stack_clients(data)
-        self.participation = float(getattr(run, "participation", 1.0))
+        self.participation = float(run.participation)
+        self._templates: dict[str, Any] = {}  # the round's message structures, traced when first needed
         self.plan = jax.jit(lambda k: round_plan(self.k_rounds, k, data.num_clients, self.cohort, self.participation))
         self._setup_templates()
         if role == "server":
@@ -101,9 +100,9 @@ class _Runtime:
                                    received, policy, k, cohort, data.num_clients, k_server, k_shared)
 
             self.serve = jax.jit(serve)
-            if hasattr(run, "resync_message"):
+            if run.resyncs:
                 self.resync_message = jax.jit(run.resync_message)
-            if has_final(run):
+            if run.final_exchange:
                 self.final_message = jax.jit(run.final_message)
             return
         self.setup_step = [jax.jit(lambda key, payload, state, member, s=s: run.setup_client(s, key, payload, state,
@@ -111,13 +110,13 @@ class _Runtime:
                            for s in range(run.setup_stages)]
         self.client_step = jax.jit(lambda key, payload, state, member: run.client_step(
             key, wire.decode_tree(payload), state, member))
-        if hasattr(run, "resync"):
+        if run.resyncs:
             self.resync = jax.jit(lambda state, payload: run.resync(state, wire.decode_tree(payload)))
-        if has_final(run):
+        if run.final_exchange:
             self.final_client = jax.jit(lambda key, payload, state, member: run.final_client(
                 key, wire.decode_tree(payload), state, member))
         self.finish = None
-        if hasattr(run, "client_finish"):
+        if run.replies:
             self.finish = jax.jit(lambda reply, state, member, upload: run.client_finish(
                 wire.decode_tree(reply), state, member, wire.decode_tree(upload)))
 
@@ -142,7 +141,7 @@ class _Runtime:
         self.state_template, self.server_template = state, server_state
         self.broadcast_template = payload.payload
         self.resync_template = None  # an algorithm whose clients keep a copy of server state
-        if hasattr(run, "resync_message"):
+        if run.resyncs:
             self.resync_template = jax.eval_shape(run.resync_message, server_state).payload
 
     def state_def(self, stage: int | None = None) -> Any:
@@ -151,30 +150,28 @@ class _Runtime:
     def upload_template(self) -> Any:
         """A round's upload structure (traced when first needed: TAMUNA's client step reads the step
         size, which a client knows only after set-up)."""
-        if not hasattr(self, "_upload_template"):
+        if "upload" not in self._templates:
             member = self.member(0, 0, jax.random.PRNGKey(0))
             shapes = jax.eval_shape(lambda k, b, c, m: self.run.client_step(k, wire.decode_tree(b), c, m),
                                     jax.random.PRNGKey(0), self.broadcast_template, self.state_template, member)
-            self._upload_template = shapes[1].payload
-        return self._upload_template
+            self._templates["upload"] = shapes[1].payload
+        return self._templates["upload"]
 
     def final_templates(self) -> tuple[Any, Any, Any]:
         """The final exchange's structures: (payload, what the client keeps, its upload)."""
-        if not hasattr(self, "_final_templates"):
+        if "final" not in self._templates:
             key = jax.random.PRNGKey(0)
             payload = jax.eval_shape(self.run.final_message, key, self.server_template)
             local, upload = jax.eval_shape(self.run.final_client, key, payload, self.state_template, self.member(0))
-            self._final_templates = payload, local, upload
-        return self._final_templates
+            self._templates["final"] = payload, local, upload
+        return self._templates["final"]
 
     def reply_template(self) -> Any:
         """The structure of the server's reply to a cohort member (None: no reply)."""
-        if not hasattr(self, "_reply_template"):
-            reply = None
-            if hasattr(self.run, "client_finish"):
-                reply = jax.eval_shape(self.reply_payload, self.broadcast_template)
-            self._reply_template = reply
-        return self._reply_template
+        if "reply" not in self._templates:
+            self._templates["reply"] = (jax.eval_shape(self.reply_payload, self.broadcast_template)
+                                        if self.run.replies else None)
+        return self._templates["reply"]
 
     def member(self, i: int, slot: int | None = None, shared_key: jax.Array | None = None) -> ClientData:
         """Client ``i``'s data (and, in a round, its slot and the round's public key)."""
@@ -182,8 +179,7 @@ class _Runtime:
         return one._replace(slot=None if slot is None else jnp.asarray(slot), shared_key=shared_key)
 
     def reply_payload(self, payload: Any) -> Any:
-        fn = getattr(self.run, "finish_message", None)
-        return wire.decode_tree(payload) if fn is None else fn(wire.decode_tree(payload))
+        return self.run.finish_message(wire.decode_tree(payload))
 
 
 _RUNTIMES: dict[tuple[str, str], _Runtime] = {}
@@ -387,7 +383,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
 
     @app.train("final")
     def final(msg: Message, context: Context) -> Message:
-        """The final exchange (:class:`fedbayes.engine.Final`): the server's estimate in, this client's
+        """The final exchange (:class:`fedbayes.protocol.FederatedRun`): the server's estimate in, this client's
         personal posterior computed from its own data and kept in ``context.state``, its upload back."""
         rt, index = _runtime_of(context), _client_index(context)
         state = _settle(context, rt, int(_header(msg)["accepted"]))
@@ -492,7 +488,7 @@ class _Server:
             return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *uploads)
 
         rt.server_state, rt.broadcast = engine.staged_setup(run, rt.k_init, num, exchange)
-        names = tuple(getattr(run, "shared_settings", ()))
+        names = tuple(run.shared_settings)
         if names:
             values = [np.ravel(np.asarray(getattr(run, name), np.float64)) for name in names]
             data = np.concatenate(values).tobytes()
@@ -538,7 +534,7 @@ class _Server:
         # the ledger: re-sent copies are charged when sent (fed_fit charges them in the round of the fault);
         # a member whose copy did not arrive was sent no broadcast
         bits_down = np.asarray(record["bits_down"]).astype(np.int64) + resync_bits - np.where(missed, down_bits, 0)
-        if hasattr(rt, "resync_message"):
+        if rt.run.resyncs:
             self.stale |= {int(cohort[j]) for j in np.flatnonzero(faulty)}
             self.opened = rt.server_state  # this round's opening state: later resyncs are built from it
         for j in np.flatnonzero(active):
@@ -592,7 +588,7 @@ class _Server:
         return bits, missed
 
     def final(self, collect_locals: bool) -> dict[str, Any]:
-        """The final exchange (:class:`fedbayes.engine.Final`) with every client: the estimate out, the
+        """The final exchange (:class:`fedbayes.protocol.FederatedRun`) with every client: the estimate out, the
         uploads back (kinds ``"final"`` / ``"final-reply"`` in ``message_bytes``, the run's ``final_bits``).
         With ``collect_locals`` (a simulation) each client's personal posterior is then fetched, outside
         the ledger. A client that does not answer costs the result what needs every upload (FedMM's
@@ -650,7 +646,7 @@ class _Server:
             bar.update(k + 1)
         history = {name: np.concatenate([r[name] for r in self.records]) for name in self.records[0]}
         history = _host_records(history, time.perf_counter() - t0)
-        if has_final(rt.run):
+        if rt.run.final_exchange:
             parts = self.final(collect_locals)
             parts.setdefault("init_bits", rt.run.init_bits)
         else:  # the result is the server's alone (the samplers' draws, TAMUNA's x): no client state is read

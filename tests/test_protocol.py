@@ -1,0 +1,87 @@
+"""The algorithm protocol (fedbayes.protocol): a new algorithm written against it alone (the toy in
+examples/protocol_toy.py) runs through fb.fed_fit and through the Flower adapter unchanged, with the
+exact ledger; the base class declares the required stages and documents no-op defaults for the rest."""
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+os.environ.setdefault("FLWR_HOME", tempfile.mkdtemp(prefix="fedbayes-flwr-"))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import fedbayes as fb  # noqa: E402
+from fedbayes.protocol import FederatedRun, Message  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from protocol_toy import FedGradientAscent  # noqa: E402
+
+ROUNDS, CLIENTS, DIM = 300, 8, 3
+
+
+@pytest.fixture(scope="module")
+def problem():
+    data, _ = fb.models.make_glm_clients(CLIENTS, DIM, 40, family="linear", seed=0)
+    pooled = data.pooled()
+    x, y = np.asarray(pooled["x"], np.float64), np.asarray(pooled["y"], np.float64)
+    mode = np.linalg.solve(x.T @ x + np.eye(DIM), x.T @ y)  # prior N(0, I), noise sd 1: the posterior mode
+    return data, mode
+
+
+def _ledger_ok(res):
+    # every round each client sends its gradient and receives theta (3 floats of 32 bits each way); the
+    # set-up sends theta_0 to every client and nothing back
+    floats = ROUNDS * CLIENTS * DIM
+    assert res.bits_up == 32 * floats
+    assert res.bits_down == 32 * (floats + CLIENTS * DIM)
+
+
+def test_a_toy_algorithm_runs_through_fed_fit_to_the_exact_posterior_mode(problem):
+    data, mode = problem
+    res = fb.fed_fit(fb.models.linear_regression(), data, FedGradientAscent(step_size=1e-3), num_rounds=ROUNDS,
+                     seed=0, progress=False)
+    # gradient ascent on a quadratic contracts by (1 - step * lambda_min) per round; 300 rounds take the
+    # error below float32 rounding of the iterate (about 1e-7 relative), so 1e-5 is rounding, not tolerance
+    np.testing.assert_allclose(res.params["w"], mode, rtol=1e-5, atol=1e-6)
+    _ledger_ok(res)
+
+
+def test_the_same_toy_runs_on_flower_unchanged(problem):
+    pytest.importorskip("flwr")
+    data, _ = problem
+    algo = FedGradientAscent(step_size=1e-3)
+    ref = fb.fed_fit(fb.models.linear_regression(), data, algo, num_rounds=ROUNDS, seed=0, progress=False)
+    res = fb.flower.simulate(fb.models.linear_regression(), data, algo, num_rounds=ROUNDS, seed=0, backend="local",
+                             progress=False)
+    # client steps one at a time on Flower and vectorised in fed_fit: equal to float32 rounding
+    np.testing.assert_allclose(res.params["w"], ref.params["w"], rtol=1e-5)
+    _ledger_ok(res)
+    assert res.bits_up == ref.bits_up and res.bits_down == ref.bits_down
+
+
+def test_the_base_class_requires_the_stages_and_defaults_the_rest():
+    class Incomplete(FederatedRun):
+        def client_step(self, key, broadcast, state, client):
+            return state, Message((), jnp.zeros((), jnp.int32))
+
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete()
+    assert {"setup_server", "setup_client", "setup_server_step", "client_step", "server_step", "finalize"} == set(
+        FederatedRun.__abstractmethods__)
+    for flag, default in (("replies", False), ("resyncs", False), ("final_exchange", False), ("participation", 1.0),
+                          ("setup_stages", 1), ("shared_settings", ())):
+        assert getattr(FederatedRun, flag) == default
+    state = {"a": jnp.ones(2)}
+    base = FederatedRun.__dict__
+    assert base["client_finish"](None, None, state, None, None)[0] is state
+    assert int(base["client_finish"](None, None, state, None, None)[1]) == 0
+    assert base["resync"](None, state, None) is state
+    assert int(base["resync_message"](None, state).bits) == 0
+    assert base["final_server"](None, jax.random.PRNGKey(0), None, None, None, None) == {}
+    assert base["finish_message"](None, state) is state
