@@ -18,11 +18,13 @@ from .wire import WireError
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BELF", "TAMUNA", "Scaffnew", "GD", "FedAvg", "tamuna", "CustomStatistics", "DELF", "FedEM", "FedMM", "ParamAveragingEM", "LMC", "PELF", "QLSD", "ConfigError", "DataError", "DivergenceError", "FedModel", "FedSOUL", "FederatedData", "FedbayesError", "ModelError",
-    "Result", "ULA", "compress", "diagnostics", "reference", "fed_fit", "local", "models", "partition_dirichlet", "partition_iid",
-    "partition_shards", "curvature_step_size", "theory_step_size", "resume", "checkpoint", "faults", "Faults",
-    "FaultPolicy", "Aggregation", "TooFewClientsError", "CheckpointError", "CallbackError", "CheckpointWarning",
-    "ClientIndexError", "ConvergenceWarning", "PrecisionWarning", "StalledError", "WireError", "load", "protocol",
-    "FederatedRun",
+__all__ = [  # sorted: classes, then functions and modules
+    "Aggregation", "BELF", "CallbackError", "CheckpointError", "CheckpointWarning", "ClientIndexError",
+    "ConfigError", "ConvergenceWarning", "CustomStatistics", "DataError", "DELF", "DivergenceError",
+    "FaultPolicy", "Faults", "FedAvg", "FedbayesError", "FedEM", "FederatedData", "FederatedRun", "FedMM",
+    "FedModel", "FedSOUL", "GD", "LMC", "ModelError", "ParamAveragingEM", "PELF", "PrecisionWarning", "QLSD",
+    "Result", "Scaffnew", "StalledError", "TAMUNA", "TooFewClientsError", "ULA", "WireError", "checkpoint",
+    "compress", "curvature_step_size", "diagnostics", "faults", "fed_fit", "flower", "load", "local",
+    "models", "partition_dirichlet", "partition_iid", "partition_shards", "protocol", "reference", "resume",
+    "tamuna", "theory_step_size", "wire",
 ]

@@ -45,7 +45,7 @@ from ..faults import fault_weight
 from ..kernels import curvature
 from ..model import FedModel, serialized
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, Message, Problem, RoundInfo, dense_message
-from .tamuna import check_init, resolve_init
+from .warmstart import check_init, resolve_init
 
 DENSE_CURVATURE = 1000
 """Up to this many coordinates a client sends its Hessian for the automatic step size (see
@@ -297,7 +297,7 @@ class LangevinRun(FederatedRun):
     def _start_at_mode(self, problem: Problem, fallback: jax.Array) -> jax.Array:
         """The mode of the target by federated Newton (its bits kept in ``map_bits``) and the Cholesky
         factor of H^-1 there for the dispersed starts; the deterministic start if no finite mode is found."""
-        from .tamuna import map_solve
+        from .warmstart import map_solve
 
         sol = map_solve(problem, jacobian=True)
         self.map_bits, self.map_iterations = sol.bits, sol.iterations

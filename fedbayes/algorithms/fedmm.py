@@ -49,7 +49,7 @@ from ..kernels import curvature, ula_chain
 from ..model import FedModel, Params
 from ..optim import as_schedule
 from . import louis
-from .tamuna import check_init, resolve_init
+from .warmstart import check_init, resolve_init
 
 
 class ServerState(NamedTuple):

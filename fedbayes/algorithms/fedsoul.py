@@ -56,7 +56,7 @@ from ..model import FedModel, Params
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, Message, Problem, RoundInfo, dense_message
 from . import louis
 from .louis import _symmetric
-from .tamuna import check_init, resolve_init
+from .warmstart import check_init, resolve_init
 
 
 class ServerState(NamedTuple):
