@@ -42,7 +42,7 @@ _DEFAULT_HINT = ("The likely cause is a step size: lower the Langevin step_size 
                  "automatic step) or the server_lr.")
 
 
-def _public(history: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def public_history(history: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The history without the private records (keys starting with "_", e.g. the samplers' raw draws)."""
     return {k: v for k, v in history.items() if not k.startswith("_")}
 
@@ -78,12 +78,12 @@ def _stopped(err: Stopped, run: Any, problem: Problem, fm: FedModel, data: Feder
         try:
             parts = run.finalize(key, err.carry, problem._replace(num_rounds=err.round), history=history)
             result = Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts,
-                            history=_public(history))
+                            history=public_history(history))
             if not all(np.all(np.isfinite(v)) for v in result.params.values()):
                 result = None
         except Exception:  # noqa: BLE001 - an algorithm may need more rounds than were good to finalise
             result = None
-    return kind(message, round=err.round, history=_public(history), result=result)
+    return kind(message, round=err.round, history=public_history(history), result=result)
 
 
 class _Fit(NamedTuple):
@@ -101,8 +101,10 @@ class _Fit(NamedTuple):
     fault_policy: FaultPolicy | None
 
 
-def _validated(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults,
-               fault_policy) -> _Fit:
+def validate_fit(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults,
+                 fault_policy) -> _Fit:
+    """The arguments of a fit checked and normalised (``fb.fed_fit``'s and ``fb.flower``'s): a clear
+    ``ModelError`` / ``DataError`` / ``ConfigError`` for bad input, before any computation."""
     if not callable(model):
         raise ModelError(f"model must be a NumPyro model function (callable), got {type(model).__name__}")
     if not isinstance(data, FederatedData):
@@ -193,7 +195,7 @@ def fed_fit(
         so idleness says nothing there. A deadlocked computation cannot be cancelled: its threads stay blocked
         and the process cannot exit normally afterwards (end it with ``os._exit``).
     """
-    fit = _validated(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults,
+    fit = validate_fit(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults,
                      fault_policy)
     _check_run_options(checkpoint, checkpoint_every, callback)
     _check_stall_timeout(stall_timeout)
@@ -284,7 +286,7 @@ def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, sta
                               "write the checkpoint again after the next chunk", CheckpointWarning, stacklevel=2)
         if callback is not None:
             try:
-                callback(done, _public(records[-1]))
+                callback(done, public_history(records[-1]))
             except Exception as err:  # noqa: BLE001 - KeyboardInterrupt & co. pass through unchanged
                 kept = (f" The checkpoint {os.fspath(checkpoint)!r} holds round {last_saved[0]}; fb.resume continues "
                         "from it." if checkpoint is not None and last_saved[0] > start else "")
@@ -305,17 +307,18 @@ def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, sta
         full = concat_records(past + [err.history]) if err.history else concat_records(past)
         stopped = _stopped(err, run, problem, fm, data, fit.seed, k_final, full)
         if stopped.result is not None:
-            stopped.result.faults = _fault_table(full, k_rounds, data.num_clients, cohort)
+            stopped.result.faults = fault_table(full, k_rounds, data.num_clients, cohort)
         raise stopped from None
     parts = run.finalize(k_final, carry, problem, history=history)
     result = Result(model=fm, data=data, run=run, algorithm=run.name, seed=fit.seed, parts=parts,
-                    history=_public(history))
-    result.faults = _fault_table(history, k_rounds, data.num_clients, cohort)
+                    history=public_history(history))
+    result.faults = fault_table(history, k_rounds, data.num_clients, cohort)
     convergence.report(result)  # res.diagnostics; one fb.ConvergenceWarning per failed check
     return result
 
 
-def _fault_table(history: dict[str, np.ndarray], base_key: jax.Array, num_clients: int, cohort: int):
+def fault_table(history: dict[str, np.ndarray], base_key: jax.Array, num_clients: int, cohort: int):
+    """``res.faults``: a DataFrame (round, client, kind) of every client fault in ``history``."""
     import pandas as pd
 
     events = fault_events(history, base_key, num_clients, cohort)
@@ -383,7 +386,7 @@ def resume(
     if missing:
         raise CheckpointError(f"the checkpoint does not carry {missing} (they did not pickle when it was written); "
                               f"pass them to fb.resume({', '.join(m + '=...' for m in missing)})")
-    fit = _validated(**fields)
+    fit = validate_fit(**fields)
     target = path if checkpoint is True else (None if checkpoint is False else checkpoint)
     _check_run_options(target, checkpoint_every, callback)
     _check_stall_timeout(stall_timeout)

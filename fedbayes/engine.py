@@ -391,7 +391,9 @@ class Stopped(FedbayesError):
         self.counts = counts if counts is not None else {}
 
 
-def _host_records(rec: dict[str, Any], seconds: float) -> dict[str, np.ndarray]:
+def host_records(rec: dict[str, Any], seconds: float) -> dict[str, np.ndarray]:
+    """A chunk's device records as the history's host arrays: per-round wall time (``seconds`` spread
+    over the chunk's rounds) and the per-client bit counts summed over the cohort."""
     rec = {name: np.asarray(v) for name, v in rec.items()}
     length = len(rec["bits_up"])
     rec["seconds"] = np.full(length, seconds / max(length, 1))  # the first chunk includes compilation
@@ -527,7 +529,7 @@ def run_rounds(
         except StalledError as err:
             err.history = concat_records(records)
             raise
-        rec = _host_records(rec, time.perf_counter() - t0)
+        rec = host_records(rec, time.perf_counter() - t0)
         short = first_short_round(rec, min_clients)
         reason = "too_few_clients"
         simulated_nan = faults is not None and faults.nan > 0  # injected NaN uploads are faults, not a blow-up

@@ -151,10 +151,10 @@ def test_fit_arguments_are_validated_before_any_computation(num_rounds, seed, cl
     kwargs = dict(num_rounds=num_rounds, seed=seed, clients_per_round=clients_per_round, chunk_size=chunk_size)
     valid = (_is_count(num_rounds) and isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and seed >= 0
              and _is_count(chunk_size))
-    from fedbayes.api import _validated
+    from fedbayes.api import validate_fit
 
     try:
-        _validated(model, data, algorithm, faults=None, fault_policy=None, model_kwargs=None, **kwargs)
+        validate_fit(model, data, algorithm, faults=None, fault_policy=None, model_kwargs=None, **kwargs)
     except (ConfigError, DataError):
         return
     assert valid

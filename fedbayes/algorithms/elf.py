@@ -64,7 +64,7 @@ class ClientState(NamedTuple):
 
 
 @dataclass(frozen=True)
-class _Langevin:
+class LangevinSampler:
     """Shared options of the federated Langevin samplers.
 
     Parameters
@@ -212,7 +212,7 @@ def _ef_compressor(c: Compressor, rescale: bool, who: str) -> Compressor:
 
 
 @dataclass(frozen=True)
-class LMC(_Langevin):
+class LMC(LangevinSampler):
     """Federated Langevin Monte Carlo. With a ``compressor`` (any kind: unbiased such as rand_k / qsgd,
     or biased such as top_k) it is the *naive* compressed LMC baseline: each client sends
     Q(grad U_i(x)) with no error feedback. A biased Q biases the stationary law (a contractive one
@@ -226,7 +226,7 @@ class LMC(_Langevin):
 
 
 @dataclass(frozen=True)
-class DELF(_Langevin):
+class DELF(LangevinSampler):
     """D-ELF (Algorithm 1): EF21 error feedback on the uplink, full downlink."""
 
     uplink: Compressor = identity()
@@ -239,7 +239,7 @@ class DELF(_Langevin):
 
 
 @dataclass(frozen=True)
-class PELF(_Langevin):
+class PELF(LangevinSampler):
     """P-ELF (Algorithm 2): EF21-P error feedback on the downlink, full uplink."""
 
     downlink: Compressor = identity()
@@ -252,7 +252,7 @@ class PELF(_Langevin):
 
 
 @dataclass(frozen=True)
-class BELF(_Langevin):
+class BELF(LangevinSampler):
     """B-ELF (Algorithm 3): EF21-P on the downlink and EF21 on the uplink."""
 
     uplink: Compressor = identity()
@@ -275,7 +275,7 @@ class LangevinRun(FederatedRun):
 
     resyncs = True
 
-    def __init__(self, cfg: _Langevin, fm: FedModel, problem: Problem):
+    def __init__(self, cfg: LangevinSampler, fm: FedModel, problem: Problem):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
         self._up, self._down = cfg._compressors()
         self._b = problem.data.num_clients

@@ -38,7 +38,7 @@ from ..compress import Compressor, identity, require_unbiased
 from ..protocol import ClientData, Message, Problem, RoundInfo, dense_message
 from ..errors import ConfigError
 from ..model import FedModel
-from .elf import LangevinRun, ServerState, _Langevin
+from .elf import LangevinRun, ServerState, LangevinSampler
 
 
 class QLSDServer(NamedTuple):
@@ -51,7 +51,7 @@ class QLSDClient(NamedTuple):
 
 
 @dataclass(frozen=True)
-class QLSD(_Langevin):
+class QLSD(LangevinSampler):
     """QLSD with partial participation (``clients_per_round`` of ``fb.fed_fit``).
 
     Parameters (besides those of the Langevin samplers)

@@ -21,10 +21,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from .. import engine, wire
 from .._keys import seed_key
-from ..algorithms.elf import _Langevin
-from ..api import _fault_table, _public, _validated
+from ..algorithms.elf import LangevinSampler
+from ..api import fault_table, public_history, validate_fit
 from ..data import FederatedData
-from ..engine import (Progress, _host_records, first_short_round, resolve_cohort_size, round_plan, server_half,
+from ..engine import (Progress, host_records, first_short_round, resolve_cohort_size, round_plan, server_half,
                       setup_client_key, setup_keys, stack_clients)
 from ..errors import ConfigError, FedbayesError, TooFewClientsError
 from ..faults import FaultPolicy
@@ -70,9 +70,9 @@ class _Runtime:
     """
 
     def __init__(self, spec: FlowerSpec, role: str):
-        fit = _validated(spec.model, spec.data, spec.algorithm, spec.num_rounds, spec.clients_per_round, spec.seed,
+        fit = validate_fit(spec.model, spec.data, spec.algorithm, spec.num_rounds, spec.clients_per_round, spec.seed,
                          spec.model_kwargs, 50, None, spec.fault_policy)
-        if isinstance(fit.algorithm, _Langevin) and fit.algorithm.init is None:
+        if isinstance(fit.algorithm, LangevinSampler) and fit.algorithm.init is None:
             # the samplers' default search for the mode takes a data-dependent number of exchanges, which
             # the set-up protocol does not have: on a network they start at the prior centre
             fit = fit._replace(algorithm=dataclasses.replace(fit.algorithm, init="prior"))
@@ -645,7 +645,7 @@ class _Server:
                                          f"min_clients={min_clients}")
             bar.update(k + 1)
         history = {name: np.concatenate([r[name] for r in self.records]) for name in self.records[0]}
-        history = _host_records(history, time.perf_counter() - t0)
+        history = host_records(history, time.perf_counter() - t0)
         if rt.run.final_exchange:
             parts = self.final(collect_locals)
             parts.setdefault("init_bits", rt.run.init_bits)
@@ -655,8 +655,8 @@ class _Server:
             parts = rt.run.finalize(rt.k_final, (rt.server_state, None, rt.broadcast), problem, history=history)
         fm = FedModel(rt.fit.model, rt.fit.data, rt.fit.model_kwargs)
         result = Result(model=fm, data=rt.fit.data, run=rt.run, algorithm=rt.run.name, seed=spec.seed, parts=parts,
-                        history=_public(history))
-        result.faults = _fault_table(history, rt.k_rounds, rt.data.num_clients, rt.cohort)
+                        history=public_history(history))
+        result.faults = fault_table(history, rt.k_rounds, rt.data.num_clients, rt.cohort)
         result.flower_messages = self.message_bytes
         return result
 
@@ -754,7 +754,7 @@ def simulate(model: Callable, data: FederatedData | Mapping[str, Any], algorithm
     ``(kind, round, client, bytes, ledger bits)`` of every payload Flower carried. Floats cross the
     network as float32 (the ledger's 32 bits), so run in float32 (JAX's default) for the exact wire.
     """
-    fit = _validated(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, 50, None, fault_policy)
+    fit = validate_fit(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, 50, None, fault_policy)
     spec = FlowerSpec(fit.model, fit.data, fit.algorithm, fit.num_rounds, fit.clients_per_round, fit.seed,
                       fit.model_kwargs, fit.fault_policy, timeout, progress)
     if backend == "local":
