@@ -75,7 +75,7 @@ def _mapped_back(hist):
 def test_default_fit_in_raw_units_is_the_standardised_fit_mapped(unit_pair):
     """x = [1, t]: y' = 250 + 40 y maps beta' = 250 e_1 + 40 beta, L' = 40 L, sigma' = 40 sigma, and the
     latents b' = 40 b. Every part of a default round is equivariant under that map (the Langevin step
-    0.1 / lambda_max scales by 40^2, the prior draws by 40, Fisher scoring is affine-invariant), so the
+    step_scale / lambda_max scales by 40^2, the prior draws by 40, Fisher scoring is affine-invariant), so the
     two fits are the same computation in two units: equal after mapping up to float32 rounding, grown
     over 15 rounds."""
     data, raw, start, mapped = unit_pair
