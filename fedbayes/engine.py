@@ -50,13 +50,9 @@ import numpy as np
 from .data import FederatedData
 from .errors import ConfigError, FedbayesError, StalledError
 from .faults import DROPPED, KIND_NAMES, NONFINITE, OK, TOO_LARGE, FaultPolicy, Faults, screen
-from .protocol import FLOAT_BITS, SETTING_BITS, ClientData, FederatedRun, Message, Problem, PyTree, RoundInfo
+from .protocol import (FLOAT_BITS, SETTING_BITS, ClientData, FederatedRun, Message, Problem, PyTree, RoundInfo,  # noqa: F401
+                       dense_bits)
 from .wire import decode_tree
-
-def dense_bits(tree: PyTree) -> int:
-    """Bits of a dense payload on the wire (:func:`fedbayes.wire.pack`: 32 per float or int element)."""
-    return int(sum(FLOAT_BITS * int(np.prod(np.shape(x), dtype=np.int64)) for x in jax.tree_util.tree_leaves(tree)))
-
 
 def setup_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(server key, clients' key)`` of the set-up: client ``i`` at stage ``s`` uses

@@ -98,10 +98,14 @@ class Problem(NamedTuple):
     cohort_size: int | None = None  # None: every client every round
 
 
+def dense_bits(tree: PyTree) -> int:
+    """Bits of a dense payload on the wire (:func:`fedbayes.wire.pack`: 32 per float or int element)."""
+    return int(sum(FLOAT_BITS * int(np.prod(np.shape(x), dtype=np.int64)) for x in jax.tree_util.tree_leaves(tree)))
+
+
 def dense_message(tree: PyTree) -> Message:
-    """``tree`` sent dense: 32 bits per float or int element (:func:`fedbayes.wire.pack`)."""
-    size = sum(int(np.prod(np.shape(x), dtype=np.int64)) for x in jax.tree_util.tree_leaves(tree))
-    return Message(tree, jnp.asarray(FLOAT_BITS * size, jnp.int32))
+    """``tree`` sent dense, with its :func:`dense_bits`."""
+    return Message(tree, jnp.asarray(dense_bits(tree), jnp.int32))
 
 
 class FederatedRun(abc.ABC):
