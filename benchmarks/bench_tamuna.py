@@ -56,7 +56,8 @@ def problem_data(n: int, d: int, m: int, kappa: float, seed: int = 0):
 
 
 def run_until(cfg, fm, data, cohort, xstar, segment, max_rounds, seed=0):
-    """Run ``cfg`` in segments until the relative error reaches TARGET; returns per-round arrays."""
+    """Run ``cfg`` in segments until the relative error reaches TARGET; returns the resolved settings and
+    per-round arrays."""
     problem = Problem(fm, data, segment, cohort)
     run = cfg.build(problem)
     carry = run.init(jax.random.PRNGKey(seed), problem)
@@ -77,7 +78,7 @@ def run_until(cfg, fm, data, cohort, xstar, segment, max_rounds, seed=0):
         if e.min() <= TARGET or not np.isfinite(e[-1]):
             break
     cat = lambda xs: np.concatenate(xs)  # noqa: E731
-    return run, cat(errs), cat(up), cat(down), cat(steps), cat(secs)
+    return run.settings(carry[0]), cat(errs), cat(up), cat(down), cat(steps), cat(secs)
 
 
 def pooled_gd_seconds(X, y, prior, gamma, n, steps=2000):
@@ -128,7 +129,7 @@ def main(quick: bool) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, cfg, cohort, segment in methods:
         limit = limits.get(name, 400_000)
-        run, err, up, down, steps, secs = run_until(cfg, fm, data, cohort, xstar, segment, limit)
+        cfgs, err, up, down, steps, secs = run_until(cfg, fm, data, cohort, xstar, segment, limit)
         hit = np.flatnonzero(err <= TARGET)
         r = int(hit[0]) + 1 if hit.size else len(err)
         per_client_up = np.cumsum(up)[r - 1] / cohort  # every member uploads s d / c floats on average
@@ -139,7 +140,6 @@ def main(quick: bool) -> None:
         ms_step = secs[timed].sum() * 1e3 / steps[timed].sum()
         reached = f"{r}" if hit.size else f"{r} (not reached)"
         ratio = f"{ms_step / (hand * 1e3):.2f}" if cohort == n else "-"  # a pooled step touches all n clients
-        cfgs = run.settings
         print(f"| {name} | {cfgs['s']} | {cfgs['p']:.3g} | {reached} | {int(steps[:r].sum())} | {per_client_up:.3g} "
               f"| {total_01:.3g} | {ledger:.3g} | {err[r - 1]:.2e} | {ms:.3f} | {ms_step:.3f} | {ratio} |",
               flush=True)

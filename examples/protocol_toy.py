@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import fedbayes as fb
-from fedbayes.protocol import FederatedRun, Problem, dense_message
+from fedbayes.protocol import FederatedRun, FitParts, Problem, dense_message
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class FedGradientAscentRun(FederatedRun):
     # the end: the estimate (unconstrained and constrained) for fb.Result
     def finalize(self, key, carry, problem, history=None):
         theta = carry[0]
-        return {"theta": theta, "params": self.fm.constrain(theta), "params_last": self.fm.constrain(theta)}
+        return FitParts(theta=theta, params=self.fm.constrain(theta), params_last=self.fm.constrain(theta))
 
 
 def main() -> None:

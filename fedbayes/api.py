@@ -19,11 +19,12 @@ from ._keys import require_seed, seed_key
 from .algorithms import ALGORITHMS
 from .data import FederatedData
 from .engine import (STALL_TIMEOUT, Problem, Stopped, concat_records, fault_events, resolve_cohort_size, run_rounds,
-                     wait_ready)
+                     staged_init, wait_ready, with_init_bits)
 from .errors import CheckpointError, ConfigError, DataError, DivergenceError, ModelError, TooFewClientsError, require_int
 from .errors import CallbackError, CheckpointWarning, is_real
 from .faults import FaultPolicy, Faults
 from .model import FedModel, serialized
+from .protocol import FederatedRun
 from .result import Result
 
 
@@ -47,11 +48,17 @@ def public_history(history: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v for k, v in history.items() if not k.startswith("_")}
 
 
+def finalize_parts(run: FederatedRun, key: jax.Array, carry: Any, problem: Problem,
+                   history: dict[str, np.ndarray] | None, setup_bits: tuple[int, int]) -> dict[str, Any]:
+    """``run.finalize``'s parts of the Result, with ``init_bits``: the set-up exchange's bits and any the run
+    spent before it (``start_bits``)."""
+    return with_init_bits(run.finalize(key, carry, problem, history=history), setup_bits)
+
+
 def _stopped(err: Stopped, run: Any, problem: Problem, fm: FedModel, data: FederatedData, seed: int,
-             key: jax.Array, history: dict[str, np.ndarray]) -> Exception:
+             key: jax.Array, history: dict[str, np.ndarray], setup_bits: tuple[int, int]) -> Exception:
     """The user-facing error of a fit stopped early, with the fit finalised at the last good round."""
-    hint = getattr(getattr(run, "cfg", None), "divergence_hint", None)
-    hint = f"Likely fixes: {hint}." if hint else _DEFAULT_HINT
+    hint = f"Likely fixes: {run.divergence_hint}." if run.divergence_hint else _DEFAULT_HINT
     if err.reason == "diverged":
         message = f"{run.name} diverged: the global parameters became non-finite at round {err.round}. {hint}"
         kind = DivergenceError
@@ -76,7 +83,7 @@ def _stopped(err: Stopped, run: Any, problem: Problem, fm: FedModel, data: Feder
     result = None
     if err.round > 0:
         try:
-            parts = run.finalize(key, err.carry, problem._replace(num_rounds=err.round), history=history)
+            parts = finalize_parts(run, key, err.carry, problem._replace(num_rounds=err.round), history, setup_bits)
             result = Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts,
                             history=public_history(history))
             if not all(np.all(np.isfinite(v)) for v in result.params.values()):
@@ -261,7 +268,7 @@ def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, sta
     problem = Problem(fm, data, fit.num_rounds, cohort)
     run = fit.algorithm.build(problem)
     k_init, k_rounds, k_final = jax.random.split(seed_key(fit.seed), 3)
-    carry = wait_ready(run.init(k_init, problem), stall_timeout, f"{run.name}: the set-up exchange")
+    carry, setup_bits = wait_ready(staged_init(run, k_init, problem), stall_timeout, f"{run.name}: the set-up exchange")
     plain = {"clients_per_round": fit.clients_per_round, "chunk_size": fit.chunk_size,
              "faults": None if fit.faults is None else dataclasses.asdict(fit.faults),
              "fault_policy": None if fit.fault_policy is None else dataclasses.asdict(fit.fault_policy)}
@@ -305,11 +312,11 @@ def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, sta
             history = past[0]
     except Stopped as err:
         full = concat_records(past + [err.history]) if err.history else concat_records(past)
-        stopped = _stopped(err, run, problem, fm, data, fit.seed, k_final, full)
+        stopped = _stopped(err, run, problem, fm, data, fit.seed, k_final, full, setup_bits)
         if stopped.result is not None:
             stopped.result.faults = fault_table(full, k_rounds, data.num_clients, cohort)
         raise stopped from None
-    parts = run.finalize(k_final, carry, problem, history=history)
+    parts = finalize_parts(run, k_final, carry, problem, history, setup_bits)
     result = Result(model=fm, data=data, run=run, algorithm=run.name, seed=fit.seed, parts=parts,
                     history=public_history(history))
     result.faults = fault_table(history, k_rounds, data.num_clients, cohort)

@@ -10,7 +10,9 @@ exchange, its rounds and its final exchange (the protocol, declared once in :mod
 ``init`` is the set-up exchange: the server starts without any client's data, each client starts its
 state from its own data, and what the server needs of the clients (sums of statistics, curvature)
 comes back as messages; :func:`staged_init` runs it vectorised, :mod:`fedbayes.flower` message by
-message. An algorithm whose result needs every client's data at the final estimate (FedSOUL's personal
+message; the settings it resolves (:meth:`~fedbayes.protocol.FederatedRun.setup_done`) stay in the server
+state, and the part every client needs (``client_settings``, sent once) reaches the client steps as
+``ClientData.settings``. An algorithm whose result needs every client's data at the final estimate (FedSOUL's personal
 posteriors, FedMM's observed information) ends with a final exchange (``final_exchange``), run the same
 two ways (:func:`final_exchange` vectorised).
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -50,8 +53,8 @@ import numpy as np
 from .data import FederatedData
 from .errors import ConfigError, FedbayesError, StalledError
 from .faults import DROPPED, KIND_NAMES, NONFINITE, OK, TOO_LARGE, FaultPolicy, Faults, screen
-from .protocol import (FLOAT_BITS, SETTING_BITS, ClientData, FederatedRun, Message, Problem, PyTree, RoundInfo,  # noqa: F401
-                       dense_bits)
+from .protocol import (FLOAT_BITS, SETTING_BITS, ClientData, FederatedRun, FitParts, Message, Problem, PyTree,  # noqa: F401
+                       RoundInfo, dense_bits)
 from .wire import decode_tree
 
 def setup_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -66,12 +69,13 @@ def setup_client_key(k_clients: jax.Array, index: jax.Array, stage: int) -> jax.
 
 
 def staged_setup(run: FederatedRun, key: jax.Array, num_clients: int,
-                 exchange: Callable[[int, jax.Array, PyTree], PyTree]) -> tuple[PyTree, Message]:
+                 exchange: Callable[[int, jax.Array, PyTree], PyTree]) -> tuple[PyTree, Message, tuple[int, int]]:
     """The server's side of the set-up exchange: ``exchange(stage, clients_key, payload)`` delivers
     the payload to every client and returns their uploads stacked in client order (vectorised in
-    :func:`staged_init`, messages on a network). Returns ``(server_state, first broadcast)`` and sets
-    ``run.init_bits = (up, down)``: every client's uploads, and the payloads (and shared settings) sent
-    to every client, as a network carries them."""
+    :func:`staged_init`, messages on a network). Returns ``(server_state, first broadcast, (up, down))``
+    with the state's settings resolved (:meth:`~fedbayes.protocol.FederatedRun.setup_done`) and the
+    set-up's bits: every client's uploads, and the payloads and client settings sent to every client,
+    as a network carries them."""
     k_server, k_clients = setup_keys(key)
     state, payload = jax.jit(run.setup_server)(k_server)
     up, down, uploads = 0, 0, None
@@ -81,10 +85,24 @@ def staged_setup(run: FederatedRun, key: jax.Array, num_clients: int,
         up += dense_bits(uploads)
         state, payload = jax.jit(lambda k, st, u, s=stage: run.setup_server_step(s, k, st, u))(
             jax.random.fold_in(k_server, stage + 1), state, uploads)
-    run.setup_done(state, uploads)
-    down += num_clients * SETTING_BITS * sum(int(np.size(getattr(run, name))) for name in run.shared_settings)
-    run.init_bits = (int(up), int(down))
-    return state, payload
+    state = run.setup_done(state, uploads)
+    down += num_clients * setting_bits(run.client_settings(state))
+    return state, payload, (int(up), int(down))
+
+
+def setting_bits(settings: PyTree) -> int:
+    """Bits of the client settings sent once after set-up: :data:`SETTING_BITS` per element."""
+    return int(sum(SETTING_BITS * int(np.size(x)) for x in jax.tree_util.tree_leaves(settings)))
+
+
+def with_init_bits(parts: FitParts | dict[str, Any], setup_bits: tuple[int, int]) -> FitParts:
+    """A run's :class:`~fedbayes.protocol.FitParts` (a plain dict is checked field by field) with ``init_bits``:
+    the set-up exchange's bits plus any the run spent before it (``start_bits``, e.g. a search for the
+    samplers' start)."""
+    parts = parts if isinstance(parts, FitParts) else FitParts(**parts)
+    start = parts.start_bits
+    parts.init_bits = (int(setup_bits[0]) + int(start[0]), int(setup_bits[1]) + int(start[1]))
+    return parts
 
 
 def client_key(key: jax.Array, index: jax.Array, num_clients: int) -> jax.Array:
@@ -104,15 +122,17 @@ def final_exchange(run: Any, key: jax.Array, server_state: PyTree, client_states
     """The final exchange (:class:`fedbayes.protocol.FederatedRun`) with every client at once (vectorised), local parts collected;
     the parts carry ``final_bits``."""
     payload = jax.jit(run.final_message)(key, server_state)
-    step = jax.jit(jax.vmap(run.final_client, in_axes=(None, None, 0, 0)))
+    clients = clients._replace(settings=run.client_settings(server_state))
+    step = jax.jit(jax.vmap(run.final_client, in_axes=(None, None, 0, _CLIENT_AXES)))
     locals_, uploads = step(key, payload, client_states, clients)
     parts = run.final_server(key, server_state, payload, uploads, locals_)
     parts["final_bits"] = final_bits(payload, uploads, clients.index.shape[0])
     return parts
 
 
-def staged_init(run: FederatedRun, key: jax.Array, problem: Problem) -> tuple[PyTree, PyTree, Message]:
-    """``init`` of a run: its set-up exchange with every client at once (vectorised)."""
+def staged_init(run: FederatedRun, key: jax.Array, problem: Problem) -> tuple[tuple[PyTree, PyTree, Message], tuple[int, int]]:
+    """The set-up exchange with every client at once (vectorised): ``((server_state, client_states, first
+    broadcast), (bits up, bits down))``."""
     clients = stack_clients(problem.data)
     box: dict[str, PyTree] = {"states": None}
 
@@ -125,8 +145,8 @@ def staged_init(run: FederatedRun, key: jax.Array, problem: Problem) -> tuple[Py
         box["states"], uploads = step(k_clients, payload, box["states"], clients)
         return uploads
 
-    state, broadcast = staged_setup(run, key, problem.data.num_clients, exchange)
-    return state, box["states"], broadcast
+    state, broadcast, bits = staged_setup(run, key, problem.data.num_clients, exchange)
+    return (state, box["states"], broadcast), bits
 
 
 def stack_clients(data: FederatedData) -> ClientData:
@@ -173,7 +193,7 @@ def _put(tree: PyTree, idx: jax.Array, values: PyTree) -> PyTree:
 _PARTICIPATION_STREAM = 0x5EED  # a key stream of its own: the other round keys are unchanged
 _SHARED_STREAM = 0x5A4ED  # the round's public key (cohort-wide randomness), also a stream of its own
 _FAULT_STREAM = 0xFA017  # simulated faults (fb.Faults): a stream of its own, so fault-free keys are unchanged
-_CLIENT_AXES = ClientData(0, 0, 0, 0, 0, None)  # vmap axes: the shared key is the same for the cohort
+_CLIENT_AXES = ClientData(0, 0, 0, 0, 0, None, None)  # vmap axes: the shared key and settings are the cohort's
 
 
 def _where_active(active: jax.Array, new: PyTree, old: PyTree) -> PyTree:
@@ -268,7 +288,8 @@ def make_round(algorithm: FederatedRun, clients: ClientData, num_clients: int, c
         server_state, client_states, broadcast = carry
         opening = server_state  # the state that opened the round (a faulty client's resync is built from it)
         rk, cohort, keys, k_server, k_shared, expected = round_plan(base_key, k, num_clients, cohort_size, participation)
-        members = _take(clients, cohort)._replace(slot=jnp.arange(cohort_size), shared_key=k_shared)
+        members = _take(clients, cohort)._replace(slot=jnp.arange(cohort_size), shared_key=k_shared,
+                                                  settings=algorithm.client_settings(server_state))
         step = jax.vmap(algorithm.client_step, in_axes=(0, None, 0, _CLIENT_AXES))
         old_states = _take(client_states, cohort)
         new_states, uploads = step(keys, decode_tree(broadcast.payload), old_states, members)
@@ -290,7 +311,8 @@ def make_round(algorithm: FederatedRun, clients: ClientData, num_clients: int, c
         kept = _where_active(active, new_states, old_states)
         if algorithm.resyncs:  # a faulty member's copy of server state is re-sent
             again = algorithm.resync_message(opening)
-            resynced = jax.vmap(algorithm.resync, in_axes=(0, None))(old_states, decode_tree(again.payload))
+            resynced = jax.vmap(algorithm.resync, in_axes=(0, None), axis_size=cohort_size)(old_states,
+                                                                                        decode_tree(again.payload))
             kept = _where_active(faulty, resynced, kept)
             bits_down = bits_down + jnp.where(faulty, again.bits, 0)
         client_states = _put(client_states, cohort, kept)
@@ -335,12 +357,15 @@ def chunk_plan(start: int, end: int, size: int) -> list[tuple[int, int]]:
     return plan
 
 
+_CHUNKS: "weakref.WeakKeyDictionary[FederatedRun, dict]" = weakref.WeakKeyDictionary()
+
+
 def _compiled_chunk(algorithm: FederatedRun, num_clients: int, cohort_size: int, faults: Faults | None = None,
                     policy: FaultPolicy | None = None):
-    """The jitted scan over a chunk of rounds, kept on the algorithm object so that later calls of
-    :func:`run_rounds` (a run continued in segments) reuse its compilation. The algorithm's
-    attributes (e.g. a step size set by ``init``) are read when the chunk is first traced."""
-    cache = algorithm.__dict__.setdefault("_engine_chunks", {})
+    """The jitted scan over a chunk of rounds, cached per run (weakly: it goes with the run) so that later
+    calls of :func:`run_rounds` (a run continued in segments) reuse its compilation. A run is immutable
+    after ``build`` and its settings travel in the carry, so when the chunk is traced does not matter."""
+    cache = _CHUNKS.setdefault(algorithm, {})
     key = (num_clients, cohort_size, faults, policy)
     if key not in cache:
         def chunk(carry, ks, clients, base_key):

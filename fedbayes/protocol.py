@@ -10,7 +10,8 @@ A fit has three phases, each a set of pure (traceable) functions of pytrees; the
     (stages s)   setup_client(s, key, payload, client_state, client)    -> client_state, upload
                  setup_server_step(s, key, server_state, uploads)       -> server_state, payload
                                                         (the last stage's payload: the first broadcast)
-                 setup_done(server_state, last uploads)                 (host side, optional)
+                 setup_done(server_state, last uploads)                 -> server_state (host side: the settings)
+                 client_settings(server_state)                          -> settings, sent once to every client
 
     round k      client_step(key, broadcast, client_state, client)      -> client_state, upload
                  server_step(key, server_state, uploads, round_info)    -> server_state, broadcast, diagnostics
@@ -24,15 +25,22 @@ A fit has three phases, each a set of pure (traceable) functions of pytrees; the
 
 Only :class:`Message` objects cross the network during the rounds: the payload as the receiver decodes
 it and its exact size in bits. A run declares what it takes part in with class attributes
-(``setup_stages``, ``replies``, ``resyncs``, ``final_exchange``, ``participation``,
-``shared_settings``); the optional stages have documented no-op defaults, so neither the engine nor
-the Flower adapter asks an algorithm what it has. An algorithm's user-facing configuration (a frozen
-dataclass such as :class:`fedbayes.FedSOUL`) builds its run with ``build(problem)``.
+(``setup_stages``, ``replies``, ``resyncs``, ``final_exchange``, ``participation``); the optional
+stages have documented no-op defaults, so neither the engine nor the Flower adapter asks an algorithm
+what it has. An algorithm's user-facing configuration (a frozen dataclass such as
+:class:`fedbayes.FedSOUL`) builds its run with ``build(problem)``; the run is never changed after that.
+
+Settings the set-up exchange resolves (step sizes, probabilities, a preconditioner) live in the server
+state, put there by ``setup_done``; the part the clients need, ``client_settings(server_state)``, is
+sent to every client once and reaches the client's stages as ``client.settings`` (a field of
+:class:`ClientData`). So every stage reads its settings from its arguments, as BlackJAX's kernels take
+their step size and Optax keeps its count in the optimiser state, and no order of tracing can matter.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any, Mapping, NamedTuple
 
 import jax
@@ -65,7 +73,9 @@ class ClientData(NamedTuple):
     (0 .. cohort_size - 1, assigned by the server), and ``shared_key``, the round's public random key,
     the same for every member of the cohort and the server (a function of the seed and the round
     number, so it costs nothing on the wire). Algorithms use them for randomness the whole cohort
-    must agree on, such as TAMUNA's number of local steps and compression mask.
+    must agree on, such as TAMUNA's number of local steps and compression mask. After the set-up,
+    ``settings`` holds what the server sent every client once (:meth:`FederatedRun.client_settings`;
+    None during the set-up itself).
     """
 
     data: dict[str, jax.Array]
@@ -74,6 +84,7 @@ class ClientData(NamedTuple):
     index: jax.Array
     slot: jax.Array | None = None
     shared_key: jax.Array | None = None
+    settings: Any = None
 
 
 class RoundInfo(NamedTuple):
@@ -96,6 +107,84 @@ class Problem(NamedTuple):
     data: FederatedData
     num_rounds: int
     cohort_size: int | None = None  # None: every client every round
+
+
+@dataclasses.dataclass
+class FitParts:
+    """What a run hands the :class:`fedbayes.Result` after its last round (``finalize``, and the final
+    exchange's ``final_server``). Only ``params`` and ``params_last`` are required; every other field is
+    optional and documented here, so a misspelt or unknown part is an error instead of a silent omission.
+    For reading it also behaves as a mapping of the fields that are set (``parts["theta"]``, ``.get``).
+    """
+
+    params: dict[str, Any]
+    """Point estimate of the global sites, constrained (a posterior mean for the samplers)."""
+    params_last: dict[str, Any]
+    """The estimate of the last round alone (the samplers: the last draws' mean over chains)."""
+    theta: PyTree = None
+    """The estimate in unconstrained coordinates (a dict of arrays), where the algorithm has one."""
+    global_samples: dict[str, Any] | None = None
+    """Posterior draws of the global sites, constrained, (chains, draws, ...) (the samplers)."""
+    local_samples: dict[str, Any] | None = None
+    """Draws of each client's local latents, unconstrained, (clients, chains, draws, ...)."""
+    client_info: dict[str, Any] | None = None
+    """Per-client numbers of the final exchange (FedSOUL: local step size and acceptance rate)."""
+    local_info: dict[str, Any] | None = None
+    """Per-client summaries of closed-form local posteriors (FedMM: means, covariances, responsibilities)."""
+    se: dict[str, Any] | None = None
+    """Standard errors of the globals (constrained), from the observed information."""
+    global_approx: dict[str, Any] | None = None
+    """Draws of the normal approximation of the globals' posterior, constrained, (chains, draws, ...)."""
+    information: PyTree = None
+    """Observed information of the log posterior at the estimate (unconstrained, flat)."""
+    cov_unconstrained: PyTree = None
+    """Its inverse, the approximate posterior covariance (unconstrained, flat)."""
+    gradient: PyTree = None
+    """Gradient of the log posterior at the estimate (unconstrained, flat): the convergence checks' input."""
+    gradient_cov: PyTree = None
+    """The Monte Carlo noise covariance of ``gradient``, where it is an average over draws."""
+    statistic: PyTree = None
+    """FedMM's final expected complete-data statistic (summed over clients)."""
+    settings: dict[str, Any] | None = None
+    """Hyper-parameters the run resolved (steps, probabilities, warm-up, start), for ``res.settings``."""
+    final_state: PyTree = None
+    """The server state after the last round."""
+    init_bits: tuple[int, int] = (0, 0)
+    """(up, down) bits before the first round: set by the engine from the set-up and ``start_bits``."""
+    start_bits: tuple[int, int] = (0, 0)
+    """(up, down) bits of exchanges the run made while it was built (the samplers' search for the mode)."""
+    final_bits: tuple[int, int] = (0, 0)
+    """(up, down) bits of the final exchange (set by the engine)."""
+
+    def update(self, parts: Mapping[str, Any] | "FitParts") -> "FitParts":
+        """Set the given fields (a mapping, or another FitParts' set fields); an unknown name is an error."""
+        items = parts.items() if isinstance(parts, (Mapping, FitParts)) else parts
+        for name, value in items:
+            if name not in _FIT_FIELDS:
+                raise TypeError(f"FitParts has no field {name!r}; the fields are {sorted(_FIT_FIELDS)}")
+            setattr(self, name, value)
+        return self
+
+    def items(self) -> list[tuple[str, Any]]:
+        """The fields that are set (not None), as (name, value) pairs."""
+        return [(f, getattr(self, f)) for f in _FIT_FIELDS if getattr(self, f) is not None]
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in _FIT_FIELDS or getattr(self, name) is None:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.update({name: value})
+
+    def __contains__(self, name: object) -> bool:
+        return name in _FIT_FIELDS and getattr(self, str(name)) is not None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self else default
+
+
+_FIT_FIELDS = tuple(f.name for f in dataclasses.fields(FitParts))
 
 
 def dense_bits(tree: PyTree) -> int:
@@ -125,30 +214,30 @@ class FederatedRun(abc.ABC):
       :meth:`final_server`; :func:`fedbayes.engine.final_exchange` runs it vectorised).
     * ``participation`` (1.0): each cohort member takes part in a round independently with this
       probability (FedMM's Bernoulli participation).
-    * ``shared_settings`` (()): names of run attributes the server computes at set-up and a network
-      sends to every client once (:data:`SETTING_BITS` per float), set by :meth:`setup_done`.
     * ``setup_stages`` (1): the number of set-up exchanges.
 
     Runs are built by their configuration's ``build(problem)``. All stage functions are pure; the
     client's ``client`` argument is its own data only, and ``key`` arguments follow the engine's key
-    streams, so a fit is a function of its seed.
+    streams, so a fit is a function of its seed. A run is immutable once built: what the set-up resolves
+    travels in the states (:meth:`setup_done`, :meth:`client_settings`).
     """
 
     name: str = "FederatedRun"
     setup_stages: int = 1
-    shared_settings: tuple[str, ...] = ()
     participation: float = 1.0
     final_exchange: bool = False
     replies: bool = False
     resyncs: bool = False
+    divergence_hint: str = ""
+    """Likely fixes named in the error when the fit diverges (empty: a generic hint)."""
 
     # ------------------------------------------------------------------ set-up
     def init(self, key: jax.Array, problem: Problem) -> tuple[PyTree, PyTree, Message]:
         """``(server_state, client_states, first broadcast)``: the set-up exchange with every client at
-        once (:func:`fedbayes.engine.staged_init`)."""
+        once (:func:`fedbayes.engine.staged_init`, which also returns its bits)."""
         from .engine import staged_init
 
-        return staged_init(self, key, problem)
+        return staged_init(self, key, problem)[0]
 
     @abc.abstractmethod
     def setup_server(self, key: jax.Array) -> tuple[PyTree, PyTree]:
@@ -165,8 +254,17 @@ class FederatedRun(abc.ABC):
         """The server's answer to stage ``stage``'s uploads (stacked over all clients in index order): its
         state and the next stage's payload, or after the last stage the first round's :class:`Message`."""
 
-    def setup_done(self, server_state: PyTree, uploads: PyTree) -> None:
-        """Host-side hook after set-up: set the ``shared_settings`` on the run (default: nothing)."""
+    def setup_done(self, server_state: PyTree, uploads: PyTree) -> PyTree:
+        """Host side, once after the last set-up stage: the server state with the settings resolved from
+        the last stage's ``uploads`` (steps, probabilities, curvature; NumPy and warnings allowed). Default:
+        the state unchanged."""
+        return server_state
+
+    def client_settings(self, server_state: PyTree) -> PyTree:
+        """What every client needs of the settings in ``server_state``, sent to each once after the set-up
+        (:data:`SETTING_BITS` per element) and read by the client's stages as ``client.settings``. It must not
+        change over the rounds. Default: nothing."""
+        return ()
 
     # ------------------------------------------------------------------ a round
     @abc.abstractmethod
@@ -209,12 +307,14 @@ class FederatedRun(abc.ABC):
         return (), ()
 
     def final_server(self, key: jax.Array, server_state: PyTree, payload: PyTree, uploads: PyTree,
-                     locals_: PyTree | None) -> dict[str, Any]:
-        """Parts of the Result from the final exchange (default: none). ``uploads`` is None when a client
+                     locals_: PyTree | None) -> FitParts | dict[str, Any]:
+        """:class:`FitParts` of the Result from the final exchange (default: none). ``uploads`` is None when a client
         did not answer on a network, ``locals_`` None where personal posteriors stay on their clients."""
         return {}
 
     @abc.abstractmethod
     def finalize(self, key: jax.Array, carry: tuple[PyTree, PyTree, Message], problem: Problem,
-                 history: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
-        """Parts of the Result after the last round, in simulation (every client's state in ``carry``)."""
+                 history: Mapping[str, np.ndarray] | None = None) -> FitParts:
+        """:class:`FitParts` of the Result after the last round, in simulation (every client's state in ``carry``). The
+        set-up's bits are the engine's to count; exchanges the run made before it (a search for a start
+        during ``build``) go in ``start_bits``, added to ``res.init_bits``. A plain dict is accepted and checked field by field."""

@@ -118,7 +118,7 @@ class Result:
         self.params = {k: np.asarray(v) for k, v in parts["params"].items()}
         self.params_last = {k: np.asarray(v) for k, v in parts["params_last"].items()}
         self.global_samples = {k: np.asarray(v) for k, v in parts.get("global_samples", {}).items()}
-        self.init_bits = tuple(int(b) for b in parts.get("init_bits", getattr(run, "init_bits", (0, 0))))
+        self.init_bits = tuple(int(b) for b in parts.get("init_bits", (0, 0)))
         self.final_bits = tuple(int(b) for b in parts.get("final_bits", (0, 0)))
         locals_u = parts.get("local_samples") or {}
         constrained = jax.vmap(jax.vmap(jax.vmap(model.constrain)))(locals_u) if locals_u else {}

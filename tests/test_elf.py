@@ -58,19 +58,19 @@ def test_error_feedback_invariants_hold_every_round():
     run = algo.build(problem)
     clients = stack_clients(data)
     server, states, broadcast = run.init(jax.random.PRNGKey(0), problem)
-    np.testing.assert_allclose(server.g, states.g.sum(0), atol=1e-12)  # g_0 = sum_i grad U_i(x_0)
+    np.testing.assert_allclose(server.up, states.up.sum(0), atol=1e-12)  # g_0 = sum_i grad U_i(x_0)
     C = data.num_clients
     for k in range(30):
         keys = jax.random.split(jax.random.PRNGKey(k + 1), C)
         step = jax.vmap(run.client_step, in_axes=(0, None, 0, 0))
         states, up = step(keys, decode_tree(broadcast.payload), states, clients)
-        server_w = server.w
+        server_w = server.down
         server, broadcast, _ = run.server_step(jax.random.PRNGKey(100 + k), server, up._replace(payload=decode_tree(up.payload)),
                                                RoundInfo(jnp.asarray(k), jnp.arange(C), jnp.ones(C, bool), C))
         # g = sum_i g^i (the paper's g = mean_i g^i with F_i = n U_i), and every client's copy of w is
         # bit-identical to the server's w_{k+1} (both computed as w_k + v_k)
-        np.testing.assert_allclose(server.g, states.g.sum(0), rtol=1e-10, atol=1e-10)
-        np.testing.assert_array_equal(states.w, jnp.broadcast_to(server_w, states.w.shape))
+        np.testing.assert_allclose(server.up, states.up.sum(0), rtol=1e-10, atol=1e-10)
+        np.testing.assert_array_equal(states.down, jnp.broadcast_to(server_w, states.down.shape))
 
 
 def test_lmc_stationary_law_is_exact():

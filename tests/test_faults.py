@@ -193,10 +193,10 @@ def test_langevin_memories_and_copies_stay_in_step_under_faults(algo="BELF"):
                              faults=fb.Faults(drop=0.2, nan=0.2))
     server, states, broadcast = carry
     assert hist["dropped"].sum() > 5 and hist["nonfinite"].sum() > 5
-    np.testing.assert_allclose(server.g, states.g.sum(0), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(server.up, states.up.sum(0), rtol=1e-10, atol=1e-10)
     if algo == "BELF":
         # the clients apply the last broadcast v at their next round: w_i + v is the server's w, bit for bit
-        np.testing.assert_array_equal(states.w + decode_tree(broadcast.payload), jnp.broadcast_to(server.w, states.w.shape))
+        np.testing.assert_array_equal(states.down + decode_tree(broadcast.payload), jnp.broadcast_to(server.down, states.down.shape))
         faulty = hist["dropped"] + hist["nonfinite"]
         # the downlink pays a full copy of w (2 chains x d floats) per faulty member on top of v
         resync = hist["bits_down"] - (hist["bits_down"][faulty == 0].min() if (faulty == 0).any() else 0)

@@ -9,6 +9,7 @@ from jax.flatten_util import ravel_pytree
 
 import fedbayes as fb
 from fedbayes.model import FedModel
+from fedbayes.engine import staged_init
 from lme_reference import marginal_loglik
 
 # Fits: the second tier (make test-slow, run by .ci/run), to keep make test under 10 minutes.
@@ -144,9 +145,9 @@ def test_population_start_is_least_squares_and_in_the_ledger():
     ols = np.linalg.lstsq(np.asarray(p["x"]), np.asarray(p["y"]), rcond=None)[0]
     run = fb.FedMM(uncertainty=False).build(_problem(data))
     assert run.setup_stages == 3 and run._pop_sites == ("beta",)
-    run.init(jax.random.PRNGKey(0), _problem(data))  # the set-up exchange, as fed_fit runs it
+    _, init_bits = staged_init(run, jax.random.PRNGKey(0), _problem(data))  # the set-up exchange, as fed_fit runs it
     C, q, d = data.num_clients, run.q, run.dim
-    assert run.init_bits == (32 * C * (6 + q + q), 32 * C * (d + d + (q + d)))
+    assert init_bits == (32 * C * (6 + q + q), 32 * C * (d + d + (q + d)))
     # theta_1 = T(S_0) with S_0 the E-step at (beta = OLS, Omega = I, sigma = 1): check theta_0 directly
     theta0, _ = run.setup_server(jax.random.PRNGKey(0))
     fm = run._fm

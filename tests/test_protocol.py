@@ -17,7 +17,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import fedbayes as fb  # noqa: E402
-from fedbayes.protocol import FederatedRun, Message  # noqa: E402
+from fedbayes.engine import run_rounds, staged_init  # noqa: E402
+from fedbayes.protocol import FederatedRun, FitParts, Message, Problem  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from protocol_toy import FedGradientAscent  # noqa: E402
@@ -75,7 +76,7 @@ def test_the_base_class_requires_the_stages_and_defaults_the_rest():
     assert {"setup_server", "setup_client", "setup_server_step", "client_step", "server_step", "finalize"} == set(
         FederatedRun.__abstractmethods__)
     for flag, default in (("replies", False), ("resyncs", False), ("final_exchange", False), ("participation", 1.0),
-                          ("setup_stages", 1), ("shared_settings", ())):
+                          ("setup_stages", 1), ("divergence_hint", "")):
         assert getattr(FederatedRun, flag) == default
     state = {"a": jnp.ones(2)}
     base = FederatedRun.__dict__
@@ -85,3 +86,60 @@ def test_the_base_class_requires_the_stages_and_defaults_the_rest():
     assert int(base["resync_message"](None, state).bits) == 0
     assert base["final_server"](None, jax.random.PRNGKey(0), None, None, None, None) == {}
     assert base["finish_message"](None, state) is state
+    # settings: the set-up's server state unchanged, and nothing sent to the clients
+    assert base["setup_done"](None, state, None) is state and base["client_settings"](None, state) == ()
+
+
+def test_fit_parts_are_typed_and_read_as_a_mapping():
+    parts = FitParts(params={"w": 1.0}, params_last={"w": 2.0})
+    assert parts["params"] == {"w": 1.0} and parts.get("se") is None and "se" not in parts
+    parts["se"] = {"w": 0.5}
+    assert parts.se == {"w": 0.5} and dict(parts.items())["se"] == {"w": 0.5}
+    with pytest.raises(TypeError, match="no field 'standard_error'"):
+        parts.update({"standard_error": {}})  # a misspelt part is an error, not a silent omission
+    with pytest.raises(KeyError):
+        parts["information"]
+
+
+def _glm():
+    data, _ = fb.models.make_glm_clients(5, 2, 20, family="logistic", seed=3)
+    return fb.models.logistic_regression(), data
+
+
+def _lme():
+    data, _ = fb.models.make_linear_mixed_effects(6, seed=1)
+    return fb.models.linear_mixed_effects, data
+
+
+def _gmm():
+    data, _ = fb.models.make_gaussian_mixture(4, num_components=2, dim=2, sizes=(20, 30), seed=3)
+    return fb.models.gaussian_mixture(2, 2), data
+
+
+_SLOW = pytest.mark.slow  # second tier (make test-slow): 10-60 s each, FedSOUL's and FedMM's final exchanges
+
+
+@pytest.mark.parametrize("case", [
+    (fb.LMC(num_chains=2), _glm), (fb.BELF(uplink=fb.compress.top_k(1), downlink=fb.compress.top_k(1)), _glm),
+    (fb.TAMUNA(precondition=True), _glm),
+    pytest.param((fb.QLSD(compressor=fb.compress.rand_k(1)), _glm), marks=_SLOW),
+    pytest.param((fb.TAMUNA(s=2), _glm), marks=_SLOW), pytest.param((fb.GD(), _glm), marks=_SLOW),
+    pytest.param((fb.FedSOUL(num_samples=4, warmup=4), _lme), marks=_SLOW), pytest.param((fb.FedMM(), _gmm), marks=_SLOW)],
+    ids=lambda c: c[0].name)
+@pytest.mark.filterwarnings("ignore::fedbayes.ConvergenceWarning")  # 4 rounds: far from converged, on purpose
+def test_a_run_is_not_changed_by_its_fit(case):
+    """Settings travel in the states: after build, neither the set-up, the rounds nor finalize sets or
+    replaces any attribute of the run (so tracing order cannot matter)."""
+    algo, make = case
+    model, data = make()
+    problem = Problem(fb.FedModel(model, data), data, 4, 3 if algo.name in ("TAMUNA", "QLSD") else None)
+    run = algo.build(problem)
+    before = dict(vars(run))
+    carry, _ = staged_init(run, jax.random.PRNGKey(0), problem)
+    carry, history = run_rounds(run, problem, carry, base_key=jax.random.PRNGKey(1),
+                                cohort_size=problem.cohort_size or data.num_clients, progress=False)
+    parts = run.finalize(jax.random.PRNGKey(2), carry, problem, history=history)
+    assert isinstance(parts, FitParts)
+    after = vars(run)
+    assert after.keys() == before.keys(), set(after) ^ set(before)
+    assert [k for k in before if after[k] is not before[k]] == []

@@ -8,10 +8,10 @@ from test_elf import D, gauss_model, gaussian_clients
 
 import fedbayes as fb
 from fedbayes.wire import decode_tree
-from fedbayes.algorithms.elf import ServerState
-from fedbayes.algorithms.qlsd import QLSD, QLSDClient
+from fedbayes.algorithms.elf import ClientState, ServerState
+from fedbayes.algorithms.qlsd import QLSD
 from fedbayes.engine import (FLOAT_BITS, Message, Problem, RoundInfo, make_round, run_rounds, sample_cohort,
-                             stack_clients)
+                             setup_keys, stack_clients)
 from fedbayes.errors import ConfigError
 
 
@@ -33,10 +33,10 @@ def test_gradient_estimate_is_unbiased_under_compression_and_partial_participati
         k_cohort, k_q = jax.random.split(key)
         cohort = sample_cohort(k_cohort, b, c)
         step = jax.vmap(run.client_step, in_axes=(0, None, 0, 0))
-        _, up = step(jax.random.split(k_q, c), x, QLSDClient(h[cohort]),
+        _, up = step(jax.random.split(k_q, c), x, ClientState((), h[cohort]),
                      jax.tree_util.tree_map(lambda a: a[cohort], clients))
         sent = decode_tree(up.payload)
-        g, _ = run.gradient_estimate(h.sum(0), sent, RoundInfo(jnp.asarray(0), cohort, jnp.ones(c, bool), b))
+        g = run.up.gather(h.sum(0), sent.sum(0), RoundInfo(jnp.asarray(0), cohort, jnp.ones(c, bool), b))[0]
         return g, sent.sum(0)
 
     g, q = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.PRNGKey(0), n))
@@ -52,19 +52,19 @@ def test_memories_are_private_start_at_zero_and_sum_to_the_server_memory():
     algo = QLSD(step_size=0.1 / np.linalg.eigvalsh(P).max(), num_chains=2, compressor=fb.compress.rand_k(2))
     problem = Problem(fb.FedModel(gauss_model, data), data, 30)
     run = algo.build(problem)
-    assert run.alpha == 1 / (1 + fb.compress.rand_k(2).omega(D)) == 0.5  # omega = d/k - 1
-    assert build(QLSD(memory=False), data).alpha == 0.0
+    assert run.up.alpha == 1 / (1 + fb.compress.rand_k(2).omega(D)) == 0.5  # omega = d/k - 1
+    assert build(QLSD(memory=False), data).up.alpha == 0.0
     carry = run.init(jax.random.PRNGKey(0), problem)
-    assert not np.any(carry[0].h) and not np.any(carry[1].h)
+    assert not np.any(carry[0].up) and not np.any(carry[1].up)
     round_fn = jax.jit(make_round(run, stack_clients(data), b, c, jax.random.PRNGKey(1)))
     for k in range(30):
-        before = carry[1].h
+        before = carry[1].up
         carry, _ = round_fn(carry, k)
         server, states = carry[0], carry[1]
-        np.testing.assert_allclose(server.h, states.h.sum(0), rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(server.up, states.up.sum(0), rtol=1e-10, atol=1e-12)
         # exactly the cohort's memories move (rand_k of a continuous vector is nonzero almost surely)
-        assert np.sum(np.any(states.h != before, axis=(1, 2))) == c
-    flat = np.asarray(states.h).reshape(b, -1)
+        assert np.sum(np.any(states.up != before, axis=(1, 2))) == c
+    flat = np.asarray(states.up).reshape(b, -1)
     assert np.all(np.any(flat != 0, axis=1))  # every client has taken part by now
     assert len({row.tobytes() for row in flat}) == b  # no two clients share a memory
 
@@ -83,9 +83,9 @@ def test_identity_compressor_and_full_participation_is_lmc():
     problem = Problem(fb.FedModel(gauss_model, data), data, rounds)
     lmc = fb.LMC(**kw).build(problem)
     _, states, _ = lmc.init(k_init, problem)
-    x0 = states.w[0]  # LMC's x_0
+    x0 = lmc.setup_server(setup_keys(k_init)[0])[0]  # LMC's x_0
     np.testing.assert_array_equal(res.global_samples["x"][:, 0], x0)
-    carry = (ServerState(x0, x0, jnp.zeros_like(x0)), states, Message(x0, jnp.asarray(0)))
+    carry = (ServerState(x0, jnp.asarray(kw["step_size"]), (), ()), states, Message(x0, jnp.asarray(0)))
     _, history = run_rounds(lmc, problem, carry, base_key=k_rounds, cohort_size=b)
     # memories hold last round's gradients; H + sum_i (grad U_i - h_i) equals sum_i grad U_i up to rounding
     np.testing.assert_allclose(res.global_samples["x"], np.swapaxes(history["_sample"], 0, 1), rtol=0, atol=1e-9)

@@ -85,5 +85,4 @@ def test_default_start_is_the_mode_with_dispersed_chains():
     np.testing.assert_array_less(np.abs(x0.mean(0) - np.asarray(sol.x)), 5 * se)
     np.testing.assert_allclose(np.cov(x0.T).diagonal(), cov.diagonal(), rtol=5 * np.sqrt(2 / 399))
     # the automatic step is measured at the mode in the preconditioned metric: 0.1 / lambda_max(S' H S) = 0.1
-    run.setup_done(None, (None, np.asarray(sol.hessian)[None]))
-    np.testing.assert_allclose(float(run._gamma), 0.1, rtol=1e-8)
+    np.testing.assert_allclose(float(run._step_from(np.asarray(sol.hessian)[None])), 0.1, rtol=1e-8)

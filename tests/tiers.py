@@ -111,7 +111,11 @@ THIRD_TIER: dict[str, object] = {
         "test_raw_scale_defaults_reach_the_mle_and_equal_the_standardised_fit",
         "test_fisher_gradient_of_a_mixture_is_exact",
     ),
-    "tests/test_fedsoul.py": ("test_personalised_logistic_head_learns_client_specific_decisions",),
+    "tests/test_fedsoul.py": (
+        "test_personalised_logistic_head_learns_client_specific_decisions",
+        # ~150 s over its two variants; moved to balance the protocol's run-immutability checks in CI
+        "test_fedsoul_learns_the_subspace_from_the_best_of_three_starts",
+    ),
     "tests/test_fedsoul_scale.py": (  # FedSOUL's default fit on sleepstudy's raw units (tests/test_real_data.py) stays in CI
         "test_default_fit_in_raw_units_is_the_standardised_fit_mapped",
     ),

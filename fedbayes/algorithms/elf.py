@@ -29,6 +29,7 @@ needs contractive compressors; an unbiased one is refused unless ``rescale=True`
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
@@ -41,10 +42,10 @@ from jax.flatten_util import ravel_pytree
 from ..compress import Compressor, identity, require_contractive, scale_to_contractive
 from ..engine import stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_int
-from ..faults import fault_weight
 from ..kernels import curvature
 from ..model import FedModel, serialized
-from ..protocol import FLOAT_BITS, ClientData, FederatedRun, Message, Problem, RoundInfo, dense_message
+from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
+from .channels import DirectUplink, EF21PDownlink, EF21Uplink, FullDownlink
 from .warmstart import check_init, resolve_init
 
 DENSE_CURVATURE = 1000
@@ -54,13 +55,14 @@ DENSE_CURVATURE = 1000
 
 class ServerState(NamedTuple):
     x: jax.Array  # (chains, d)
-    w: jax.Array  # (chains, d)
-    g: jax.Array  # (chains, d): sum_i g^i
+    gamma: jax.Array  # () the step, resolved in the set-up
+    down: Any  # the downlink channel's state (EF21-P: w, (chains, d); otherwise ())
+    up: Any  # the uplink channel's state (EF21: g = sum_i g^i; QLSD: H = sum_i h_i; otherwise ())
 
 
 class ClientState(NamedTuple):
-    g: jax.Array  # (chains, d)
-    w: jax.Array  # (chains, d): the client's copy of the server's w
+    down: Any  # the downlink channel's state (EF21-P: the client's copy of w)
+    up: Any  # the uplink channel's state (EF21: g^i; QLSD: h_i)
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,6 @@ class LangevinSampler:
     thinning: int = 1
     init: Any = None
 
-    uplink_ef = False
-    downlink_ef = False
     partial_participation = False
     name = "LMC"
 
@@ -121,10 +121,12 @@ class LangevinSampler:
             require_int(self.warmup, f"{self.name} warmup", 0)
         require_int(self.thinning, f"{self.name} thinning")
         check_init(self.init, self.name)
-        self._compressors()  # refuse a compressor of the wrong kind now, not at fit time
+        self._channels(None)  # refuse a compressor of the wrong kind now, not at fit time
 
-    def _compressors(self) -> tuple[Compressor, Compressor]:
-        return identity(), identity()
+    def _channels(self, dim: int | None) -> tuple[Any, Any]:
+        """(uplink, downlink) channels (:mod:`fedbayes.algorithms.channels`) for ``dim`` coordinates (None:
+        the compressors' checks only)."""
+        return DirectUplink(), FullDownlink()
 
     def build(self, problem: Problem) -> "LangevinRun":
         fm: FedModel = problem.model
@@ -221,8 +223,8 @@ class LMC(LangevinSampler):
     compressor: Compressor = identity()
     name = "LMC"
 
-    def _compressors(self):
-        return self.compressor, identity()
+    def _channels(self, dim):
+        return DirectUplink(self.compressor), FullDownlink()
 
 
 @dataclass(frozen=True)
@@ -231,11 +233,10 @@ class DELF(LangevinSampler):
 
     uplink: Compressor = identity()
     rescale: bool = False
-    uplink_ef = True
     name = "D-ELF"
 
-    def _compressors(self):
-        return _ef_compressor(self.uplink, self.rescale, self.name), identity()
+    def _channels(self, dim):
+        return EF21Uplink(_ef_compressor(self.uplink, self.rescale, self.name)), FullDownlink()
 
 
 @dataclass(frozen=True)
@@ -244,11 +245,10 @@ class PELF(LangevinSampler):
 
     downlink: Compressor = identity()
     rescale: bool = False
-    downlink_ef = True
     name = "P-ELF"
 
-    def _compressors(self):
-        return identity(), _ef_compressor(self.downlink, self.rescale, self.name)
+    def _channels(self, dim):
+        return DirectUplink(), EF21PDownlink(_ef_compressor(self.downlink, self.rescale, self.name))
 
 
 @dataclass(frozen=True)
@@ -258,17 +258,16 @@ class BELF(LangevinSampler):
     uplink: Compressor = identity()
     downlink: Compressor = identity()
     rescale: bool = False
-    uplink_ef = True
-    downlink_ef = True
     name = "B-ELF"
 
-    def _compressors(self):
-        return (_ef_compressor(self.uplink, self.rescale, self.name),
-                _ef_compressor(self.downlink, self.rescale, self.name))
+    def _channels(self, dim):
+        return (EF21Uplink(_ef_compressor(self.uplink, self.rescale, self.name)),
+                EF21PDownlink(_ef_compressor(self.downlink, self.rescale, self.name)))
 
 
 class LangevinRun(FederatedRun):
-    """A federated Langevin sampler bound to a model (:class:`fedbayes.protocol.FederatedRun`). P-/B-ELF's
+    """A federated Langevin sampler bound to a model (:class:`fedbayes.protocol.FederatedRun`): the server's
+    Langevin step between an uplink and a downlink channel (:mod:`fedbayes.algorithms.channels`). P-/B-ELF's
     clients keep a copy of the server's w, which a faulty member is re-sent (``resyncs``); the other
     samplers take part in the same exchange with an empty message (0 bits), so every sampler's ledger and
     Flower messages follow one rule."""
@@ -277,13 +276,13 @@ class LangevinRun(FederatedRun):
 
     def __init__(self, cfg: LangevinSampler, fm: FedModel, problem: Problem):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
-        self._up, self._down = cfg._compressors()
         self._b = problem.data.num_clients
         self.warmup = cfg.warmup if cfg.warmup is not None else problem.num_rounds // 2
         self._spread = None  # Cholesky factor of H^-1 at the mode: the chains' dispersed starts
         self._precond = None  # the same factor S as the Langevin preconditioner (automatic step only)
         self.map_bits, self.map_iterations, self.start = (0, 0), 0, "given"
         flat, self._unravel = ravel_pytree(fm.init_globals(None))
+        self.up, self.down = cfg._channels(int(flat.size))
         auto = cfg.init is None or (isinstance(cfg.init, str) and cfg.init == "map")
         if auto and flat.size <= DENSE_CURVATURE:
             flat = self._start_at_mode(problem, flat)
@@ -292,7 +291,6 @@ class LangevinRun(FederatedRun):
                 self.start = "map" if cfg.init == "map" else "prior-centre"
             flat = ravel_pytree(fm.init_globals(None, resolve_init(cfg.init, problem, jacobian=True)))[0]
         self._x0, self.dim = flat, flat.size
-        self.init_bits = (0, 0)
 
     def _start_at_mode(self, problem: Problem, fallback: jax.Array) -> jax.Array:
         """The mode of the target by federated Newton (its bits kept in ``map_bits``) and the Cholesky
@@ -313,8 +311,10 @@ class LangevinRun(FederatedRun):
             self._spread = None
         if self.cfg.step_size is None and self._spread is not None:
             self._precond = self._spread
-            self._whiten = jnp.asarray(chol, sol.x.dtype)  # x @ L = (L' x)': the whitened coordinates S^-1 x
-            if self.cfg.downlink_ef:  # the clients need S to read the whitened downlink: sent once, upper triangle
+            if isinstance(self.down, EF21PDownlink):  # the downlink is compressed in the whitened coordinates
+                # S^-1 x (x @ L = (L' x)'); the clients need S to read it: sent once, upper triangle
+                self.down = dataclasses.replace(self.down, precond=self._precond,
+                                                whiten=jnp.asarray(chol, sol.x.dtype))
                 d, n = int(sol.x.size), problem.data.num_clients
                 self.map_bits = (self.map_bits[0], self.map_bits[1] + n * FLOAT_BITS * (d * (d + 1) // 2))
         return sol.x
@@ -372,96 +372,79 @@ class LangevinRun(FederatedRun):
         return 0.1 / lam
 
     def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
-        """g^i_0 = grad U_i(x_0) back to the server (and the client's curvature share); w_0 = x_0."""
-        g = self._grad(x0, client)
-        return ClientState(g, x0), (g, self._local_curvature(client))
+        """The channels' client states (w_0 = x_0 for EF21-P) and the client's curvature share; with an
+        uplink that starts from the gradients (LMC, ELF), g^i_0 = grad U_i(x_0) back to the server."""
+        if self.up.setup_gradient:
+            g = self._grad(x0, client)
+            return ClientState(self.down.client_start(x0), self.up.client_start(g)), (g, self._local_curvature(client))
+        return (ClientState(self.down.client_start(x0), self.up.client_start(jnp.zeros_like(x0))),
+                ((), self._local_curvature(client)))
 
     def setup_server_step(self, stage: int, key: jax.Array, x0: jax.Array, uploads: Any):
-        """g = sum_i g^i_0, the step size, and the first Langevin move."""
+        """The step size, the channels' server states and, from g = sum_i g^i_0, the first Langevin move
+        (QLSD: no gradients at set-up, and x_0 is the first broadcast)."""
         g, curvatures = uploads
-        return self._move(key, ServerState(x0, x0, jnp.sum(g, 0)), self._step_from(curvatures))
+        gamma = self._step_from(curvatures)
+        if not self.up.setup_gradient:
+            zeros = jnp.zeros_like(x0)
+            return ServerState(x0, gamma, self.down.server_start(x0), self.up.server_start(zeros)), dense_message(x0)
+        total = jnp.sum(g, 0)
+        state = ServerState(x0, gamma, self.down.server_start(x0), self.up.server_start(total))
+        return self._move(key, state, total, gamma)
 
-    def setup_done(self, server_state: Any, uploads: Any) -> None:
-        self._gamma = jax.jit(self._step_from)(uploads[1])
-
-    def _compress(self, comp: Compressor, key, v):
-        """Compress each chain's row; returns (the coded rows as sent, the decoded rows, total bits)."""
-        coded, out, bits = jax.vmap(comp.coded)(jax.random.split(key, v.shape[0]), v)
-        return coded, out, jnp.sum(bits)
-
-    def _move(self, key, s: ServerState, gamma: jax.Array | None = None) -> tuple[ServerState, Message]:
-        """Langevin step x -> x - gamma g + sqrt(2 gamma) Z; P-/B-ELF also move and send w."""
-        gamma = self._gamma if gamma is None else gamma
+    def _move(self, key, s: ServerState, g: jax.Array, gamma: jax.Array) -> tuple[ServerState, Message]:
+        """Langevin step x -> x - gamma g + sqrt(2 gamma) Z, sent through the downlink."""
         k_noise, k_comp = jax.random.split(key)
         z = jax.random.normal(k_noise, s.x.shape, s.x.dtype)
         if self._precond is None:
-            x = s.x - gamma * s.g + jnp.sqrt(2 * gamma) * z
+            x = s.x - gamma * g + jnp.sqrt(2 * gamma) * z
         else:  # x - gamma S S' g + sqrt(2 gamma) S z: Langevin in y = S^-1 x, the same stationary law
-            x = s.x - gamma * (s.g @ self._precond) @ self._precond.T + jnp.sqrt(2 * gamma) * z @ self._precond.T
-        if not self.cfg.downlink_ef:
-            return ServerState(x, x, s.g), dense_message(x)
-        if self._precond is None:
-            sent, v, bits = self._compress(self._down, k_comp, x - s.w)
-            return ServerState(x, s.w + v, s.g), Message(sent, bits)
-        # preconditioned: compress the difference in the whitened coordinates y = S^-1 x (S^-1 = L', H = L L'),
-        # where every coordinate has the posterior's scale; the clients map it back with S (sent once)
-        sent, v, bits = self._compress(self._down, k_comp, (x - s.w) @ self._whiten)
-        return ServerState(x, s.w + v @ self._precond.T, s.g), Message(sent, bits)
+            x = s.x - gamma * (g @ self._precond) @ self._precond.T + jnp.sqrt(2 * gamma) * z @ self._precond.T
+        down, message = self.down.send(k_comp, x, s.down)
+        return s._replace(x=x, down=down), message
 
     def client_step(self, key, payload, state: ClientState, client: ClientData):
-        if not self.cfg.downlink_ef:
-            w = payload
-        else:
-            w = state.w + (payload if self._precond is None else payload @ self._precond.T)
-        grad = self._grad(w, client)
-        if self.cfg.uplink_ef:
-            sent, c, bits = self._compress(self._up, key, grad - state.g)
-            return ClientState(state.g + c, w), Message(sent, bits)
-        sent, c, bits = self._compress(self._up, key, grad)
-        return ClientState(c, w), Message(sent, bits)
+        """The gradient at the point the downlink delivers, sent through the uplink."""
+        w, down = self.down.receive(payload, state.down)
+        up, message = self.up.send(key, self._grad(w, client), state.up)
+        return ClientState(down, up), message
 
     def resync_message(self, state: ServerState) -> Message:
         """What a client whose copy of ``w`` fell behind is re-sent: P-/B-ELF send ``w`` of the server
         state that opened the round, in full (the copy a client in step holds before that round's
         broadcast is added); LMC, D-ELF and QLSD keep no copy and send nothing (0 bits)."""
-        if not self.cfg.downlink_ef:  # state.x: every Langevin server state has it (QLSD's has no w)
-            return Message(jnp.zeros((0,), state.x.dtype), jnp.asarray(0, jnp.int32))
-        return dense_message(state.w)
+        return self.down.resync_message(state.down, state.x)
 
-    def resync(self, state: ClientState, payload: jax.Array) -> ClientState:
-        """A faulty client keeps its gradient memory (the server did not add its message) and, under
+    def resync(self, state: ClientState, payload: Any) -> ClientState:
+        """A faulty client keeps its uplink memory (the server did not add its message) and, under
         P-/B-ELF, takes the re-sent ``w`` as its copy."""
-        return ClientState(state.g, payload) if self.cfg.downlink_ef else state
+        return state._replace(down=self.down.resync(state.down, payload))
 
     def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
-        """g = sum_i g^i. With EF21 (D-/B-ELF) the server adds the answers' corrections to its mirror of
-        the memories, so a faulty client counts with its stale memory; without (LMC, P-ELF) the sum of
-        the answers' gradients is scaled by expected / answered (unbiased under random faults), and a round
-        nobody answered (``FaultPolicy(min_clients=0)``) leaves x where it is: with no gradient, a noise step
-        without drift would widen the stationary law by a factor that does not vanish with the step size,
-        while holding x keeps it (P-/B-ELF's w still moves toward x)."""
-        total = jnp.sum(uploads.payload, 0)  # faulty and inactive members' uploads arrive zeroed
-        g = state.g + total if self.cfg.uplink_ef else total * fault_weight(info, total.dtype)
-        gamma = None if self.cfg.uplink_ef else jnp.where(jnp.any(info.active), self._gamma, jnp.zeros_like(self._gamma))
+        """g from the answers through the uplink (:meth:`~fedbayes.algorithms.channels.DirectUplink.gather`:
+        faulty and inactive members' uploads arrive zeroed), then the Langevin move. A round the uplink
+        says holds x (nobody answered, ``FaultPolicy(min_clients=0)``, without a memory) takes the step
+        with gamma = 0 (P-/B-ELF's w still moves toward x)."""
+        g, up, moves = self.up.gather(state.up, jnp.sum(uploads.payload, 0), info)
+        gamma = state.gamma if moves is None else jnp.where(moves, state.gamma, jnp.zeros_like(state.gamma))
         sample = state.x  # x_{k+1}, the point the clients just used (through w for P-/B-ELF)
-        new, broadcast = self._move(key, ServerState(state.x, state.w, g), gamma)
+        new, broadcast = self._move(key, state._replace(up=up), g, gamma)
         return new, broadcast, {"_sample": sample}
 
-    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
         """Posterior draws of the global sites (constrained), chains x draws, after warm-up and thinning."""
         raw = np.asarray(history["_sample"])[self.warmup::self.cfg.thinning]  # (draws, chains, d)
         draws = np.swapaxes(raw, 0, 1)
         constrain = jax.jit(jax.vmap(jax.vmap(lambda v: self._fm.constrain(self._unravel(v)))))
         samples = {k: np.asarray(v) for k, v in constrain(jnp.asarray(draws)).items()}
         server = carry[0]
-        return {
-            "global_samples": samples,
-            "params": {k: v.mean(axis=(0, 1)) for k, v in samples.items()},
-            "params_last": {k: v[:, -1].mean(0) for k, v in samples.items()},
-            "client_info": {},
-            "init_bits": (self.init_bits[0] + self.map_bits[0], self.init_bits[1] + self.map_bits[1]),
-            "step_size": float(self._gamma),
-            "settings": {"step_size": float(self._gamma), "warmup": self.warmup, "start": self.start,
-                         "map_iterations": self.map_iterations, "preconditioned": self._precond is not None},
-            "final_state": server,
-        }
+        gamma = float(server.gamma)
+        return FitParts(
+            global_samples=samples,
+            params={k: v.mean(axis=(0, 1)) for k, v in samples.items()},
+            params_last={k: v[:, -1].mean(0) for k, v in samples.items()},
+            start_bits=self.map_bits,
+            settings={"step_size": gamma, "warmup": self.warmup, "start": self.start,
+                      "map_iterations": self.map_iterations, "preconditioned": self._precond is not None},
+            final_state=server,
+        )

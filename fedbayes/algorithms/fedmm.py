@@ -42,13 +42,13 @@ from jax.flatten_util import ravel_pytree
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import client_key, final_exchange, stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_fraction, require_int
-from ..protocol import ClientData, FederatedRun, Message, Problem, RoundInfo, dense_message
+from ..protocol import ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from ..expfam import CustomStatistics, Derived, derive
 from ..faults import fault_weight
-from ..kernels import curvature, ula_chain
 from ..model import FedModel, Params
 from ..optim import as_schedule
 from . import louis
+from .estep import e_step_source
 from .warmstart import check_init, resolve_init
 
 
@@ -194,8 +194,8 @@ class FedMMRun(FederatedRun):
     def __init__(self, cfg: FedMM, fm: FedModel, stats: Derived | CustomStatistics, problem: Problem):
         self.cfg, self._fm, self.stats = cfg, fm, stats
         self.name = cfg.name
-        self._custom = isinstance(stats, CustomStatistics)
-        self._mc = not self._custom and stats.latent_mode == "monte_carlo"
+        self.divergence_hint = cfg.divergence_hint
+        self.source = e_step_source(stats, fm, cfg)  # exact, Monte Carlo or the user's (fedbayes.algorithms.estep)
         sizes = np.asarray(problem.data.sizes, float)
         self._C = problem.data.num_clients
         self._N = float(sizes.sum())
@@ -205,7 +205,7 @@ class FedMMRun(FederatedRun):
         self._p = self.participation * m / n  # inclusion probability of a client in a round
         self._gamma = as_schedule(cfg.step_size, f"{cfg.name} step_size")
         self._num_rounds = problem.num_rounds
-        avg = cfg.average_from if cfg.average_from is not None else (0.5 if self._mc else None)
+        avg = cfg.average_from if cfg.average_from is not None else (0.5 if self.source.chain else None)
         self._avg_start = None if avg is None else int(avg * problem.num_rounds)
         self._structure(problem)
         self._m_step_jit = jax.jit(self.m_step)
@@ -218,10 +218,10 @@ class FedMMRun(FederatedRun):
         theta = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), theta_shapes)
         example = jax.tree_util.tree_map(lambda a: a[0], stack_clients(problem.data))
         self._example_rows = (example.data, example.mask)
-        if self._custom:  # a user's statistics may not be traceable: evaluate them
-            template = self._template(theta, example)
+        if not self.source.traceable:  # a user's statistics may not be traceable: evaluate them
+            template = self.source.template(theta, example)
         else:  # only the structure is needed: trace it (evaluating op by op compiles every operation)
-            shapes = jax.eval_shape(self._template, theta, example)
+            shapes = jax.eval_shape(self.source.template, theta, example)
             template = jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
         flat, self._unravel = ravel_pytree(template)
         self.q = int(flat.size)
@@ -229,51 +229,22 @@ class FedMMRun(FederatedRun):
         self._omega = float(cfg.compressor.omega(self.q))
         omega_p = self._omega + (1 + self._omega) * (1 - self._p) / self._p
         self.alpha = float(cfg.alpha) if cfg.alpha is not None else 1.0 / (1.0 + omega_p)
-        given = set(cfg.init or ())
-        self._pop_sites = () if self._custom or not cfg.population_start or not self.stats.has_population_start else \
-            tuple(n for lin in self.stats.linears for n in lin.coef_sites if n not in given)
+        self._pop_sites = self.source.population_sites(set(cfg.init or ())) if cfg.population_start else ()
         self._stage0 = 1 if self._pop_sites else 0  # the population pass comes first
         self.setup_stages = self._stage0 + (2 if cfg.control_variates == "e_step" and self.alpha > 0 else 1)
 
     # ------------------------------------------------------------------ S and T
     def _e_step(self, theta_u: Params, client: ClientData, z=None, step=None, key=None):
         """(s_i flat = E[S(D_i, h)] / N_i, new chain state) at theta for one client."""
-        if self._custom:
-            total = self.stats.e_step(self._fm.constrain(theta_u), client.data, client.mask)
-            return ravel_pytree(total)[0] / client.size, z
-        if self._mc:
-            d: Derived = self.stats
-            keep = self.cfg.langevin_steps - self.cfg.burn_in
-            score = lambda zz: self._fm.local_score(theta_u, zz, client.data, client.mask)  # noqa: E731
-            z, states = ula_chain(key, z, score, step, self.cfg.langevin_steps)
-            kept = jax.tree_util.tree_map(lambda a: a[-keep:], states)
-            theta_c = self._fm.constrain(theta_u)
-            per = jax.vmap(lambda zz: ravel_pytree(d.complete_stats(theta_c, self._fm.constrain(zz), client.data,
-                                                                    client.mask))[0])(kept)
-            return jnp.mean(per, 0) / client.size, z
-        total, _ = self.stats.e_step(theta_u, client.data, client.mask)
-        return ravel_pytree(total)[0] / client.size, z
-
-    def _template(self, theta_u: Params, client: ClientData):
-        if self._custom:
-            return self.stats.e_step(self._fm.constrain(theta_u), client.data, client.mask)
-        if self._mc:
-            return self.stats.complete_stats(self._fm.constrain(theta_u), self._fm.constrain(self._fm.zeros_local()),
-                                             client.data, client.mask)
-        return self.stats.e_step(theta_u, client.data, client.mask)[0]
+        total, z = self.source.e_step(theta_u, client, z, step, key)
+        return total / client.size, z
 
     def m_step(self, s_flat: jax.Array, theta_u: Params) -> Params:
         """theta = T(s): the M-step on the summed statistic N s (prior counted once)."""
-        s = self._unravel(s_flat * self._N)
-        if self._custom:
-            return self._fm.unconstrain(self.stats.m_step(s))
-        return self.stats.m_step(s, theta_u)
+        return self.source.m_step(self._unravel(s_flat * self._N), theta_u)
 
     def project(self, s_flat: jax.Array) -> jax.Array:
-        if self._custom:
-            proj = self.stats.project
-            return s_flat if proj is None else ravel_pytree(proj(self._unravel(s_flat)))[0]
-        return ravel_pytree(self.stats.project(self._unravel(s_flat)))[0]
+        return ravel_pytree(self.source.project(self._unravel(s_flat)))[0]
 
     # ------------------------------------------------------------------ engine protocol
     # set-up (fedbayes.protocol): a federated E-step at theta_0 for S_0, and (control variates "e_step") a
@@ -294,11 +265,7 @@ class FedMMRun(FederatedRun):
         k_z, k_e = jax.random.split(key)
         if stage == 0:
             theta0 = payload
-            if self._mc:
-                z0 = self._fm.sample_local_prior(k_z, theta0, client.data, client.mask)
-                step = self._auto_step(theta0, z0, client)
-            else:
-                z0, step = {}, jnp.zeros(())
+            z0, step = self.source.start(k_z, theta0, client)
             s_i, z = self._e_step(theta0, client, z0, step, k_e)
             return ClientState(jnp.zeros_like(s_i), z, step), s_i
         s0, theta1 = payload
@@ -337,15 +304,6 @@ class FedMMRun(FederatedRun):
         for n in self._pop_sites:
             theta[n] = self._fm.sites[n].transform.inv(coef[n])
         return theta, theta
-
-    def _auto_step(self, theta, z0, client: ClientData) -> jax.Array:
-        """A client's Langevin step for its latents: the configured one, or 0.1 / lambda_max of the
-        Hessian of -log p(D_i, z | theta) at z_0 (50 power iterations)."""
-        if self.cfg.langevin_step is not None:
-            return jnp.asarray(float(self.cfg.langevin_step))
-        log_density = lambda zz: self._fm.client_log_joint(theta, zz, client.data, client.mask)  # noqa: E731
-        lam, _ = curvature(log_density, z0, jnp.ones(ravel_pytree(z0)[0].shape), 50)
-        return 0.1 / lam
 
     def _broadcast(self, s: jax.Array, theta: Params) -> Message:
         return dense_message(Broadcast(s, theta))
@@ -390,11 +348,11 @@ class FedMMRun(FederatedRun):
     @property
     def final_exchange(self) -> bool:
         """Louis' information needs every client's score covariance at the estimate (the final exchange)."""
-        return not self._custom and bool(self.cfg.uncertainty)
+        return self.source.louis and bool(self.cfg.uncertainty)
 
-    def _server_parts(self, server: ServerState, theta: Params) -> dict[str, Any]:
-        return {"theta": theta, "params": self._fm.constrain(theta), "params_last": self._fm.constrain(server.theta),
-                "statistic": self._unravel(self.final_statistic(server))}
+    def _server_parts(self, server: ServerState, theta: Params) -> FitParts:
+        return FitParts(theta=theta, params=self._fm.constrain(theta), params_last=self._fm.constrain(server.theta),
+                        statistic=self._unravel(self.final_statistic(server)))
 
     def final_message(self, key, server: ServerState) -> Params:
         """theta-hat = T(final statistic), sent to every client."""
@@ -410,7 +368,7 @@ class FedMMRun(FederatedRun):
                                               client)
         return extra, (s_i, tri)
 
-    def final_server(self, key, server: ServerState, theta: Params, uploads, locals_) -> dict[str, Any]:
+    def final_server(self, key, server: ServerState, theta: Params, uploads, locals_) -> FitParts:
         """Louis' observed information from sum_i mu_i s_i(theta-hat) N and the clients' covariances:
         standard errors and the normal approximation of the globals (plus the collected local posteriors).
         ``uploads=None`` (a client missed the exchange on a network): the estimate and whatever local
@@ -443,12 +401,12 @@ class FedMMRun(FederatedRun):
         flat, unravel = ravel_pytree(theta)
         objective = lambda x: self.stats.surrogate(unravel(x), statistic) + self._fm.log_prior(unravel(x))  # noqa: E731
         out = {"gradient": jax.grad(objective)(flat)}
-        if self._mc:
+        if self.source.chain:
             keep = self.cfg.langevin_steps - self.cfg.burn_in
             out["gradient_cov"] = louis._symmetric(jnp.sum(covariance_tris, 0), flat.size) / keep
         return out
 
-    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> FitParts:
         """T of the final (or averaged) statistic; with ``uncertainty``, the final exchange
         (:func:`fedbayes.engine.final_exchange`): local posteriors and Louis' asymptotic covariance."""
         server, states, _ = carry
@@ -456,7 +414,6 @@ class FedMMRun(FederatedRun):
             parts = final_exchange(self, key, server, states, stack_clients(problem.data))
         else:
             parts = self._server_parts(server, self._m_step_jit(self.final_statistic(server), server.theta))
-        parts["init_bits"] = self.init_bits
         return parts
 
 
@@ -493,11 +450,8 @@ class ParamAveragingRun(FedMMRun):
     def client_step(self, key, payload: Broadcast, state: ClientState, client: ClientData):
         s_i, z = self._e_step(payload.theta, client, state.z, state.step, key)
         weight = client.size / self._N
-        s = self._unravel(s_i * client.size)
-        if not self._custom:  # a client's own statistic can be degenerate (a nearly empty component)
-            s = self.stats.project(s)
-        theta_i = self.stats.m_step(s, payload.theta, prior_weight=weight) if not self._custom else \
-            self._fm.unconstrain(self.stats.m_step(s))
+        s = self.source.project(self._unravel(s_i * client.size))  # a client's own statistic can be degenerate
+        theta_i = self.source.m_step(s, payload.theta, prior_weight=weight)
         flat = ravel_pytree(self._fm.constrain(theta_i))[0]
         return ClientState(state.v, z, state.step), dense_message(flat)
 
@@ -516,6 +470,5 @@ class ParamAveragingRun(FedMMRun):
 
     def finalize(self, key, carry, problem, history=None):
         server, states, _ = carry
-        parts = {"theta": server.theta, "params": self._fm.constrain(server.theta),
-                 "params_last": self._fm.constrain(server.theta), "init_bits": self.init_bits}
-        return parts
+        return FitParts(theta=server.theta, params=self._fm.constrain(server.theta),
+                        params_last=self._fm.constrain(server.theta))

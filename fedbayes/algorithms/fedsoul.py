@@ -53,7 +53,7 @@ from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, r
 from ..faults import as_aggregation
 from ..kernels import LangevinPoint, backtrack, curvature, langevin_move, newton_mode, newton_root
 from ..model import FedModel, Params
-from ..protocol import FLOAT_BITS, ClientData, FederatedRun, Message, Problem, RoundInfo, dense_message
+from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from . import louis
 from .louis import _symmetric
 from .warmstart import check_init, resolve_init
@@ -627,7 +627,7 @@ class FedSOULRun(FederatedRun):
         upload = louis.draws_information(self._fm, theta, first, client) if self.uncertainty else ()
         return {"local_samples": zs, "step_size": step, "acceptance": acceptance}, upload
 
-    def final_server(self, key, server: ServerState, theta: Params, uploads, locals_) -> dict[str, Any]:
+    def final_server(self, key, server: ServerState, theta: Params, uploads, locals_) -> FitParts:
         """Averaged estimate, last iterate, (when collected) every client's local posterior samples, and
         with ``uncertainty`` Louis' observed information at theta_bar,
 
@@ -637,18 +637,17 @@ class FedSOULRun(FederatedRun):
         Fisher-identity gradient g = grad log p(theta_bar) + sum_i G_i and its Monte Carlo covariance
         sum_i Var(G_i) (``uploads=None``, a client missing on a network: none of these)."""
         fm = self._fm
-        parts: dict[str, Any] = {"theta": theta, "params": fm.constrain(theta),
-                                 "params_last": fm.constrain(server.theta),
-                                 "settings": {"server_optimizer": self.optimizer if isinstance(self.optimizer, str)
-                                              else type(self.optimizer).__name__,
-                                              "uncertainty": self.uncertainty,
-                                              "local_metric": self.local_metric,
-                                              "local_kernel": self.cfg.local_kernel,
-                                              "step_scale": self.step_scale,
-                                              **({} if callable(self.server_lr) else {"server_lr": self.server_lr})}}
+        parts = FitParts(theta=theta, params=fm.constrain(theta), params_last=fm.constrain(server.theta),
+                         settings={"server_optimizer": self.optimizer if isinstance(self.optimizer, str)
+                                   else type(self.optimizer).__name__,
+                                   "uncertainty": self.uncertainty,
+                                   "local_metric": self.local_metric,
+                                   "local_kernel": self.cfg.local_kernel,
+                                   "step_scale": self.step_scale,
+                                   **({} if callable(self.server_lr) else {"server_lr": self.server_lr})})
         if locals_ is not None:
-            parts["local_samples"] = locals_["local_samples"]
-            parts["client_info"] = {"step_size": locals_["step_size"], "acceptance": locals_["acceptance"]}
+            parts.local_samples = locals_["local_samples"]
+            parts.client_info = {"step_size": locals_["step_size"], "acceptance": locals_["acceptance"]}
         if self.uncertainty and uploads is not None:
             parts.update(self._uncertainty(key, theta, *uploads))
         return parts
@@ -679,7 +678,7 @@ class FedSOULRun(FederatedRun):
         out["gradient_cov"] = _symmetric(jnp.sum(cov_tris, 0), d)
         return out
 
-    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> dict[str, Any]:
+    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> FitParts:
         """The final exchange with every client (:func:`fedbayes.engine.final_exchange`)."""
         server, states, _ = carry
         return final_exchange(self, key, server, states, stack_clients(problem.data))

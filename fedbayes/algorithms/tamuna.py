@@ -61,7 +61,7 @@ from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
 from ..kernels import power_iteration
 from ..model import FedModel, serialized
-from ..protocol import FLOAT_BITS, ClientData, FederatedRun, Message, Problem, RoundInfo
+from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo
 from .tamuna_theory import (  # noqa: F401 - the masks and theory helpers, re-exported as fb.tamuna.*
     _real, aggregate, expected_uplink_floats, mask, mask_column, max_eta, recommended_p, recommended_s, template_column,
     theorem1_rate)
@@ -72,12 +72,44 @@ POPULATION_MEAN = "population-mean"
 # ------------------------------------------------------------------------------------- config
 
 
+class Settings(NamedTuple):
+    """What TAMUNA's set-up resolves (the server's copy)."""
+
+    gamma: jax.Array  # () the step size (the clients' step is gamma 2^-halvings with the safeguard)
+    p: jax.Array  # () the probability of communicating (Geometric(p) local steps)
+    eta: jax.Array  # () the control variates' rate
+    cv_rate: jax.Array  # () eta / gamma, computed on the host in double precision
+    factor: Any  # (d, d) S with S S^T = H^{-1} with preconditioning, otherwise ()
+
+
+class ClientSettings(NamedTuple):
+    """What every client receives once after the set-up (``client.settings``): 3 floats (and S)."""
+
+    gamma: jax.Array  # () the step size
+    p: jax.Array  # () the probability of communicating
+    cv: jax.Array  # () the control variates' coefficient: eta / gamma; with the safeguard eta itself, which
+    #                the client divides by its halved step gamma 2^-halvings
+    factor: Any  # (d, d) S with preconditioning, otherwise ()
+
+
+class Estimates(NamedTuple):
+    """The server's record of what the set-up measured (NaN where it measured nothing), for the report."""
+
+    L_max: jax.Array
+    mu_min: jax.Array
+    mu_mean: jax.Array
+    levenberg_shift: jax.Array
+
+
 class ServerState(NamedTuple):
     x: jax.Array  # (d,) the server model x_bar
     halvings: jax.Array  # () times the safeguard halved gamma (the clients' step is gamma 2^-halvings)
     best: jax.Array  # () the smallest objective F reported so far (inf before the first report)
     stall: jax.Array  # () rounds since F last fell below ``best``
     first: jax.Array  # () F at the start (NaN before the first report)
+    settings: Settings  # resolved in the set-up (:meth:`TAMUNARun.setup_done`)
+    patience: jax.Array  # () rounds the safeguard waits: ceil(SAFEGUARD_PATIENCE / p)
+    estimates: Estimates
 
 
 SAFEGUARD_PATIENCE = 10
@@ -308,6 +340,7 @@ class TAMUNARun(FederatedRun):
 
     def __init__(self, cfg: TAMUNA, fm: FedModel, problem: Problem):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
+        self.divergence_hint = cfg.divergence_hint
         self._aggregate = as_aggregation(cfg.aggregation)
         self.n = problem.data.num_clients
         self.c = problem.cohort_size or self.n
@@ -318,8 +351,6 @@ class TAMUNARun(FederatedRun):
         self.s = self._s_value(d) if cfg.compression else self.c
         self.safeguard = bool(cfg.safeguard if cfg.safeguard is not None
                               else cfg.auto_safeguard and cfg.step_size is None and self.c == self.n)
-        self.L_max = self.mu_min = self.mu_mean = None
-        self.gamma_factor = 1.0  # a caller may shrink the step size (map_estimate) before set-up
         from .newton import DENSE_CURVATURE
 
         pre = cfg.precondition
@@ -329,70 +360,70 @@ class TAMUNARun(FederatedRun):
             raise ConfigError(f"{self.name} precondition=True needs dense Hessians, d <= {DENSE_CURVATURE}; got d={d}. "
                               "Leave precondition=None (off for large d)")
         self.precondition = bool(pre)
-        # S (S S^T = H^{-1}), set in the set-up exchange; the identity until then (its shape tells a
-        # networked client how many floats of the shared settings it is)
-        self.factor = jnp.eye(d, dtype=self._x0.dtype) if self.precondition else None
-        self.shared_settings = ("gamma", "p", "eta") + (("factor",) if self.precondition else ())
         need_p = cfg.p is None and cfg.local_steps is None
         self._estimate = cfg.step_size is None or (need_p and cfg.kappa is None) or self.precondition
         if not self._estimate:
-            self._resolve()
+            self._resolve(None, None, None)  # refuse an eta outside Theorem 1's range now
 
-    def _resolve(self) -> None:
-        """gamma, p and eta from the configuration and, when estimated, (mu_min, L_max)."""
+    def _resolve(self, L_max: float | None, mu_min: float | None, mu_mean: float | None) -> tuple[float, float, float]:
+        """(gamma, p, eta) from the configuration and, when estimated, (mu_min, L_max) (host side)."""
         cfg = self.cfg
-        self.gamma = (float(cfg.step_size) if cfg.step_size is not None else 1.0 / self.L_max) * self.gamma_factor
-        if self.L_max is not None and not self.gamma < 2.0 / self.L_max:
-            warnings.warn(f"{self.name} step_size={self.gamma:.3g} is not below 2 / L_max = {2 / self.L_max:.3g} "
-                          "(L_max estimated at the initial point); Theorem 1 needs gamma < 2 / L_max", stacklevel=4)
+        gamma = float(cfg.step_size) if cfg.step_size is not None else 1.0 / L_max
+        if L_max is not None and not gamma < 2.0 / L_max:
+            warnings.warn(f"{self.name} step_size={gamma:.3g} is not below 2 / L_max = {2 / L_max:.3g} "
+                          "(L_max estimated at the initial point); Theorem 1 needs gamma < 2 / L_max", stacklevel=5)
         if cfg.local_steps is not None:
-            self.p = 1.0 / cfg.local_steps
+            p = 1.0 / cfg.local_steps
         elif cfg.p is not None:
-            self.p = float(cfg.p)
+            p = float(cfg.p)
         else:
-            kappa = cfg.kappa if cfg.kappa is not None else self._kappa_estimate()
-            gamma_L = self.gamma * self.L_max if self.L_max is not None else 1.0
-            self.p = recommended_p(kappa, self.n, self.s, gamma_L=min(gamma_L, 1.999)) if kappa is not None else 0.1
-        bound = max_eta(self.p, self.n, self.s)
+            kappa = cfg.kappa if cfg.kappa is not None else self._kappa_estimate(L_max, mu_min, mu_mean)
+            gamma_L = gamma * L_max if L_max is not None else 1.0
+            p = recommended_p(kappa, self.n, self.s, gamma_L=min(gamma_L, 1.999)) if kappa is not None else 0.1
+        bound = max_eta(p, self.n, self.s)
         if not cfg.control_variates:
-            self.eta = 0.0
+            eta = 0.0
         elif cfg.eta is None:
-            self.eta = bound
+            eta = bound
         else:
-            self.eta = float(cfg.eta)
-            if self.eta > bound * (1 + 1e-12):
+            eta = float(cfg.eta)
+            if eta > bound * (1 + 1e-12):
                 raise ConfigError(
-                    f"{self.name} eta={self.eta:.6g} is outside Theorem 1's range (0, p n (s-1) / (s (n-1))] = "
-                    f"(0, {bound:.6g}] for p={self.p:.6g}, n={self.n}, s={self.s}; leave eta=None for the largest")
+                    f"{self.name} eta={eta:.6g} is outside Theorem 1's range (0, p n (s-1) / (s (n-1))] = "
+                    f"(0, {bound:.6g}] for p={p:.6g}, n={self.n}, s={self.s}; leave eta=None for the largest")
+        return gamma, p, eta
 
     def _s_value(self, d: int) -> int:
         return int(self.cfg.s) if self.cfg.s is not None else recommended_s(self.c, d, self.cfg.downlink_cost)
 
-    def _kappa_estimate(self) -> float | None:
+    def _kappa_estimate(self, L_max: float, mu_min: float, mu_mean: float | None) -> float | None:
         """L_max / mu_min (Theorem 1's kappa, the worst client's); with preconditioning L_max / mu_f, mu_f
         the smallest eigenvalue of the transformed f = (1/n) sum_i g_i at the start (1/n without a
         Levenberg shift, since sum_i S^T H_i S = I)."""
-        mu = self.mu_mean if self.precondition else self.mu_min
-        if mu is None or not mu > 1e-12 * self.L_max:
+        mu = mu_mean if self.precondition else mu_min
+        if mu is None or not mu > 1e-12 * L_max:
             warnings.warn(
                 f"{self.name}: the objective is not strongly convex at the initial point (smallest Hessian eigenvalue "
                 f"{mu:.3g}), so kappa and Theorem 1's p are undefined; using p = 0.1. Pass p or kappa",
-                stacklevel=4)
+                stacklevel=6)
             return None
-        return float(self.L_max / mu)
+        return float(L_max / mu)
 
-    @property
-    def settings(self) -> dict[str, Any]:
-        """The resolved hyper-parameters: gamma, p, eta, s, c, n, d (and L_max, mu_min when estimated)."""
-        if not hasattr(self, "gamma"):
-            raise ConfigError(f"{self.name}: gamma, p and eta are estimated in the set-up exchange; call init first")
-        out = {"gamma": self.gamma, "p": self.p, "eta": self.eta, "s": self.s, "c": self.c, "n": self.n,
-               "d": self.dim, "local_steps": self.cfg.local_steps, "safeguard": self.safeguard,
+    def settings(self, state: ServerState) -> dict[str, Any]:
+        """The resolved hyper-parameters in ``state`` (after the set-up): gamma, p, eta, s, c, n, d (and
+        L_max, mu_min when estimated; with the safeguard the halvings so far and the step they leave)."""
+        st, est = state.settings, state.estimates
+        # the shortest decimal that identifies each value in the fit's float width (0.6, not 0.6000000238)
+        num = lambda a: float(str(np.asarray(a)[()]))  # noqa: E731
+        out = {"gamma": num(st.gamma), "p": num(st.p), "eta": num(st.eta), "s": self.s, "c": self.c,
+               "n": self.n, "d": self.dim, "local_steps": self.cfg.local_steps, "safeguard": self.safeguard,
                "precondition": self.precondition}
         if self.precondition:
-            out.update(levenberg_shift=self.levenberg_shift, mu_mean=self.mu_mean)
-        if self.L_max is not None:
-            out.update(L_max=self.L_max, mu_min=self.mu_min)
+            out.update(levenberg_shift=num(est.levenberg_shift), mu_mean=num(est.mu_mean))
+        if np.isfinite(float(est.L_max)):
+            out.update(L_max=num(est.L_max), mu_min=num(est.mu_min))
+        if self.safeguard:
+            out.update(step_halvings=int(state.halvings), gamma_final=num(st.gamma * 2.0 ** -float(state.halvings)))
         return out
 
     # ------------------------------------------------------------------ objective
@@ -416,28 +447,27 @@ class TAMUNARun(FederatedRun):
         """f(x) = (1/n) sum_i f_i(x) over all clients (a reference for tests and benchmarks)."""
         return jnp.mean(jax.vmap(self.client_objective, in_axes=(None, 0))(x, clients))
 
-    def to_model(self, y: jax.Array) -> jax.Array:
+    def to_model(self, y: jax.Array, settings: Settings | ClientSettings) -> jax.Array:
         """The model's unconstrained coordinates x = x_0 + S y of the iterate y the protocol runs on
         (x = y without preconditioning)."""
         if not self.precondition:
             return y
-        return self._x0 + jnp.asarray(self.factor, y.dtype) @ y
+        return self._x0 + jnp.asarray(settings.factor, y.dtype) @ y
 
     def run_objective(self, y: jax.Array, client: ClientData) -> jax.Array:
         """g_i(y) = f_i(x_0 + S y): the function TAMUNA minimises (f_i itself without preconditioning)."""
-        return self.client_objective(self.to_model(y), client)
+        return self.client_objective(self.to_model(y, client.settings), client)
 
     def _grad(self, x, client):
         return jax.grad(self.run_objective)(x, client)
 
     # ------------------------------------------------------------------ protocol
-    def num_local_steps(self, shared_key: jax.Array) -> jax.Array:
+    def num_local_steps(self, shared_key: jax.Array, settings: Settings | ClientSettings) -> jax.Array:
         """L of the round, common to the cohort: Geometric(p) on {1, 2, ...} or the fixed number."""
         if self.cfg.local_steps is not None:
             return jnp.asarray(self.cfg.local_steps)
-        if self.p >= 1.0:
-            return jnp.asarray(1)
-        return jax.random.geometric(jax.random.fold_in(shared_key, 0), self.p)
+        steps = jax.random.geometric(jax.random.fold_in(shared_key, 0), settings.p)
+        return jnp.where(settings.p >= 1.0, jnp.ones_like(steps), steps)
 
     def column(self, shared_key: jax.Array, slot: jax.Array) -> jax.Array:
         """The coordinates the cohort member in ``slot`` uploads this round."""
@@ -451,9 +481,12 @@ class TAMUNARun(FederatedRun):
     setup_stages = 1
 
     def setup_server(self, key: jax.Array) -> tuple[ServerState, jax.Array]:
+        """x_0 to every client; the settings are placeholders (NaN, S = I) until :meth:`setup_done`."""
         dt = self._x0.dtype
-        state = ServerState(self._x0, jnp.zeros((), dt), jnp.asarray(jnp.inf, dt), jnp.zeros((), jnp.int32),
-                            jnp.asarray(jnp.nan, dt))
+        nan = jnp.asarray(jnp.nan, dt)
+        factor = jnp.eye(self.dim, dtype=dt) if self.precondition else ()
+        state = ServerState(self._x0, jnp.zeros((), dt), jnp.asarray(jnp.inf, dt), jnp.zeros((), jnp.int32), nan,
+                            Settings(nan, nan, nan, nan, factor), jnp.zeros((), jnp.int32), Estimates(nan, nan, nan, nan))
         return state, self._x0
 
     def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
@@ -471,26 +504,38 @@ class TAMUNARun(FederatedRun):
             state = state._replace(x=jnp.zeros_like(state.x))
         return state, self._broadcast(state.x, state.halvings)
 
-    def setup_done(self, state: ServerState, uploads: Any) -> None:
-        """mu_min = min_i mu_i, L_max = max_i L_i, then gamma, p, eta (:meth:`_resolve`); with
-        preconditioning first S from H = sum_i H_i (:func:`preconditioner`), and (mu_i, L_i) are the
-        extreme eigenvalues of the transformed Hessians S^T H_i S."""
+    def setup_done(self, state: ServerState, uploads: Any) -> ServerState:
+        """mu_min = min_i mu_i, L_max = max_i L_i, then gamma, p, eta (:meth:`_resolve`) into the state's
+        settings; with preconditioning first S from H = sum_i H_i (:func:`preconditioner`), and (mu_i, L_i)
+        are the extreme eigenvalues of the transformed Hessians S^T H_i S."""
+        L_max = mu_min = mu_mean = shift = None
+        factor = state.settings.factor
         if self.precondition:
             d = self.dim
             rows, cols = np.triu_indices(d)
             up = np.zeros((uploads.shape[0], d, d))
             up[:, rows, cols] = np.asarray(uploads, np.float64)
             hess = up + np.transpose(np.triu(up, 1), (0, 2, 1))
-            S, self.levenberg_shift = preconditioner(hess.sum(0))
+            S, shift = preconditioner(hess.sum(0))
             ev = np.linalg.eigvalsh(np.einsum("ji,njk,kl->nil", S, hess, S))
-            self.factor = jnp.asarray(S, self._x0.dtype)
-            self.mu_min, self.L_max = float(ev[:, 0].min()), float(ev[:, -1].max())
-            self.mu_mean = float(np.linalg.eigvalsh(S.T @ hess.sum(0) @ S)[0]) / self.n
-            self._resolve()
+            factor = jnp.asarray(S, self._x0.dtype)
+            mu_min, L_max = float(ev[:, 0].min()), float(ev[:, -1].max())
+            mu_mean = float(np.linalg.eigvalsh(S.T @ hess.sum(0) @ S)[0]) / self.n
         elif self._estimate:
             lo, hi = uploads
-            self.mu_min, self.L_max = float(jnp.min(lo)), float(jnp.max(hi))
-            self._resolve()
+            mu_min, L_max = float(jnp.min(lo)), float(jnp.max(hi))
+        gamma, p, eta = self._resolve(L_max, mu_min, mu_mean)
+        dt = self._x0.dtype
+        real = lambda v: jnp.asarray(np.nan if v is None else v, dt)  # noqa: E731
+        settings = Settings(real(gamma), real(p), real(eta), real(eta / gamma), factor)
+        return state._replace(settings=settings, patience=jnp.asarray(math.ceil(SAFEGUARD_PATIENCE / p), jnp.int32),
+                              estimates=Estimates(real(L_max), real(mu_min), real(mu_mean), real(shift)))
+
+    def client_settings(self, state: ServerState) -> ClientSettings:
+        """gamma, p, eta / gamma (eta with the safeguard) and, with preconditioning, S: every client's local
+        steps and control-variate updates use them."""
+        st = state.settings
+        return ClientSettings(st.gamma, st.p, st.eta if self.safeguard else st.cv_rate, st.factor)
 
     def _broadcast(self, x, halvings):
         """x_bar to a cohort member (d floats); with the safeguard also the number of halvings (one float)."""
@@ -498,16 +543,16 @@ class TAMUNARun(FederatedRun):
             return Message((x, halvings), jnp.asarray(FLOAT_BITS * (self.dim + 1)))
         return Message(x, jnp.asarray(FLOAT_BITS * self.dim))
 
-    def _unpack(self, payload):
+    def _unpack(self, payload, settings: Settings | ClientSettings):
         """(x_bar, the step gamma 2^-halvings) from a broadcast payload."""
         if self.safeguard:
             x_bar, halvings = payload
-            return x_bar, self.gamma * jnp.exp2(-halvings)
-        return payload, self.gamma
+            return x_bar, settings.gamma * jnp.exp2(-halvings)
+        return payload, settings.gamma
 
     def client_step(self, key, payload, h, client: ClientData):
-        x_bar, gamma = self._unpack(payload)
-        steps = self.num_local_steps(client.shared_key)
+        x_bar, gamma = self._unpack(payload, client.settings)
+        steps = self.num_local_steps(client.shared_key, client.settings)
         x = jax.lax.fori_loop(0, steps, lambda _, x: x - gamma * (self._grad(x, client) - h), x_bar)
         q = self.column(client.shared_key, client.slot)
         sent = Masked(jnp.where(q, x, 0.0), self.column)
@@ -526,8 +571,8 @@ class TAMUNARun(FederatedRun):
             q = jax.vmap(self.column, in_axes=(None, 0))(info.shared_key, jnp.arange(self.c)) & info.active[:, None]
             holders = jnp.sum(q, axis=0)
             x = jnp.where(holders > 0, self._aggregate(masked, q), state.x)
-        diag = {f"theta/{k}": v for k, v in self._fm.constrain(self._unravel(self.to_model(x))).items()}
-        diag["local_steps"] = self.num_local_steps(info.shared_key)
+        diag = {f"theta/{k}": v for k, v in self._fm.constrain(self._unravel(self.to_model(x, state.settings))).items()}
+        diag["local_steps"] = self.num_local_steps(info.shared_key, state.settings)
         state = state._replace(x=x)
         if self.safeguard:
             state, objective = self._safeguard(state, uploads.payload[1], info)
@@ -546,14 +591,13 @@ class TAMUNARun(FederatedRun):
         tol = 1e3 * eps * (jnp.abs(F) + 1.0)
         stall = jnp.where(F < state.best, 0, state.stall + 1)
         rise = (F > state.best + tol) | ~jnp.isfinite(F)
-        patience = math.ceil(SAFEGUARD_PATIENCE / self.p)  # local steps and control variates: F need not fall every round
+        patience = state.patience  # ceil(10 / p): local steps and control variates, F need not fall every round
         # GD falls every round from a good step, so a rise above the start halves at once; TAMUNA's F rises
         # while its control variates settle (with s < n each coordinate is a mean of s clients' local
         # iterates), and halving then would only slow them down: it waits for the patience to run out
         above_start = (F > first + tol) if self.cfg.monotone else jnp.zeros((), bool)
         trigger = complete & rise & ((stall >= patience) | above_start | ~jnp.isfinite(F))
-        new = ServerState(
-            x=state.x,
+        new = state._replace(
             halvings=state.halvings + jnp.where(trigger, 1.0, 0.0).astype(state.halvings.dtype),
             best=jnp.where(complete & (F < state.best), F, state.best),
             stall=jnp.where(complete, jnp.where(trigger, 0, stall), state.stall).astype(state.stall.dtype),
@@ -578,10 +622,11 @@ class TAMUNARun(FederatedRun):
         corrections still sum to zero over its holders, so sum_i h_i = 0 and the fixed point are kept.)"""
         if not self.cfg.control_variates:
             return h, jnp.asarray(0)
-        x_bar, gamma = self._unpack(payload)
+        x_bar, gamma = self._unpack(payload, client.settings)
         mine = upload[0] if self.safeguard else upload
         q = self.column(client.shared_key, client.slot)
-        h = h + (self.eta / gamma) * jnp.where(q, x_bar - mine, 0.0)
+        rate = client.settings.cv / gamma if self.safeguard else client.settings.cv
+        h = h + rate * jnp.where(q, x_bar - mine, 0.0)
         return h, FLOAT_BITS * (jnp.sum(q) + (1 if self.safeguard else 0))
 
     # final exchange (fedbayes.protocol): the estimate to every client, its log-likelihood's gradient and
@@ -590,7 +635,7 @@ class TAMUNARun(FederatedRun):
 
     def final_message(self, key: jax.Array, state: ServerState) -> jax.Array:
         """The estimate in the model's coordinates (x_0 + S y with preconditioning)."""
-        return self.to_model(state.x)
+        return self.to_model(state.x, state.settings)
 
     def final_client(self, key: jax.Array, x: jax.Array, h: Any, client: ClientData):
         """grad log p(D_i | x) and, for d <= DENSE_CURVATURE, the upper triangle of its Hessian."""
@@ -602,17 +647,14 @@ class TAMUNARun(FederatedRun):
         rows, cols = np.triu_indices(self.dim)
         return (), (g, jax.hessian(self.client_loglik)(x, client)[rows, cols])
 
-    def final_server(self, key: jax.Array, state: ServerState, x: jax.Array, uploads: Any, locals_: Any) -> dict[str, Any]:
+    def final_server(self, key: jax.Array, state: ServerState, x: jax.Array, uploads: Any, locals_: Any) -> FitParts:
         """The estimate; with every client's upload, ``gradient`` = grad of the log posterior (the objective
         TAMUNA maximises, -n f) at x and ``information`` = its negative Hessian (unconstrained, flat)."""
-        x_model = self.to_model(state.x)
+        x_model = self.to_model(state.x, state.settings)
         theta = self._unravel(x_model)
         params = self._fm.constrain(theta)
-        settings = dict(self.settings)
-        if self.safeguard:
-            settings.update(step_halvings=int(state.halvings), gamma_final=float(self.gamma * 2.0 ** -float(state.halvings)))
-        parts = {"theta": theta, "params": params, "params_last": params, "settings": settings,
-                 "final_state": state}
+        settings = self.settings(state)
+        parts = FitParts(theta=theta, params=params, params_last=params, settings=settings, final_state=state)
         if uploads is None:
             return parts
         log_prior = lambda y: self._fm.log_prior(self._unravel(y), jacobian=self.cfg.jacobian)  # noqa: E731
@@ -624,11 +666,9 @@ class TAMUNARun(FederatedRun):
             parts["information"] = -hess
         return parts
 
-    def finalize(self, key, carry, problem: Problem, history=None) -> dict[str, Any]:
+    def finalize(self, key, carry, problem: Problem, history=None) -> FitParts:
         """The estimate, with the final exchange's gradient and information (``final_bits``)."""
-        parts = final_exchange(self, key, carry[0], carry[1], stack_clients(problem.data))
-        parts["init_bits"] = self.init_bits
-        return parts
+        return final_exchange(self, key, carry[0], carry[1], stack_clients(problem.data))
 
 
 # ------------------------------------------------------------------------------ condition number

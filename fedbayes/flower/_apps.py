@@ -139,6 +139,8 @@ class _Runtime:
             server_state, payload = jax.eval_shape(lambda k, st, u, s=s: run.setup_server_step(s, k, st, u), key,
                                                    server_state, stacked)
         self.state_template, self.server_template = state, server_state
+        # what the clients receive once after set-up (the server state's structure is fixed at set-up)
+        self.settings_template = jax.eval_shape(run.client_settings, server_state)
         self.broadcast_template = payload.payload
         self.resync_template = None  # an algorithm whose clients keep a copy of server state
         if run.resyncs:
@@ -148,12 +150,12 @@ class _Runtime:
         return self.setup_states[-1 if stage is None else stage]
 
     def upload_template(self) -> Any:
-        """A round's upload structure (traced when first needed: TAMUNA's client step reads the step
-        size, which a client knows only after set-up)."""
+        """A round's upload structure (traced when first needed; the client settings enter as a template)."""
         if "upload" not in self._templates:
             member = self.member(0, 0, jax.random.PRNGKey(0))
             shapes = jax.eval_shape(lambda k, b, c, m: self.run.client_step(k, wire.decode_tree(b), c, m),
-                                    jax.random.PRNGKey(0), self.broadcast_template, self.state_template, member)
+                                    jax.random.PRNGKey(0), self.broadcast_template, self.state_template,
+                                    member._replace(settings=self.settings_template))
             self._templates["upload"] = shapes[1].payload
         return self._templates["upload"]
 
@@ -162,7 +164,8 @@ class _Runtime:
         if "final" not in self._templates:
             key = jax.random.PRNGKey(0)
             payload = jax.eval_shape(self.run.final_message, key, self.server_template)
-            local, upload = jax.eval_shape(self.run.final_client, key, payload, self.state_template, self.member(0))
+            local, upload = jax.eval_shape(self.run.final_client, key, payload, self.state_template,
+                                           self.member(0, settings=self.settings_template))
             self._templates["final"] = payload, local, upload
         return self._templates["final"]
 
@@ -173,10 +176,18 @@ class _Runtime:
                                         if self.run.replies else None)
         return self._templates["reply"]
 
-    def member(self, i: int, slot: int | None = None, shared_key: jax.Array | None = None) -> ClientData:
-        """Client ``i``'s data (and, in a round, its slot and the round's public key)."""
+    def member(self, i: int, slot: int | None = None, shared_key: jax.Array | None = None,
+               settings: Any = None) -> ClientData:
+        """Client ``i``'s data (and, in a round, its slot and the round's public key; after set-up the
+        client settings it received)."""
         one = jax.tree_util.tree_map(lambda a: a[i], self.clients)
-        return one._replace(slot=None if slot is None else jnp.asarray(slot), shared_key=shared_key)
+        return one._replace(slot=None if slot is None else jnp.asarray(slot), shared_key=shared_key, settings=settings)
+
+    def settings_of(self, context: Context) -> Any:
+        """The client settings this node received after set-up (kept in its ``context.state``)."""
+        if not jax.tree_util.tree_leaves(self.settings_template):
+            return self.settings_template
+        return _load(context, _SETTINGS, jax.tree_util.tree_structure(self.settings_template))
 
     def reply_payload(self, payload: Any) -> Any:
         return self.run.finish_message(wire.decode_tree(payload))
@@ -224,6 +235,22 @@ def _header(message: Message) -> dict[str, Any]:
 
 
 _STATE, _PENDING, _META, _LOCAL = "fedbayes.state", "fedbayes.pending", "fedbayes.meta", "fedbayes.local"
+_SETTINGS = "fedbayes.settings"
+
+
+def pack_settings(settings: Any) -> bytes:
+    """The client settings on the wire: every element as a float64 (:data:`fedbayes.protocol.SETTING_BITS`)."""
+    return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree_util.tree_leaves(settings)]).tobytes()
+
+
+def unpack_settings(data: bytes, template: Any) -> Any:
+    """The settings of ``template``'s structure, shapes and dtypes from :func:`pack_settings`' bytes."""
+    values, start, leaves = np.frombuffer(data, dtype=np.float64), 0, []
+    for t in jax.tree_util.tree_leaves(template):
+        size = int(np.prod(t.shape, dtype=np.int64))
+        leaves.append(jnp.asarray(values[start:start + size].reshape(t.shape), dtype=t.dtype))
+        start += size
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
 
 
 def _save(context: Context, name: str, tree: Any) -> None:
@@ -313,18 +340,12 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
     @app.train("setup")
     def setup(msg: Message, context: Context) -> Message:
         """One set-up stage: the server's payload in, this client's state started from its own data,
-        its upload back. After the last stage, the shared settings (e.g. TAMUNA's step size)."""
+        its upload back. After the last stage, the client settings (e.g. TAMUNA's step size), kept in
+        ``context.state`` for the client's later stages."""
         rt, index = _runtime_of(context), _client_index(context)
         stage, run = int(_header(msg)["stage"]), rt.run
         if stage == run.setup_stages:
-            values, start = np.frombuffer(_data(msg), dtype=np.float64), 0
-            for name in run.shared_settings:  # a scalar, or an array of the shape the client's run already has
-                current = getattr(run, name, None)
-                shape = () if current is None else np.shape(current)
-                size = int(np.prod(shape, dtype=np.int64))
-                value, start = values[start:start + size], start + size
-                setattr(run, name, float(value[0]) if shape == () else
-                        jnp.asarray(value.reshape(shape), dtype=np.asarray(current).dtype))
+            _save(context, _SETTINGS, unpack_settings(_data(msg), rt.settings_template))
             return Message(_content(b"", {}), reply_to=msg)
         payload = wire.unpack(_data(msg), rt.setup_payloads[stage])
         state = None if stage == 0 else _load(context, _STATE, rt.state_def(stage - 1))
@@ -343,7 +364,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         k, slot = int(h["round"]), int(h["slot"])
         _, _, keys, _, k_shared, _ = rt.plan(jnp.asarray(k))
         key = keys[slot]  # the engine's key for this client in this round
-        member = rt.member(index, slot, k_shared)
+        member = rt.member(index, slot, k_shared, rt.settings_of(context))
         payload = wire.unpack(_data(msg), rt.broadcast_template, wire.Context(k_shared, slot))
         new_state, upload = rt.client_step(key, payload, state, member)
         _save(context, _PENDING, new_state)
@@ -372,7 +393,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         k, slot = int(h["round"]), int(h["slot"])
         _, _, _, _, k_shared, _ = rt.plan(jnp.asarray(k))
         ctx = wire.Context(k_shared, slot)
-        member = rt.member(index, slot, k_shared)
+        member = rt.member(index, slot, k_shared, rt.settings_of(context))
         reply = wire.unpack(_data(msg), rt.reply_template(), ctx)
         own = wire.unpack(context.state[_STATE + ".upload"][""].data, rt.upload_template(), ctx)
         pending = _load(context, _PENDING, rt.state_def())
@@ -388,7 +409,8 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         rt, index = _runtime_of(context), _client_index(context)
         state = _settle(context, rt, int(_header(msg)["accepted"]))
         payload_t = rt.final_templates()[0]
-        local, upload = rt.final_client(rt.k_final, wire.unpack(_data(msg), payload_t), state, rt.member(index))
+        local, upload = rt.final_client(rt.k_final, wire.unpack(_data(msg), payload_t), state,
+                                        rt.member(index, settings=rt.settings_of(context)))
         _save(context, _LOCAL, local)
         if context.node_config.get(OUTPUT_KEY):
             write_personal_posterior(str(context.node_config[OUTPUT_KEY]), index, rt.run._fm, local)
@@ -475,7 +497,8 @@ class _Server:
 
     def setup(self) -> None:
         """The algorithm's set-up exchange with every client (:func:`fedbayes.engine.staged_setup`), then
-        the shared settings; every message's bytes go into ``message_bytes`` as kind ``"setup"``."""
+        the client settings (``client_settings``, float64 each); every message's bytes go into ``message_bytes``
+        as kind ``"setup"``."""
         rt, run, num = self.rt, self.rt.run, self.rt.data.num_clients
 
         def exchange(stage: int, k_clients: jax.Array, payload: Any) -> Any:
@@ -487,15 +510,14 @@ class _Server:
                                     "set-up needs every client (it starts their states and sums their statistics)")
             return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *uploads)
 
-        rt.server_state, rt.broadcast = engine.staged_setup(run, rt.k_init, num, exchange)
-        names = tuple(run.shared_settings)
-        if names:
-            values = [np.ravel(np.asarray(getattr(run, name), np.float64)) for name in names]
-            data = np.concatenate(values).tobytes()
-            acks = self._to_every_client("setup", -1, data, engine.SETTING_BITS * sum(v.size for v in values), (),
+        rt.server_state, rt.broadcast, self.setup_bits = engine.staged_setup(run, rt.k_init, num, exchange)
+        settings = jax.device_get(run.client_settings(rt.server_state))
+        if jax.tree_util.tree_leaves(settings):
+            data = pack_settings(settings)
+            acks = self._to_every_client("setup", -1, data, engine.setting_bits(settings), (),
                                          {"stage": run.setup_stages})  # empty acknowledgements
             if any(ack is None for ack in acks):
-                raise FedbayesError(f"{run.name}: a client did not acknowledge the shared settings {names}")
+                raise FedbayesError(f"{run.name}: a client did not acknowledge the client settings")
 
     def round(self, k: int) -> None:
         rt, cohort_size = self.rt, self.rt.cohort
@@ -648,11 +670,11 @@ class _Server:
         history = host_records(history, time.perf_counter() - t0)
         if rt.run.final_exchange:
             parts = self.final(collect_locals)
-            parts.setdefault("init_bits", rt.run.init_bits)
         else:  # the result is the server's alone (the samplers' draws, TAMUNA's x): no client state is read
             problem = Problem(FedModel(rt.fit.model, rt.data, rt.fit.model_kwargs), rt.data, rt.fit.num_rounds,
                               rt.cohort)
             parts = rt.run.finalize(rt.k_final, (rt.server_state, None, rt.broadcast), problem, history=history)
+        parts = engine.with_init_bits(parts, self.setup_bits)
         fm = FedModel(rt.fit.model, rt.fit.data, rt.fit.model_kwargs)
         result = Result(model=fm, data=rt.fit.data, run=rt.run, algorithm=rt.run.name, seed=spec.seed, parts=parts,
                         history=public_history(history))
