@@ -4,14 +4,14 @@ from . import checkpoint, compress, diagnostics, faults, flower, models, protoco
 from .algorithms import (BELF, DELF, GD, LMC, PELF, QLSD, TAMUNA, FedAvg, FedEM, FedMM, FedSOUL, ParamAveragingEM, Scaffnew,
                          curvature_step_size, theory_step_size)
 from .algorithms import tamuna
-from .expfam import CustomStatistics
+from .algorithms.expfam import CustomStatistics
 from .api import fed_fit, resume
 from .data import FederatedData, partition_dirichlet, partition_iid, partition_shards
 from .errors import (CallbackError, CheckpointError, CheckpointWarning, ClientIndexError, ConfigError, ConvergenceWarning,
                      DataError, DivergenceError, FedbayesError, ModelError, PrecisionWarning, StalledError, TooFewClientsError)
 from .faults import Aggregation, FaultPolicy, Faults
 from .kernels import ULA
-from .model import FedModel, local
+from .introspect import FedModel, local
 from .protocol import FederatedRun
 from .result import Result, load
 from .wire import WireError

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import checkpoint as checkpoint_io
 from . import convergence
-from ._keys import require_seed, seed_key
+from .seeds import require_seed, seed_key
 from .algorithms import ALGORITHMS
 from .data import FederatedData
 from .engine import (STALL_TIMEOUT, Problem, Stopped, concat_records, fault_events, resolve_cohort_size, run_rounds,
@@ -23,7 +23,7 @@ from .engine import (STALL_TIMEOUT, Problem, Stopped, concat_records, fault_even
 from .errors import CheckpointError, ConfigError, DataError, DivergenceError, ModelError, TooFewClientsError, require_int
 from .errors import CallbackError, CheckpointWarning, is_real
 from .faults import FaultPolicy, Faults
-from .model import FedModel, serialized
+from .introspect import FedModel, serialized
 from .protocol import FederatedRun
 from .result import Result
 

@@ -153,7 +153,7 @@ def newton_root(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> tuple[jax.
     identity where H is not positive definite, ``ok`` False), and the Newton direction d = H^{-1} grad f(x)
     (where H is not positive definite: the gradient divided by ||H||_F, a step no longer than the inverse of
     the largest curvature)."""
-    from .expfam import lapack_free_cholesky, lapack_free_tril_inverse
+    from .linalg import lapack_free_cholesky, lapack_free_tril_inverse
 
     g = jax.grad(f)(x)
     h = -jax.hessian(f)(x)

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from ._keys import seed_key
+from .seeds import seed_key
 from .data import FederatedData
 from .errors import ModelError, require_int
-from .model import FedModel, serialized
+from .introspect import FedModel, serialized
 from .result import _site_dims, to_arviz
 
 

@@ -14,11 +14,11 @@ import numpy as np
 import xarray as xr
 from numpyro import handlers
 
-from ._keys import require_seed, seed_key
+from .seeds import require_seed, seed_key
 from .data import FederatedData
 from .protocol import ClientData
 from .errors import CheckpointError, DataError, FedbayesError
-from .model import FedModel, serialized
+from .introspect import FedModel, serialized
 
 from ._arviz_import import import_arviz
 
@@ -462,7 +462,7 @@ class Result:
         the padded rows masked (``new_data.mask``), so ``out["y"].mean(1)`` averages only real rows and
         integer draws keep their dtype. Entry ``[i]`` equals ``predict(new_data.client(i), client=name_i,
         seed=seed)`` exactly (client i's draws use key ``fold_in(key(seed), i)`` in both). Deterministic
-        sites whose value depends on the padding (see :class:`fedbayes.model.Deterministic`) are only in
+        sites whose value depends on the padding (see :class:`fedbayes.introspect.Deterministic`) are only in
         the one-client form.
         """
         fm = self._fm

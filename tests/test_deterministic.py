@@ -15,7 +15,7 @@ import pytest
 from numpyro.distributions import constraints
 
 import fedbayes as fb
-from fedbayes.model import FedModel
+from fedbayes.introspect import FedModel
 from fedbayes.result import Result, az, group
 
 # Fits: the second tier (make test-slow, run by .ci/run), to keep make test under 10 minutes.

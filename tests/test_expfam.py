@@ -10,8 +10,8 @@ from numpyro.distributions import constraints
 
 import em_reference as R
 import fedbayes as fb
-from fedbayes.expfam import derive
-from fedbayes.model import FedModel
+from fedbayes.algorithms.expfam import derive
+from fedbayes.introspect import FedModel
 
 
 def _em_step(d, fm, theta_u, data):

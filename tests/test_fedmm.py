@@ -15,7 +15,7 @@ import em_reference as R
 import fedbayes as fb
 from fedbayes.wire import decode_tree
 from fedbayes.engine import Problem, make_round, stack_clients
-from fedbayes.model import FedModel
+from fedbayes.introspect import FedModel
 
 K, D = 3, 2
 

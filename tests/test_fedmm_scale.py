@@ -8,7 +8,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import fedbayes as fb
-from fedbayes.model import FedModel
+from fedbayes.introspect import FedModel
 from fedbayes.engine import staged_init
 from lme_reference import marginal_loglik
 

@@ -24,7 +24,7 @@ from hypothesis.extra import numpy as hnp
 
 import fedbayes as fb
 from fedbayes import checkpoint as checkpoint_io
-from fedbayes._keys import seed_key
+from fedbayes.seeds import seed_key
 from fedbayes.errors import (CallbackError, CheckpointWarning, ClientIndexError, ConfigError, DataError,
                              PrecisionWarning)
 from fuzz_harness import classify, fuzz_settings

@@ -11,7 +11,7 @@ from test_deterministic import intercepts_result, logistic, point_result, random
 
 import fedbayes as fb
 from fedbayes.errors import DataError
-from fedbayes.model import FedModel
+from fedbayes.introspect import FedModel
 
 # Fits: the second tier (make test-slow, run by .ci/run), to keep make test under 10 minutes.
 pytestmark = pytest.mark.slow

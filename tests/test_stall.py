@@ -29,7 +29,7 @@ import fedbayes as fb
 from fedbayes.algorithms.tamuna import map_estimate
 from fedbayes.engine import Message, Problem, _compiled_chunk, run_rounds, stack_clients, wait_ready
 from fedbayes.errors import StalledError
-from fedbayes.model import FedModel
+from fedbayes.introspect import FedModel
 from fedbayes.protocol import FederatedRun
 
 # ---------------------------------------------------------------------------------------- the deadlock
@@ -135,8 +135,8 @@ def test_gaussian_algebra_without_lapack_equals_lapack():
     LAPACK on a batch of SPD matrices (condition numbers up to ~340: agreement to ~1e-13), and the
     shared-factor MultivariateNormal against NumPyro's own on rows sharing one covariance (masked
     as the engine masks padded rows, too)."""
-    from fedbayes.expfam import (_shared_factor, lapack_free_cholesky, lapack_free_spd_inverse,
-                                 lapack_free_tril_inverse)
+    from fedbayes.algorithms.expfam import _shared_factor
+    from fedbayes.linalg import lapack_free_cholesky, lapack_free_spd_inverse, lapack_free_tril_inverse
 
     rng = np.random.default_rng(0)
     a = rng.normal(size=(3, 4, 6, 6))

@@ -136,19 +136,23 @@ class DirectUplink:
         return total * fault_weight(info, total.dtype), (), jnp.any(info.active)
 
 
+class _MemoryStart:
+    """An uplink whose client memory and the server's sum of them start at what the set-up gives."""
+
+    def client_start(self, value: jax.Array) -> jax.Array:
+        return value
+
+    def server_start(self, value: jax.Array) -> jax.Array:
+        return value
+
+
 @dataclass(frozen=True)
-class EF21Uplink:
+class EF21Uplink(_MemoryStart):
     """EF21: c = Q(grad - g^i) sent, g^i <- g^i + c on both sides (the server keeps their sum), starting
     from g^i_0 = grad U_i(x_0) sent in full at set-up. A faulty client counts with its stale memory."""
 
     compressor: Compressor = identity()
-    setup_gradient = True
-
-    def client_start(self, g0: jax.Array) -> jax.Array:
-        return g0
-
-    def server_start(self, g0_sum: jax.Array) -> jax.Array:
-        return g0_sum
+    setup_gradient = True  # g^i_0 = grad U_i(x_0); the server's sum starts at sum_i g^i_0
 
     def send(self, key: jax.Array, grad: jax.Array, g: jax.Array) -> tuple[jax.Array, Message]:
         sent, c, bits = compress_rows(self.compressor, key, grad - g)
@@ -160,20 +164,14 @@ class EF21Uplink:
 
 
 @dataclass(frozen=True)
-class MemoryUplink:
+class MemoryUplink(_MemoryStart):
     """QLSD's memories with rate ``alpha`` (0: plain QLSD, h_i = H = 0 throughout): Q(grad - h_i) sent,
     h_i <- h_i + alpha Q. Nothing is sent at set-up (h_i = 0), and the first broadcast is x_0. Without
     memory a round nobody answered holds x; with it G = H still carries the last gradients."""
 
     compressor: Compressor = identity()
     alpha: float = 0.0
-    setup_gradient = False
-
-    def client_start(self, zeros: jax.Array) -> jax.Array:
-        return zeros
-
-    def server_start(self, zeros: jax.Array) -> jax.Array:
-        return zeros
+    setup_gradient = False  # h_i = 0 and H = 0: the set-up gives zeros
 
     def send(self, key: jax.Array, grad: jax.Array, h: jax.Array) -> tuple[jax.Array, Message]:
         sent, q, bits = compress_rows(self.compressor, key, grad - h)

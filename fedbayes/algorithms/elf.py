@@ -43,7 +43,7 @@ from ..compress import Compressor, identity, require_contractive, scale_to_contr
 from ..engine import stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..kernels import curvature
-from ..model import FedModel, serialized
+from ..introspect import FedModel, serialized
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from .channels import DirectUplink, EF21PDownlink, EF21Uplink, FullDownlink
 from .warmstart import check_init, resolve_init

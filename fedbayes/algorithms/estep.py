@@ -6,7 +6,7 @@ map T(s) and the projection onto the statistics' valid set. Three sources provid
 
 * :class:`ExactEStep`: a model whose conditional law of the latents is known in closed form
   (enumerated discrete latents, Gaussian latents of linear-Gaussian terms), derived by
-  :func:`fedbayes.expfam.derive`;
+  :func:`fedbayes.algorithms.expfam.derive`;
 * :class:`MonteCarloEStep`: non-Gaussian continuous per-client latents: the statistic is averaged over
   the kept draws of a ULA chain on the client's latents (stochastic EM; the chain and its step live in
   the client state);
@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from ..expfam import CustomStatistics, Derived
+from .expfam import CustomStatistics, Derived
 from ..kernels import curvature, ula_chain
-from ..model import FedModel, Params
+from ..introspect import FedModel, Params
 from ..protocol import ClientData
 
 

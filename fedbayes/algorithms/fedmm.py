@@ -43,9 +43,9 @@ from ..compress import Compressor, identity, require_unbiased
 from ..engine import client_key, final_exchange, stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_fraction, require_int
 from ..protocol import ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
-from ..expfam import CustomStatistics, Derived, derive
+from .expfam import CustomStatistics, Derived, derive
 from ..faults import fault_weight
-from ..model import FedModel, Params
+from ..introspect import FedModel, Params
 from ..optim import as_schedule
 from . import louis
 from .estep import e_step_source

@@ -52,7 +52,7 @@ from ..engine import client_key, final_exchange, stack_clients
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
 from ..kernels import LangevinPoint, backtrack, curvature, langevin_move, newton_mode, newton_root
-from ..model import FedModel, Params
+from ..introspect import FedModel, Params
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from . import louis
 from .louis import _symmetric

@@ -30,9 +30,9 @@ from jax.flatten_util import ravel_pytree
 
 from ..protocol import ClientData
 from ..errors import ConvergenceWarning
-from ..expfam import lapack_free_cholesky, lapack_free_spd_inverse
+from ..linalg import lapack_free_cholesky, lapack_free_spd_inverse
 from ..kernels import ula_chain
-from ..model import Params
+from ..introspect import Params
 
 NUM_DRAWS = 500  # draws of each local posterior and of the globals' normal approximation
 

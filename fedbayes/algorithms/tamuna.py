@@ -60,7 +60,7 @@ from ..wire import Masked
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
 from ..kernels import power_iteration
-from ..model import FedModel, serialized
+from ..introspect import FedModel, serialized
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo
 from .tamuna_theory import (  # noqa: F401 - the masks and theory helpers, re-exported as fb.tamuna.*
     _real, aggregate, expected_uplink_floats, mask, mask_column, max_eta, recommended_p, recommended_s, template_column,

@@ -17,7 +17,7 @@ from jax.flatten_util import ravel_pytree
 
 from ..engine import stack_clients
 from ..errors import ConfigError
-from ..model import FedModel
+from ..introspect import FedModel
 from ..protocol import ClientData, Problem
 
 

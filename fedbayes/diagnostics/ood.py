@@ -160,7 +160,7 @@ def client_novelty(fit: Any, new_client_data: Any, *, kind: str = "mahalanobis",
     """
     import jax
 
-    from .._keys import seed_key
+    from ..seeds import seed_key
     from ..data import FederatedData
 
     fm = fit._fm

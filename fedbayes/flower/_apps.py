@@ -20,7 +20,7 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from .. import engine, wire
-from .._keys import seed_key
+from ..seeds import seed_key
 from ..algorithms.elf import LangevinSampler
 from ..api import fault_table, public_history, validate_fit
 from ..data import FederatedData
@@ -28,7 +28,7 @@ from ..engine import (Progress, host_records, first_short_round, resolve_cohort_
                       setup_client_key, setup_keys, stack_clients)
 from ..errors import ConfigError, FedbayesError, TooFewClientsError
 from ..faults import FaultPolicy
-from ..model import FedModel
+from ..introspect import FedModel
 from ..protocol import ClientData, Problem
 from ..result import Result
 
@@ -84,6 +84,7 @@ class _Runtime:
         self.data = data = fit.data.blank() if role == "server" else fit.data
         self.cohort = resolve_cohort_size(fit.clients_per_round, data.num_clients)
         problem = Problem(FedModel(fit.model, data, fit.model_kwargs), data, fit.num_rounds, self.cohort)
+        self.model = problem.model  # the analysed model (constrains a node's personal posterior)
         self.run = run = fit.algorithm.build(problem)
         self.k_init, self.k_rounds, self.k_final = jax.random.split(seed_key(fit.seed), 3)
         self.k_server, self.k_clients = setup_keys(self.k_init)
@@ -413,7 +414,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
                                         rt.member(index, settings=rt.settings_of(context)))
         _save(context, _LOCAL, local)
         if context.node_config.get(OUTPUT_KEY):
-            write_personal_posterior(str(context.node_config[OUTPUT_KEY]), index, rt.run._fm, local)
+            write_personal_posterior(str(context.node_config[OUTPUT_KEY]), index, rt.model, local)
         data, bits = wire.pack(jax.device_get(upload))
         return Message(_content(data, {"bits": bits}), reply_to=msg)
 

@@ -19,7 +19,7 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
 from ..data import FederatedData
-from ..model import local
+from ..introspect import local
 
 
 def fedpop_synthetic(x, y=None, *, latent_dim: int = 2, noise_sd: float = 0.1):

@@ -10,7 +10,7 @@ import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
 from ..data import FederatedData
-from ..model import local
+from ..introspect import local
 
 
 def linear_mixed_effects(x, z, y=None):

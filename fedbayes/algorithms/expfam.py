@@ -58,9 +58,10 @@ from numpyro import distributions as dist
 from numpyro import handlers
 from numpyro.distributions.distribution import validation_enabled
 
-from ._keys import seed_key
-from .errors import ModelError
-from .model import FedModel, Params, _DataMask, _sum_log_prob
+from ..seeds import seed_key
+from ..errors import ModelError
+from ..introspect import FedModel, Params, DataMask, sum_log_prob
+from ..linalg import lapack_free_cholesky, lapack_free_spd_inverse
 
 Stats = dict[str, Any]
 
@@ -87,48 +88,6 @@ def _param(fn: dist.Distribution, name: str, extra: tuple[int, ...] = ()) -> jax
 # under the engine's vmap, so a LAPACK call on anything that varies over clients or rows is such a
 # batch. The E-step therefore factors a covariance shared by rows once (one matrix, never split;
 # :func:`_shared_factor`) and factors per-client / per-row matrices with array operations below.
-
-
-def lapack_free_cholesky(a: jax.Array) -> jax.Array:
-    """Lower Cholesky factor L (L L^T = a) of symmetric positive-definite matrices ``(..., n, n)``.
-
-    Column j of L, by the Cholesky-Crout recursion with array operations (no LAPACK call, whatever the
-    batch; a ``fori_loop`` over the n columns, so the program does not grow with n):
-
-        c = a[:, j] - L[:, :j] L[j, :j]^T,   L_jj = sqrt(c_j),   L_ij = c_i / L_jj  (i > j).
-
-    The columns of L not yet computed are zero, so the full-width product adds exact zeros only.
-    """
-    a = jnp.asarray(a)
-    n = a.shape[-1]
-    rows = jnp.arange(n)
-
-    def column(j, L):
-        c = a[..., :, j] - jnp.einsum("...ik,...k->...i", L, L[..., j, :])
-        d = jnp.sqrt(c[..., j])[..., None]
-        return L.at[..., :, j].set(jnp.where(rows > j, c / d, jnp.where(rows == j, d, 0.0)))
-
-    return jax.lax.fori_loop(0, n, column, jnp.zeros_like(a))
-
-
-def lapack_free_tril_inverse(L: jax.Array) -> jax.Array:
-    """X = L^{-1} for lower-triangular ``(..., n, n)`` by forward substitution on the identity, row by row
-    (rows of X not yet computed are zero): X_i = (e_i - L[i, :i] X[:i]) / L_ii. No LAPACK call."""
-    L = jnp.asarray(L)
-    n = L.shape[-1]
-    eye = jnp.eye(n, dtype=L.dtype)
-
-    def row(i, X):
-        r = (eye[i] - jnp.einsum("...k,...kj->...j", L[..., i, :], X)) / L[..., i, i][..., None]
-        return X.at[..., i, :].set(r)
-
-    return jax.lax.fori_loop(0, n, row, jnp.zeros_like(L))
-
-
-def lapack_free_spd_inverse(p: jax.Array) -> jax.Array:
-    """P^{-1} = X^T X with X = C^{-1}, P = C C^T (symmetric positive-definite ``(..., n, n)``, no LAPACK call)."""
-    x = lapack_free_tril_inverse(lapack_free_cholesky(p))
-    return jnp.swapaxes(x, -1, -2) @ x
 
 
 def _rebase(fn: dist.Distribution, base: dist.Distribution) -> dist.Distribution:
@@ -531,7 +490,7 @@ class Derived:
         """log p(D_i, h | theta) summed over the client's local, per-observation latent and observed sites."""
         tr = self._trace(theta_c, latents_c, data, mask)
         names = set(self.fm.local_names) | set(self.fm.obs_latent_names) | set(self.fm.observed)
-        return sum((_sum_log_prob(tr[n]) for n in names), jnp.zeros(()))
+        return sum((sum_log_prob(tr[n]) for n in names), jnp.zeros(()))
 
     # ------------------------------------------------------------------ the population start
     @property
@@ -549,7 +508,7 @@ class Derived:
             return site["fn"].mean if site["name"] in fm.local_names else None
 
         fn = handlers.substitute(handlers.substitute(handlers.seed(fm.model, 0), data=theta_c), substitute_fn=at_mean)
-        tr = handlers.trace(_DataMask(fn, mask, fm.data_plates)).get_trace(**data, **fm.model_kwargs)
+        tr = handlers.trace(DataMask(fn, mask, fm.data_plates)).get_trace(**data, **fm.model_kwargs)
         return {n: jnp.asarray(tr[n]["value"]) for n in fm.local_names}
 
     def population_statistics(self, theta_c: Params, data, mask) -> Stats:

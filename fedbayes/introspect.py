@@ -139,7 +139,7 @@ class _SmoothLogits(Messenger):
             msg["fn"] = _smooth_logits(msg["fn"])
 
 
-class _DataMask(Messenger):
+class DataMask(Messenger):
     """Mask padded observations out of every sample site inside a data plate."""
 
     def __init__(self, fn: Callable, mask: jax.Array, data_plates: frozenset[str]):
@@ -291,7 +291,8 @@ def _support_transform(site: dict[str, Any]) -> Transform:
     return biject_to(site["fn"].support)
 
 
-def _sum_log_prob(site: dict[str, Any]) -> jax.Array:
+def sum_log_prob(site: dict[str, Any]) -> jax.Array:
+    """A traced sample site's log-density summed over its elements, times its scale (if any)."""
     lp = site["fn"].log_prob(site["value"])
     if site.get("scale") is not None:
         lp = site["scale"] * lp
@@ -755,7 +756,7 @@ class FedModel:
 
     # ----------------------------------------------------------------------------- densities
     def _client_trace(self, values_c: Params, data: Mapping[str, jax.Array], mask: jax.Array):
-        fn = _DataMask(handlers.substitute(handlers.seed(self.model, 0), data=values_c), mask, self.data_plates)
+        fn = DataMask(handlers.substitute(handlers.seed(self.model, 0), data=values_c), mask, self.data_plates)
         return handlers.trace(fn).get_trace(**data, **self.model_kwargs)
 
     def log_prior(self, theta_u: Params, jacobian: bool = False) -> jax.Array:
@@ -773,7 +774,7 @@ class FedModel:
         # Only the prior sites are read; client 0's data stand in (they do not enter the prior, and
         # the unused likelihood terms are dropped by XLA under jit).
         tr = handlers.trace(fn).get_trace(**self._example, **self.model_kwargs)
-        lp = sum(_sum_log_prob(tr[n]) for n in prior_sites)
+        lp = sum(sum_log_prob(tr[n]) for n in prior_sites)
         if jacobian:
             lp = lp + self._log_jacobian({n: theta_u[n] for n in prior_sites})
         return lp
@@ -789,9 +790,9 @@ class FedModel:
         """
         values = {**self._constrain(theta_u), **self._constrain(z_u)}
         tr = self._client_trace(values, data, mask)
-        local_lp = sum((_sum_log_prob(tr[n]) for n in self.local_names), jnp.zeros(()))
+        local_lp = sum((sum_log_prob(tr[n]) for n in self.local_names), jnp.zeros(()))
         local_lp = local_lp + self._log_jacobian(z_u)
-        loglik = sum((_sum_log_prob(tr[n]) for n in self.observed), jnp.zeros(()))
+        loglik = sum((sum_log_prob(tr[n]) for n in self.observed), jnp.zeros(()))
         return local_lp, loglik
 
     def client_loglik_population(self, theta_u: Params, data: Mapping[str, jax.Array], mask: jax.Array) -> jax.Array:
@@ -810,8 +811,8 @@ class FedModel:
             return None
 
         fn = handlers.substitute(handlers.substitute(handlers.seed(self.model, 0), data=theta_c), substitute_fn=at_mean)
-        tr = handlers.trace(_DataMask(fn, mask, self.data_plates)).get_trace(**data, **self.model_kwargs)
-        return sum((_sum_log_prob(tr[n]) for n in self.observed), jnp.zeros(()))
+        tr = handlers.trace(DataMask(fn, mask, self.data_plates)).get_trace(**data, **self.model_kwargs)
+        return sum((sum_log_prob(tr[n]) for n in self.observed), jnp.zeros(()))
 
     def pointwise_loglik(self, values_c: Mapping[str, Any], data: Mapping[str, jax.Array], mask: jax.Array) -> jax.Array:
         """log p(y_ij | theta, z_i) per observation j of one padded client, (max_size,), padded rows 0.
