@@ -85,7 +85,7 @@ def with_options(algo, **kw):
 
 def throughput(clients: int) -> None:
     data = make_data(clients)
-    gamma = fb.curvature_step_size(model, data, scale=0.1)
+    gamma = fb.elf.curvature_step_size(model, data, scale=0.1)
     rounds = CHUNK * (WARM + TIMED)
     ref = handwritten_lmc(data, gamma, CHUNK * TIMED)
     print(f"\n{clients} clients, d = {D}, step {gamma:.2e}; hand-written LMC: {ref:.1f} it/s\n")
@@ -107,7 +107,7 @@ def bits_to_accuracy(clients: int = 100, max_rounds: int = 20000) -> None:
     mcmc.run(jax.random.PRNGKey(0), jnp.asarray(pooled["x"]), jnp.asarray(pooled["y"]))
     ref = np.asarray(mcmc.get_samples()["w"])
     mean, sd = ref.mean(0), ref.std(0)
-    gamma = fb.curvature_step_size(model, data, at={"w": mean}, scale=0.1)
+    gamma = fb.elf.curvature_step_size(model, data, at={"w": mean}, scale=0.1)
     print(f"\nbits until the running mean of 4 chains is within 0.1 posterior sd of NUTS ({clients} clients, "
           f"step {gamma:.2e}, warm-up 200 rounds dropped)\n")
     print("| sampler | rounds | bits up | bits down | final max error (sd) |")

@@ -1,18 +1,17 @@
 """fedbayes: Bayesian federated inference for NumPyro models."""
 
 from . import checkpoint, compress, diagnostics, faults, flower, models, protocol, reference, wire
-from .algorithms import (BELF, DELF, GD, LMC, PELF, QLSD, TAMUNA, FedAvg, FedEM, FedMM, FedSOUL, ParamAveragingEM, Scaffnew,
-                         curvature_step_size, theory_step_size)
-from .algorithms import tamuna
+from .algorithms import BELF, DELF, GD, LMC, PELF, QLSD, TAMUNA, FedAvg, FedEM, FedMM, FedSOUL, ParamAveragingEM, Scaffnew
+from .algorithms import elf, tamuna
 from .algorithms.expfam import CustomStatistics
 from .api import fed_fit, resume
 from .data import FederatedData, partition_dirichlet, partition_iid, partition_shards
 from .errors import (CallbackError, CheckpointError, CheckpointWarning, ClientIndexError, ConfigError, ConvergenceWarning,
                      DataError, DivergenceError, FedbayesError, ModelError, PrecisionWarning, StalledError, TooFewClientsError)
 from .faults import Aggregation, FaultPolicy, Faults
-from .kernels import ULA
 from .introspect import FedModel, local
-from .protocol import FederatedRun
+from .kernels import ULA
+from .protocol import FederatedRun, FitParts
 from .result import Result, load
 from .wire import WireError
 
@@ -22,9 +21,9 @@ __all__ = [  # sorted: classes, then functions and modules
     "Aggregation", "BELF", "CallbackError", "CheckpointError", "CheckpointWarning", "ClientIndexError",
     "ConfigError", "ConvergenceWarning", "CustomStatistics", "DataError", "DELF", "DivergenceError",
     "FaultPolicy", "Faults", "FedAvg", "FedbayesError", "FedEM", "FederatedData", "FederatedRun", "FedMM",
-    "FedModel", "FedSOUL", "GD", "LMC", "ModelError", "ParamAveragingEM", "PELF", "PrecisionWarning", "QLSD",
+    "FedModel", "FedSOUL", "FitParts", "GD", "LMC", "ModelError", "ParamAveragingEM", "PELF", "PrecisionWarning", "QLSD",
     "Result", "Scaffnew", "StalledError", "TAMUNA", "TooFewClientsError", "ULA", "WireError", "checkpoint",
-    "compress", "curvature_step_size", "diagnostics", "faults", "fed_fit", "flower", "load", "local",
+    "compress", "diagnostics", "elf", "faults", "fed_fit", "flower", "load", "local",
     "models", "partition_dirichlet", "partition_iid", "partition_shards", "protocol", "reference", "resume",
-    "tamuna", "theory_step_size", "wire",
+    "tamuna", "wire",
 ]

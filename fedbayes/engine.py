@@ -303,23 +303,32 @@ def make_round(algorithm: FederatedRun, clients: ClientData, num_clients: int, c
             algorithm, server_state, payload, uploads.bits, broadcast.bits, expected, received, policy, k, cohort,
             num_clients, k_server, k_shared)
         active, faulty = record.pop("_active"), record.pop("_faulty")
-        bits_down = broadcast.bits
+        replied = resent = jnp.zeros((cohort_size,), jnp.int32)
         if algorithm.replies:  # the server's reply to this round's answering members
             finish = jax.vmap(algorithm.client_finish, in_axes=(None, 0, _CLIENT_AXES, 0))
             new_states, reply_bits = finish(decode_tree(new_broadcast.payload), new_states, members, payload)
-            bits_down = bits_down + jnp.where(active, reply_bits, 0)
+            replied = jnp.where(active, reply_bits, 0)
         kept = _where_active(active, new_states, old_states)
         if algorithm.resyncs:  # a faulty member's copy of server state is re-sent
             again = algorithm.resync_message(opening)
             resynced = jax.vmap(algorithm.resync, in_axes=(0, None), axis_size=cohort_size)(old_states,
                                                                                         decode_tree(again.payload))
             kept = _where_active(faulty, resynced, kept)
-            bits_down = bits_down + jnp.where(faulty, again.bits, 0)
+            resent = jnp.where(faulty, again.bits, 0)
         client_states = _put(client_states, cohort, kept)
-        record["bits_down"] = jnp.where(expected, bits_down, 0)
+        record["bits_down"] = downlink_bits(broadcast.bits, expected, replied, resent)
         return (server_state, client_states, new_broadcast), record
 
     return round_fn
+
+
+def downlink_bits(broadcast_bits: Any, expected: Any, reply_bits: Any, resync_bits: Any, reached: Any = None) -> jax.Array:
+    """A round's downlink bits per cohort slot, the ledger's one rule (``fed_fit`` and Flower): to every
+    expected member the broadcast (not to one a re-sent copy of server state did not reach:
+    ``reached`` False), plus the server's reply (``replies``) and a re-sent copy (``resyncs``), each given
+    per slot (0 where none)."""
+    sent = broadcast_bits if reached is None else jnp.where(reached, broadcast_bits, 0)
+    return jnp.where(expected, sent + reply_bits + resync_bits, 0)
 
 
 def fault_events(records: dict[str, np.ndarray], base_key: jax.Array, num_clients: int, cohort_size: int,

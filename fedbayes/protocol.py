@@ -20,8 +20,8 @@ A fit has three phases, each a set of pure (traceable) functions of pytrees; the
 
     final        final_message(key, server_state)                       -> payload       (``final_exchange``)
                  final_client(key, payload, client_state, client)       -> local, upload
-                 final_server(key, server_state, payload, uploads, locals) -> parts of the Result
-                 finalize(key, carry, problem, history)                 -> parts of the Result
+                 final_server(key, server_state, payload, uploads, locals) -> FitParts of the Result
+                 finalize(key, carry, problem, history)                 -> FitParts of the Result
 
 Only :class:`Message` objects cross the network during the rounds: the payload as the receiver decodes
 it and its exact size in bits. A run declares what it takes part in with class attributes

@@ -195,17 +195,17 @@ def test_step_size_helpers():
     data, P, _ = gaussian_clients()
     lam = np.linalg.eigvalsh(P).max()
     # the Hessian of U is P everywhere: the power iteration recovers lambda_max
-    assert fb.curvature_step_size(gauss_model, data, scale=0.1) == pytest.approx(0.1 / lam, rel=1e-6)
+    assert fb.elf.curvature_step_size(gauss_model, data, scale=0.1) == pytest.approx(0.1 / lam, rel=1e-6)
     # theorem step sizes: LMC's is the smoothness bound here; compression only shrinks it
-    lmc = fb.theory_step_size("lmc", L=lam, Lbar=lam**2, mu=1.0)
+    lmc = fb.elf.theory_step_size("lmc", L=lam, Lbar=lam**2, mu=1.0)
     assert lmc == pytest.approx(min(1 / 14, 1 / 6, 1 / (2 * np.sqrt(2) * lam)))
-    d_elf = fb.theory_step_size("d-elf", L=lam, Lbar=lam**2, mu=1.0, alpha_up=0.25)
+    d_elf = fb.elf.theory_step_size("d-elf", L=lam, Lbar=lam**2, mu=1.0, alpha_up=0.25)
     assert d_elf == pytest.approx(min(np.sqrt(0.125 / (1 + 6 * lam**2)) / 14, 0.125 / 6, 1 / (2 * np.sqrt(2) * lam)))
-    assert fb.theory_step_size("b-elf", L=lam, Lbar=lam**2, mu=1.0, alpha_up=0.25, alpha_down=0.25) < d_elf < lmc
+    assert fb.elf.theory_step_size("b-elf", L=lam, Lbar=lam**2, mu=1.0, alpha_up=0.25, alpha_down=0.25) < d_elf < lmc
     with pytest.raises(ConfigError):
-        fb.theory_step_size("x-elf", L=1.0, Lbar=1.0, mu=1.0)
+        fb.elf.theory_step_size("x-elf", L=1.0, Lbar=1.0, mu=1.0)
     with pytest.raises(ConfigError):
-        fb.theory_step_size("d-elf", L=1.0, Lbar=1.0, mu=1.0, alpha_up=0.0)
+        fb.elf.theory_step_size("d-elf", L=1.0, Lbar=1.0, mu=1.0, alpha_up=0.0)
 
 
 def logistic(x, y=None):
@@ -233,7 +233,7 @@ def logistic_reference():
 ], ids=["lmc", "d-elf", "p-elf", "b-elf"])
 def test_samplers_match_nuts_on_pooled_logistic_regression(logistic_reference, algo):
     data, mean, sd = logistic_reference
-    gamma = fb.curvature_step_size(logistic, data, at={"w": mean}, scale=0.05)
+    gamma = fb.elf.curvature_step_size(logistic, data, at={"w": mean}, scale=0.05)
     cfg = type(algo)(**{**{f: getattr(algo, f) for f in algo.__dataclass_fields__}, "step_size": gamma,
                         "num_chains": 8, "warmup": 500})
     res = fb.fed_fit(logistic, data, cfg, num_rounds=4500, seed=0)

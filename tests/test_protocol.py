@@ -143,3 +143,11 @@ def test_a_run_is_not_changed_by_its_fit(case):
     after = vars(run)
     assert after.keys() == before.keys(), set(after) ^ set(before)
     assert [k for k in before if after[k] is not before[k]] == []
+
+
+def test_the_public_surface_is_sorted_complete_and_exports_the_protocol():
+    assert all(hasattr(fb, name) for name in fb.__all__) and len(set(fb.__all__)) == len(fb.__all__)
+    classes = [n for n in fb.__all__ if n[0].isupper()]
+    rest = [n for n in fb.__all__ if not n[0].isupper()]
+    assert fb.__all__ == sorted(classes, key=str.lower) + sorted(rest, key=str.lower)
+    assert fb.FederatedRun is FederatedRun and fb.FitParts is FitParts

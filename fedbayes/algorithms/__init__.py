@@ -1,6 +1,6 @@
 """Federated algorithms, one module per family."""
 
-from .elf import BELF, DELF, LMC, PELF, curvature_step_size, theory_step_size
+from .elf import BELF, DELF, LMC, PELF
 from .fedmm import FedEM, FedMM, ParamAveragingEM
 from .fedsoul import FedSOUL
 from .qlsd import QLSD
@@ -9,4 +9,4 @@ from .tamuna import GD, TAMUNA, FedAvg, Scaffnew
 ALGORITHMS = {"fedsoul": FedSOUL, "fedmm": FedMM, "fedem": FedEM, "param-averaging-em": ParamAveragingEM, "lmc": LMC, "d-elf": DELF, "p-elf": PELF, "b-elf": BELF, "qlsd": QLSD,
               "tamuna": TAMUNA, "scaffnew": Scaffnew, "gd": GD, "fedavg": FedAvg}
 
-__all__ = ["ALGORITHMS", "BELF", "DELF", "FedEM", "FedMM", "ParamAveragingEM", "FedSOUL", "LMC", "PELF", "QLSD", "TAMUNA", "Scaffnew", "GD", "FedAvg", "curvature_step_size", "theory_step_size"]
+__all__ = ["ALGORITHMS", "BELF", "DELF", "FedEM", "FedMM", "ParamAveragingEM", "FedSOUL", "LMC", "PELF", "QLSD", "TAMUNA", "Scaffnew", "GD", "FedAvg"]

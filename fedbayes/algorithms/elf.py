@@ -448,3 +448,6 @@ class LangevinRun(FederatedRun):
                       "map_iterations": self.map_iterations, "preconditioned": self._precond is not None},
             final_state=server,
         )
+
+
+__all__ = ["LMC", "DELF", "PELF", "BELF", "LangevinSampler", "theory_step_size", "curvature_step_size", "DENSE_CURVATURE"]

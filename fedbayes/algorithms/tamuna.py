@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,12 +59,11 @@ from ..engine import final_exchange, stack_clients
 from ..wire import Masked
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
-from ..kernels import power_iteration
-from ..introspect import FedModel, serialized
+from ..introspect import FedModel
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo
 from .tamuna_theory import (  # noqa: F401 - the masks and theory helpers, re-exported as fb.tamuna.*
-    _real, aggregate, expected_uplink_floats, mask, mask_column, max_eta, recommended_p, recommended_s, template_column,
-    theorem1_rate)
+    _real, aggregate, client_extremes, estimate_condition, estimate_condition_at, expected_uplink_floats, mask,
+    mask_column, max_eta, preconditioner, recommended_p, recommended_s, template_column, theorem1_rate)
 from .warmstart import check_init, map_estimate, map_objective, map_solve, resolve_init  # noqa: F401 - re-exported
 
 POPULATION_MEAN = "population-mean"
@@ -669,81 +668,6 @@ class TAMUNARun(FederatedRun):
     def finalize(self, key, carry, problem: Problem, history=None) -> FitParts:
         """The estimate, with the final exchange's gradient and information (``final_bits``)."""
         return final_exchange(self, key, carry[0], carry[1], stack_clients(problem.data))
-
-
-# ------------------------------------------------------------------------------ condition number
-
-
-def preconditioner(hess: np.ndarray) -> tuple[np.ndarray, float]:
-    """``(S, lambda)``: the upper-triangular S = L^{-T} with L L^T = H + lambda I (Cholesky), so that
-    S S^T = (H + lambda I)^{-1} and S^T H S = I when lambda = 0. lambda = 0 when H is positive definite
-    (numerically: its Cholesky factor exists and is finite); otherwise the smallest of
-    1e-10 * scale * 10^k (k = 0, 1, ...; scale the largest |diagonal| entry, or 1) that makes it so
-    (Levenberg's shift: the directions in which H is flat or concave get the step of curvature lambda)."""
-    import scipy.linalg
-
-    hess = 0.5 * (np.asarray(hess, np.float64) + np.asarray(hess, np.float64).T)
-    d = hess.shape[0]
-    scale = float(np.max(np.abs(np.diag(hess)))) if d else 1.0
-    scale = scale if np.isfinite(scale) and scale > 0 else 1.0
-    shift = 0.0
-    for k in range(40):
-        try:
-            chol = np.linalg.cholesky(hess + shift * np.eye(d))
-            if np.all(np.isfinite(chol)) and np.all(np.diag(chol) > 0):
-                S = scipy.linalg.solve_triangular(chol, np.eye(d), lower=True, trans="T")
-                if np.all(np.isfinite(S)):
-                    return S, shift
-        except np.linalg.LinAlgError:
-            pass
-        shift = 1e-10 * scale * 10.0 ** k
-    raise ModelError("the Hessian of the negative log posterior at the start is not finite; pass init= a "
-                     "dict of constrained starting values, or precondition=False")
-
-
-def estimate_condition_at(run: TAMUNARun, clients: ClientData, x: jax.Array, dense_max: int = 1000,
-                          iters: int = 300) -> tuple[float, float]:
-    """(mu_min, L_max): the smallest and largest eigenvalue of any client's Hessian of f_i at x.
-
-    Dense Hessians (exact eigenvalues) for d <= ``dense_max``; beyond, power iterations on
-    Hessian-vector products (L_i, then L_i - mu_i from the shifted operator).
-    """
-    lo, hi = jax.jit(lambda cl: jax.lax.map(lambda c: client_extremes(run, c, x, dense_max, iters), cl))(clients)
-    return float(jnp.min(lo)), float(jnp.max(hi))
-
-
-def client_extremes(run: TAMUNARun, client: ClientData, x: jax.Array, dense_max: int = 1000,
-                    iters: int = 300) -> tuple[jax.Array, jax.Array]:
-    """(mu_i, L_i): the smallest and largest eigenvalue of one client's Hessian of f_i at x (dense for
-    d <= ``dense_max``, else power iterations on Hessian-vector products)."""
-    if x.size <= dense_max:
-        ev = jnp.linalg.eigvalsh(jax.hessian(run.client_objective)(x, client))
-        return ev[0], ev[-1]
-    g = lambda y: jax.grad(run.client_objective)(y, client)  # noqa: E731
-    hvp = lambda v: jax.jvp(g, (x,), (v,))[1]  # noqa: E731
-    v0 = jnp.ones_like(x)
-    big, _ = power_iteration(hvp, v0, iters)
-    gap, _ = power_iteration(lambda v: big * v - hvp(v), v0, iters)
-    return big - gap, big
-
-
-@serialized
-def estimate_condition(model, data, *, at: Mapping[str, Any] | None = None, model_kwargs=None,
-                       local_latents: str | None = None, jacobian: bool = False) -> dict[str, float]:
-    """``{"L": L_max, "mu": mu_min, "kappa": L_max / mu_min}`` of the clients' TAMUNA objectives
-    f_i = -log p(D_i | x) - log p(x) / n at ``at`` (constrained values; default: the initial point).
-
-    These are local constants (Theorem 1 needs them along the whole path); for logistic regression
-    with a Gaussian prior the Hessian is largest at x = 0, so L_max there is the global constant.
-    """
-    from ..data import FederatedData
-
-    fd = data if isinstance(data, FederatedData) else FederatedData(data)
-    fm = FedModel(model, fd, model_kwargs)
-    run = TAMUNA(step_size=1.0, p=1.0, local_latents=local_latents, jacobian=jacobian,
-                 init=at).build(Problem(fm, fd, 1))
-    mu, L = estimate_condition_at(run, stack_clients(fd), run._x0)
-    return {"L": L, "mu": mu, "kappa": L / mu if mu > 0 else float("inf")}
 
 
 __all__ = ["TAMUNA", "Scaffnew", "GD", "FedAvg", "mask", "mask_column", "template_column", "aggregate",

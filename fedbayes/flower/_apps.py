@@ -554,9 +554,7 @@ class _Server:
             rt.server_state, stacked, jnp.asarray(bits), rt.broadcast.bits, jnp.asarray(expected),
             jnp.asarray(received), jnp.asarray(k), jnp.asarray(cohort), k_server, k_shared)
         active, faulty = np.asarray(record.pop("_active")), np.asarray(record.pop("_faulty"))
-        # the ledger: re-sent copies are charged when sent (fed_fit charges them in the round of the fault);
-        # a member whose copy did not arrive was sent no broadcast
-        bits_down = np.asarray(record["bits_down"]).astype(np.int64) + resync_bits - np.where(missed, down_bits, 0)
+        reply_bits = np.zeros(cohort_size, np.int64)
         if rt.run.resyncs:
             self.stale |= {int(cohort[j]) for j in np.flatnonzero(faulty)}
             self.opened = rt.server_state  # this round's opening state: later resyncs are built from it
@@ -567,13 +565,15 @@ class _Server:
             msgs = []
             for j in np.flatnonzero(active):
                 client = int(cohort[j])
-                data, reply_bits = wire.pack(jax.device_get(reply), wire.Context(k_shared, int(j)))
+                data, reply_bits[j] = wire.pack(jax.device_get(reply), wire.Context(k_shared, int(j)))
                 msgs.append(Message(_content(data, {"round": k, "slot": int(j)}), dst_node_id=self.node_of[client],
                                     message_type="train.finish", group_id=str(k)))
-                bits_down[j] += reply_bits
-                self.message_bytes.append(("reply", k, client, len(data), reply_bits))
+                self.message_bytes.append(("reply", k, client, len(data), int(reply_bits[j])))
             self._send(msgs)
-        record["bits_down"] = bits_down
+        # the ledger's rule (engine.downlink_bits); re-sent copies are charged when sent (fed_fit charges them in
+        # the round of the fault), and a member whose copy did not arrive was sent no broadcast
+        record["bits_down"] = np.asarray(engine.downlink_bits(down_bits, expected, reply_bits, resync_bits,
+                                                              reached=~missed)).astype(np.int64)
         rt.server_state, rt.broadcast = state, new_broadcast
         self.records.append(jax.tree_util.tree_map(lambda x: np.asarray(x)[None], record))
 
