@@ -5,12 +5,13 @@ from .algorithms import BELF, DELF, GD, LMC, PELF, QLSD, TAMUNA, FedAvg, FedEM, 
 from .algorithms import elf, tamuna
 from .algorithms.expfam import CustomStatistics
 from .api import fed_fit, resume
-from .data import FederatedData, partition_dirichlet, partition_iid, partition_shards
+from .data import FederatedData
 from .errors import (CallbackError, CheckpointError, CheckpointWarning, ClientIndexError, ConfigError, ConvergenceWarning,
                      DataError, DivergenceError, FedbayesError, ModelError, PrecisionWarning, StalledError, TooFewClientsError)
 from .faults import Aggregation, FaultPolicy, Faults
 from .introspect import FedModel, local
 from .kernels import ULA
+from .partition import partition_dirichlet, partition_iid, partition_shards
 from .protocol import FederatedRun, FitParts
 from .result import Result, load
 from .wire import WireError

@@ -677,8 +677,24 @@ class _TopK(_UnscaledSparsifier):
         return largest, x[largest]
 
 
+class _UnbiasedQuantizer(Compressor):
+    """An unbiased, not contractive quantiser whose name is its constructor call (``_signature``, which
+    its contractive scaling extends with ``contractive=True``)."""
+
+    unbiased: ClassVar[bool] = True
+    contractive: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return self._signature()
+
+    @abc.abstractmethod
+    def _signature(self, *extra: str) -> str:
+        """The constructor call with ``extra`` arguments appended."""
+
+
 @dataclass(frozen=True, repr=False)
-class _QSGD(Compressor):
+class _QSGD(_UnbiasedQuantizer):
     """QSGD stochastic quantisation with s = levels (Alistarh et al., 2017).
 
     C(x)_j = ||x||_2 sign(x_j) xi_j / s, where with r_j = |x_j| / ||x||_2 and l = floor(s r_j),
@@ -698,12 +714,6 @@ class _QSGD(Compressor):
 
     levels: int
     float_bits: int
-    unbiased: ClassVar[bool] = True
-    contractive: ClassVar[bool] = False
-
-    @property
-    def name(self) -> str:
-        return self._signature()
 
     def _signature(self, *extra: str) -> str:
         return _call_repr("qsgd", (f"levels={self.levels}",), self.float_bits, extra)
@@ -757,7 +767,7 @@ class _QSGD(Compressor):
 
 
 @dataclass(frozen=True, repr=False)
-class _Natural(Compressor):
+class _Natural(_UnbiasedQuantizer):
     """Natural compression (Horvath et al., 2019): random rounding to a signed power of two.
 
     For x_j != 0 let e = floor(log2 |x_j|) and a = 2^e, so |x_j| in [a, 2a). Then
@@ -788,12 +798,6 @@ class _Natural(Compressor):
     """
 
     float_bits: int
-    unbiased: ClassVar[bool] = True
-    contractive: ClassVar[bool] = False
-
-    @property
-    def name(self) -> str:
-        return self._signature()
 
     def _signature(self, *extra: str) -> str:
         return _call_repr("natural", (), self.float_bits, extra)

@@ -99,7 +99,7 @@ def with_init_bits(parts: FitParts | dict[str, Any], setup_bits: tuple[int, int]
     """A run's :class:`~fedbayes.protocol.FitParts` (a plain dict is checked field by field) with ``init_bits``:
     the set-up exchange's bits plus any the run spent before it (``start_bits``, e.g. a search for the
     samplers' start)."""
-    parts = parts if isinstance(parts, FitParts) else FitParts(**parts)
+    parts = FitParts.of(parts)
     start = parts.start_bits
     parts.init_bits = (int(setup_bits[0]) + int(start[0]), int(setup_bits[1]) + int(start[1]))
     return parts

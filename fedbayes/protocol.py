@@ -156,6 +156,17 @@ class FitParts:
     final_bits: tuple[int, int] = (0, 0)
     """(up, down) bits of the final exchange (set by the engine)."""
 
+    @classmethod
+    def of(cls, parts: "FitParts | Mapping[str, Any]") -> "FitParts":
+        """``parts`` itself, or a mapping's entries as FitParts (an unknown name is a TypeError)."""
+        if isinstance(parts, FitParts):
+            return parts
+        missing = [f for f in ("params", "params_last") if f not in parts]
+        if missing:
+            raise TypeError(f"a run's result parts need {missing}; got {sorted(parts)}")
+        return cls(params=parts["params"], params_last=parts["params_last"]).update(
+            {k: v for k, v in parts.items() if k not in ("params", "params_last")})
+
     def update(self, parts: Mapping[str, Any] | "FitParts") -> "FitParts":
         """Set the given fields (a mapping, or another FitParts' set fields); an unknown name is an error."""
         items = parts.items() if isinstance(parts, (Mapping, FitParts)) else parts
@@ -168,6 +179,16 @@ class FitParts:
     def items(self) -> list[tuple[str, Any]]:
         """The fields that are set (not None), as (name, value) pairs."""
         return [(f, getattr(self, f)) for f in _FIT_FIELDS if getattr(self, f) is not None]
+
+    def keys(self) -> list[str]:
+        """The names of the fields that are set (so ``dict(parts)`` and ``d.update(parts)`` work)."""
+        return [name for name, _ in self.items()]
+
+    def __iter__(self) -> Any:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
 
     def __getitem__(self, name: str) -> Any:
         if name not in _FIT_FIELDS or getattr(self, name) is None:

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedbayes.data import FederatedData, partition_dirichlet, partition_iid, partition_shards
+from fedbayes.data import FederatedData
+from fedbayes.partition import partition_dirichlet, partition_iid, partition_shards
 from fedbayes.errors import ConfigError, DataError
 
 

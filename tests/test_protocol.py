@@ -95,10 +95,19 @@ def test_fit_parts_are_typed_and_read_as_a_mapping():
     assert parts["params"] == {"w": 1.0} and parts.get("se") is None and "se" not in parts
     parts["se"] = {"w": 0.5}
     assert parts.se == {"w": 0.5} and dict(parts.items())["se"] == {"w": 0.5}
+    copied = {}
+    copied.update(parts)  # reads as a mapping of the fields that are set
+    assert set(copied) == set(dict(parts)) == {"params", "params_last", "se", "init_bits", "start_bits", "final_bits"}
     with pytest.raises(TypeError, match="no field 'standard_error'"):
         parts.update({"standard_error": {}})  # a misspelt part is an error, not a silent omission
     with pytest.raises(KeyError):
         parts["information"]
+    # a run may return a plain dict: the engine checks it field by field (fedbayes.engine.with_init_bits)
+    assert FitParts.of({"params": {}, "params_last": {}, "se": {"w": 1.0}}).se == {"w": 1.0}
+    with pytest.raises(TypeError, match="no field 'step'"):
+        FitParts.of({"params": {}, "params_last": {}, "step": 0.1})
+    with pytest.raises(TypeError, match="need \\['params_last'\\]"):
+        FitParts.of({"params": {}})
 
 
 def _glm():
