@@ -24,7 +24,7 @@ from .errors import CheckpointError, ConfigError, DataError, DivergenceError, Mo
 from .errors import CallbackError, CheckpointWarning, is_real
 from .faults import FaultPolicy, Faults
 from .introspect import FedModel, serialized
-from .protocol import FederatedRun
+from .protocol import FederatedRun, FitParts
 from .result import Result
 
 
@@ -49,7 +49,7 @@ def public_history(history: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def finalize_parts(run: FederatedRun, key: jax.Array, carry: Any, problem: Problem,
-                   history: dict[str, np.ndarray] | None, setup_bits: tuple[int, int]) -> dict[str, Any]:
+                   history: dict[str, np.ndarray] | None, setup_bits: tuple[int, int]) -> FitParts:
     """``run.finalize``'s parts of the Result, with ``init_bits``: the set-up exchange's bits and any the run
     spent before it (``start_bits``)."""
     return with_init_bits(run.finalize(key, carry, problem, history=history), setup_bits)

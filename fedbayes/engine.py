@@ -92,7 +92,7 @@ def staged_setup(run: FederatedRun, key: jax.Array, num_clients: int,
 
 def setting_bits(settings: PyTree) -> int:
     """Bits of the client settings sent once after set-up: :data:`SETTING_BITS` per element."""
-    return int(sum(SETTING_BITS * int(np.size(x)) for x in jax.tree_util.tree_leaves(settings)))
+    return dense_bits(settings, SETTING_BITS)
 
 
 def with_init_bits(parts: FitParts | dict[str, Any], setup_bits: tuple[int, int]) -> FitParts:

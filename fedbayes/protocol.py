@@ -208,9 +208,10 @@ class FitParts:
 _FIT_FIELDS = tuple(f.name for f in dataclasses.fields(FitParts))
 
 
-def dense_bits(tree: PyTree) -> int:
-    """Bits of a dense payload on the wire (:func:`fedbayes.wire.pack`: 32 per float or int element)."""
-    return int(sum(FLOAT_BITS * int(np.prod(np.shape(x), dtype=np.int64)) for x in jax.tree_util.tree_leaves(tree)))
+def dense_bits(tree: PyTree, element_bits: int = FLOAT_BITS) -> int:
+    """Bits of a dense payload on the wire (:func:`fedbayes.wire.pack`: 32 per float or int element;
+    ``element_bits=SETTING_BITS`` for the client settings, sent as float64)."""
+    return int(sum(element_bits * int(np.prod(np.shape(x), dtype=np.int64)) for x in jax.tree_util.tree_leaves(tree)))
 
 
 def dense_message(tree: PyTree) -> Message:
