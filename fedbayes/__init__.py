@@ -13,7 +13,8 @@ from .introspect import FedModel, local
 from .kernels import ULA
 from .partition import partition_dirichlet, partition_iid, partition_shards
 from .protocol import FederatedRun, FitParts
-from .result import Result, load
+from .checkpoint import load_result as load
+from .result import Result
 from .wire import WireError
 
 __version__ = "0.1.0"

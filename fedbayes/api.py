@@ -245,13 +245,6 @@ def _fingerprints(fit: _Fit, fm: FedModel, cohort: int) -> dict[str, Any]:
     return {"model": model, "data": data_digest, "options": options}
 
 
-def _versions() -> dict[str, Any]:
-    from . import __version__
-
-    return {"fedbayes": __version__, "jax": jax.__version__, "numpy": np.__version__,
-            "x64": bool(jax.config.jax_enable_x64), "backend": jax.default_backend()}
-
-
 def _spec_bytes(fit: _Fit) -> bytes:
     """The fit specification pickled (model by reference), or b"" when something in it does not pickle."""
     try:
@@ -272,7 +265,7 @@ def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, sta
     plain = {"clients_per_round": fit.clients_per_round, "chunk_size": fit.chunk_size,
              "faults": None if fit.faults is None else dataclasses.asdict(fit.faults),
              "fault_policy": None if fit.fault_policy is None else dataclasses.asdict(fit.fault_policy)}
-    meta = {"algorithm": run.name, "num_rounds": fit.num_rounds, "seed": fit.seed, "versions": _versions(), "plain": plain,
+    meta = {"algorithm": run.name, "num_rounds": fit.num_rounds, "seed": fit.seed, "versions": checkpoint_io.versions(), "plain": plain,
             "fingerprints": _fingerprints(fit, fm, cohort), "init_digest": checkpoint_io.tree_digest(carry)}
     start, past = 0, []
     if resumed is not None:

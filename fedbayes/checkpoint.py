@@ -1,4 +1,4 @@
-"""Checkpoints of a federated fit: one file, written atomically, verified when read.
+"""Checkpoints of a federated fit and saved results: one file each, written atomically, verified when read.
 
 A checkpoint holds everything a fit needs to continue: the specification of the fit (model,
 data, algorithm, options, seed), the round reached, the full round state (server state, every
@@ -266,3 +266,75 @@ def info(path: str | os.PathLike) -> dict[str, Any]:
     """What a checkpoint holds: round reached, planned rounds, algorithm, seed, versions (verified)."""
     meta = load(path).meta
     return {k: meta[k] for k in ("round", "num_rounds", "algorithm", "seed", "versions") if k in meta}
+
+
+RESULT_FORMAT = 1
+"""Version of the file format of :meth:`fedbayes.Result.save`; :func:`load_result` (``fb.load``) reads this version only."""
+
+
+def versions() -> dict[str, Any]:
+    """Library versions, float width and backend, as checkpoints and saved results record them."""
+    from . import __version__
+
+    return {"fedbayes": __version__, "jax": jax.__version__, "numpy": np.__version__,
+            "x64": bool(jax.config.jax_enable_x64), "backend": jax.default_backend()}
+
+
+def load_result(path: Any) -> Any:
+    """Load a result saved by :meth:`fedbayes.Result.save` (``fb.load``).
+
+    The file is verified (format version, SHA-256 seal) before anything is unpickled. Unpickling runs
+    code named in the file (the model function is imported by name): load only files you trust. The
+    model function must be importable here under the name it had when saved.
+
+    Raises
+    ------
+    CheckpointError
+        If the file is missing, truncated, altered, of another format or kind, or its model function
+        cannot be imported here.
+    ConfigError
+        If ``path`` is not a path.
+
+    Warns
+    -----
+    CheckpointWarning
+        If it was saved with other library versions or float width: it loads, but predictions may
+        differ in the last bits.
+    """
+    import warnings
+
+    from .errors import CheckpointWarning
+    from .result import Result  # result imports this module: import at call time
+
+    meta, entries = read_sealed(path, RESULT_FORMAT, what="saved result")
+    path = os.fspath(path)
+    if meta.get("kind") != "fedbayes.Result" or "result" not in entries:
+        raise CheckpointError(f"{path!r} is not a saved fedbayes result (kind {meta.get('kind')!r}); a fit's "
+                              "checkpoint is read by fb.resume")
+    if meta.get("versions") != versions():
+        warnings.warn(f"{path!r} was saved with {meta.get('versions')}, this process has {versions()}; predictions "
+                      "may differ in the last bits", CheckpointWarning, stacklevel=2)
+    try:
+        res = pickle.loads(entries["result"].tobytes())
+    except Exception as err:  # noqa: BLE001 - e.g. a model defined in a script that is not importable here
+        raise CheckpointError(f"the saved result {path!r} cannot be loaded here ({type(err).__name__}: {err}); its "
+                              "model function (and algorithm) must be importable under the names they had when "
+                              "it was saved") from err
+    if not isinstance(res, Result):
+        raise CheckpointError(f"{path!r} holds a {type(res).__name__}, not a fedbayes Result")
+    return res
+
+
+def save_result(result: Any, path: Any) -> None:
+    """Write a :class:`~fedbayes.Result` to one sealed file (:meth:`fedbayes.Result.save` documents it)."""
+    try:
+        blob = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as err:  # noqa: BLE001 - PicklingError, AttributeError (local object), TypeError
+        raise CheckpointError(f"this result cannot be saved: part of it does not pickle ({type(err).__name__}: "
+                              f"{err}). The model function must be importable by name (a top-level function "
+                              "of a module, not a lambda or a closure), and so must anything in the "
+                              "algorithm's options") from err
+    meta = {"format": RESULT_FORMAT, "kind": "fedbayes.Result", "versions": versions(),
+            "algorithm": result.algorithm, "seed": result.seed}
+    write_sealed(path, {"meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8),
+                        "result": np.frombuffer(blob, np.uint8)}, what="saved result")

@@ -257,7 +257,7 @@ def _arviz_stats(draws: Mapping[str, np.ndarray],
     project's ArviZ adapter (ArviZ 0.23's InferenceData or 1.x's DataTree). One chain is split in two."""
     import xarray as xr
 
-    from .result import az, group, to_arviz
+    from .arviz_adapter import az, group, to_arviz
 
     variables = {}
     for name, a in draws.items():

@@ -23,7 +23,7 @@ from .seeds import seed_key
 from .data import FederatedData
 from .errors import ModelError, require_int
 from .introspect import FedModel, serialized
-from .result import _site_dims, to_arviz
+from .arviz_adapter import site_dims, to_arviz
 
 
 @serialized
@@ -75,10 +75,10 @@ def nuts(model: Callable, data: FederatedData | Mapping[str, Any], *, num_warmup
     post, coords = {}, {"chain": np.arange(num_chains), "draw": np.arange(num_samples), "client": data.client_coordinate()}
     for n, v in theta_c.items():
         v = np.asarray(v).reshape((num_chains, num_samples) + v.shape[1:])
-        post[n] = (["chain", "draw", *_site_dims(n, v.shape[2:])], v)
+        post[n] = (["chain", "draw", *site_dims(n, v.shape[2:])], v)
     for n, v in z_c.items():
         v = np.asarray(v).reshape((num_chains, num_samples) + v.shape[1:])
-        post[n] = (["chain", "draw", "client", *_site_dims(n, v.shape[3:])], v)
+        post[n] = (["chain", "draw", "client", *site_dims(n, v.shape[3:])], v)
     diverging = np.asarray(mcmc.get_extra_fields(group_by_chain=True)["diverging"])
     stats = xr.Dataset({"diverging": (["chain", "draw"], diverging)}, coords={k: coords[k] for k in ("chain", "draw")})
     posterior = xr.Dataset(post, coords=coords, attrs={"inference_library": "numpyro NUTS (pooled reference)"})

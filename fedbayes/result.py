@@ -1,11 +1,12 @@
-"""Fit results: point estimates, history, ArviZ data (both ArviZ lines) and predictions."""
+"""Fit results: point estimates, history, ArviZ data (through :mod:`fedbayes.arviz_adapter`) and predictions.
+
+Saving and loading a result is :mod:`fedbayes.checkpoint`'s (one sealed-file format for both)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import numbers
-import warnings
 from typing import Any, Mapping
 
 import jax
@@ -17,41 +18,11 @@ from numpyro import handlers
 from .seeds import require_seed, seed_key
 from .data import FederatedData
 from .protocol import ClientData
-from .errors import CheckpointError, DataError, FedbayesError
+from . import checkpoint as checkpoint_io
+from .errors import DataError, FedbayesError
 from .introspect import FedModel, serialized
 
-from ._arviz_import import import_arviz
-
-az = import_arviz()
-
-ARVIZ_1 = int(az.__version__.split(".")[0]) >= 1
-"""True on the ArviZ 1.x line (``xarray.DataTree``), False on 0.x (``InferenceData``)."""
-
-
-def to_arviz(groups: Mapping[str, xr.Dataset]) -> Any:
-    """The one adapter between fedbayes and ArviZ: named xarray groups -> InferenceData or DataTree."""
-    groups = {k: v for k, v in groups.items() if v is not None}
-    if ARVIZ_1:
-        return xr.DataTree.from_dict(dict(groups))
-    return az.InferenceData(**groups, warn_on_custom_groups=False)
-
-
-def group(data: Any, name: str) -> xr.Dataset:
-    """Group ``name`` of ArviZ data as an xarray Dataset, on either ArviZ line."""
-    node = data[name]
-    return node.to_dataset() if hasattr(node, "to_dataset") else node
-
-
-def loo_summary(data: Any) -> dict[str, float]:
-    """``az.loo`` of ArviZ data on either line: elpd_loo, se, p_loo and the largest Pareto k."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ArviZ warns on large Pareto k: it is reported in the row instead
-        out = az.loo(data, pointwise=True)
-    if ARVIZ_1:
-        return {"elpd_loo": float(out.elpd), "se": float(out.se), "p_loo": float(out.p),
-                "max_pareto_k": float(np.max(np.asarray(out.pareto_k)))}
-    return {"elpd_loo": float(out["elpd_loo"]), "se": float(out["se"]), "p_loo": float(out["p_loo"]),
-            "max_pareto_k": float(np.max(np.asarray(out["pareto_k"])))}
+from .arviz_adapter import ARVIZ_1, az, group, site_dims, to_arviz  # noqa: F401 - ARVIZ_1 re-exported
 
 
 def _options(cfg: Any) -> dict[str, Any]:
@@ -60,10 +31,6 @@ def _options(cfg: Any) -> dict[str, Any]:
         return {}
     values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     return {k: v for k, v in values.items() if v is None or isinstance(v, (numbers.Number, str))}
-
-
-def _site_dims(name: str, shape: tuple[int, ...]) -> list[str]:
-    return [f"{name}_dim_{i}" for i in range(len(shape))]
 
 
 class Result:
@@ -186,10 +153,10 @@ class Result:
         post = {}
         for name, arr in self._local_chains.items():
             a = np.moveaxis(arr, 0, 2)  # (chain, draw, client, ...)
-            post[name] = (["chain", "draw", "client", *_site_dims(name, arr.shape[3:])], a)
+            post[name] = (["chain", "draw", "client", *site_dims(name, arr.shape[3:])], a)
             coords.update(chain=np.arange(a.shape[0]), draw=np.arange(a.shape[1]))
         for name, arr in (self.global_samples or self.global_approx).items():
-            post[name] = (["chain", "draw", *_site_dims(name, arr.shape[2:])], arr)
+            post[name] = (["chain", "draw", *site_dims(name, arr.shape[2:])], arr)
             coords.update(chain=np.arange(arr.shape[0]), draw=np.arange(arr.shape[1]))
         det_post, det_params, det_coords = self._deterministic_vars()
         post.update(det_post)
@@ -203,13 +170,13 @@ class Result:
                 per_round = self.history[key][self._draw_rounds(draws)] / chains
                 stats[key] = (["chain", "draw"], np.broadcast_to(per_round, (chains, draws)))
             sample_stats = xr.Dataset(stats, coords={"chain": np.arange(chains), "draw": np.arange(draws)})
-        params = xr.Dataset({k: (_site_dims(k, v.shape), v) for k, v in self.params.items()})
+        params = xr.Dataset({k: (site_dims(k, v.shape), v) for k, v in self.params.items()})
         if det_params:
             params = params.assign(det_params)
             used = {dim for dims, _ in det_params.values() for dim in dims}
             params = params.assign_coords({k: v for k, v in det_coords.items() if k in used})
         for k, v in self.standard_errors.items():
-            params[f"{k}_se"] = (_site_dims(k, v.shape), v)
+            params[f"{k}_se"] = (site_dims(k, v.shape), v)
         local = None
         if self.local_info:
             local = xr.Dataset({k: (["client", *[f"{k}_dim_{i}" for i in range(v.ndim - 1)]], v)
@@ -217,7 +184,7 @@ class Result:
         hist = {}
         for k, v in self.history.items():
             name = k.replace("/", "_")
-            hist[name] = (["round", *_site_dims(name, v.shape[1:])], v)
+            hist[name] = (["round", *site_dims(name, v.shape[1:])], v)
         history = xr.Dataset(hist, coords={"round": np.arange(len(self.history["bits_up"]))},
                              attrs={"bits_up_total": self.bits_up, "bits_down_total": self.bits_down})
         clients = xr.Dataset({"num_observations": (["client"], np.asarray(self._data.sizes)),
@@ -273,10 +240,10 @@ class Result:
             axis = found[name].row_axis
             if axis is None:
                 a = np.moveaxis(v, 0, 1)
-                return ["client", *_site_dims(name, a.shape[2:])], a
+                return ["client", *site_dims(name, a.shape[2:])], a
             a = np.moveaxis(np.moveaxis(v, 2 + axis, 2), 0, 1)[:, keep]  # (S, total rows, ...)
             coords["obs"] = self._row_labels()
-            return ["obs", *_site_dims(name, a.shape[2:])], a
+            return ["obs", *site_dims(name, a.shape[2:])], a
 
         source = self.global_samples or self.global_approx
         if glob and source:
@@ -285,7 +252,7 @@ class Result:
             values = jax.jit(jax.vmap(at(glob), in_axes=(0, None)))(flat, first)
             for n in glob:  # in the model's order (a compiled program returns a dict's keys sorted)
                 v = np.asarray(values[n])
-                post[n] = (["chain", "draw", *_site_dims(n, v.shape[1:])], v.reshape((chains, draws) + v.shape[1:]))
+                post[n] = (["chain", "draw", *site_dims(n, v.shape[1:])], v.reshape((chains, draws) + v.shape[1:]))
             coords.update(chain=np.arange(chains), draw=np.arange(draws))
         if not self.global_samples and self.params:
             names = glob + ([] if fm.local_names else per)
@@ -293,7 +260,7 @@ class Result:
                 values = jax.jit(jax.vmap(at(names), in_axes=(None, 0)))(self.params, data)  # (C, ...)
                 for n in names:
                     v = np.asarray(values[n])
-                    dims, a = ([*_site_dims(n, v.shape[1:])], v[:1]) if n in glob else by_client(n, v[:, None])
+                    dims, a = ([*site_dims(n, v.shape[1:])], v[:1]) if n in glob else by_client(n, v[:, None])
                     params[n] = (dims, a[0])
         if per:
             try:
@@ -533,12 +500,12 @@ class Result:
             rep = jax.jit(jax.vmap(jax.vmap(per_draw, in_axes=(0, 0, 0, None)), in_axes=(0, 0, None, 0)))(
                 keys, local_vals, global_vals, data)
             groups["posterior_predictive"] = xr.Dataset(
-                {k: (["chain", "draw", "obs", *_site_dims(k, v.shape[3:])], pooled(v)) for k, v in rep.items()},
+                {k: (["chain", "draw", "obs", *site_dims(k, v.shape[3:])], pooled(v)) for k, v in rep.items()},
                 coords=coords)
         if observed_data:
             obs = jax.vmap(fm.observed_values)(data)
             groups["observed_data"] = xr.Dataset(
-                {k: (["obs", *_site_dims(k, v.shape[2:])], np.asarray(v)[keep]) for k, v in obs.items()},
+                {k: (["obs", *site_dims(k, v.shape[2:])], np.asarray(v)[keep]) for k, v in obs.items()},
                 coords={"client": ("obs", obs_client)})
         self._extra_groups.update(groups)
         self._idata = None
@@ -636,22 +603,7 @@ class Result:
             in the algorithm's options), or the file cannot be written (the previous file at ``path``,
             if any, is unchanged).
         """
-        import json
-        import pickle
-
-        from . import checkpoint as checkpoint_io
-
-        try:
-            blob = pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as err:  # noqa: BLE001 - PicklingError, AttributeError (local object), TypeError
-            raise CheckpointError(f"this result cannot be saved: part of it does not pickle ({type(err).__name__}: "
-                                  f"{err}). The model function must be importable by name (a top-level function "
-                                  "of a module, not a lambda or a closure), and so must anything in the "
-                                  "algorithm's options") from err
-        meta = {"format": RESULT_FORMAT, "kind": "fedbayes.Result", "versions": _versions(),
-                "algorithm": self.algorithm, "seed": self.seed}
-        checkpoint_io.write_sealed(path, {"meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8),
-                                          "result": np.frombuffer(blob, np.uint8)}, what="saved result")
+        checkpoint_io.save_result(self, path)
 
 
 def _over_clients(fn: Any) -> Any:
@@ -684,60 +636,3 @@ def _probability_program(fm: FedModel, site: str) -> Any:
         return jnp.moveaxis(jnp.exp(d.log_prob(support)), 0, -1)
 
     return _over_clients(one)
-
-
-RESULT_FORMAT = 1
-"""Version of the file format of :meth:`Result.save`; :func:`load` reads this version only."""
-
-
-def _versions() -> dict[str, Any]:
-    """Library versions, float width and backend, as checkpoints record them."""
-    from .api import _versions as versions  # api imports this module: import at call time
-
-    return versions()
-
-
-def load(path: Any) -> Result:
-    """Load a result saved by :meth:`Result.save`.
-
-    The file is verified (format version, SHA-256 seal) before anything is unpickled. Unpickling runs
-    code named in the file (the model function is imported by name): load only files you trust. The
-    model function must be importable here under the name it had when saved.
-
-    Raises
-    ------
-    CheckpointError
-        If the file is missing, truncated, altered, of another format or kind, or its model function
-        cannot be imported here.
-    ConfigError
-        If ``path`` is not a path.
-
-    Warns
-    -----
-    CheckpointWarning
-        If it was saved with other library versions or float width: it loads, but predictions may
-        differ in the last bits.
-    """
-    import os
-    import pickle
-
-    from . import checkpoint as checkpoint_io
-    from .errors import CheckpointWarning
-
-    meta, entries = checkpoint_io.read_sealed(path, RESULT_FORMAT, what="saved result")
-    path = os.fspath(path)
-    if meta.get("kind") != "fedbayes.Result" or "result" not in entries:
-        raise CheckpointError(f"{path!r} is not a saved fedbayes result (kind {meta.get('kind')!r}); a fit's "
-                              "checkpoint is read by fb.resume")
-    if meta.get("versions") != _versions():
-        warnings.warn(f"{path!r} was saved with {meta.get('versions')}, this process has {_versions()}; predictions "
-                      "may differ in the last bits", CheckpointWarning, stacklevel=2)
-    try:
-        res = pickle.loads(entries["result"].tobytes())
-    except Exception as err:  # noqa: BLE001 - e.g. a model defined in a script that is not importable here
-        raise CheckpointError(f"the saved result {path!r} cannot be loaded here ({type(err).__name__}: {err}); its "
-                              "model function (and algorithm) must be importable under the names they had when "
-                              "it was saved") from err
-    if not isinstance(res, Result):
-        raise CheckpointError(f"{path!r} holds a {type(res).__name__}, not a fedbayes Result")
-    return res

@@ -11,7 +11,8 @@ from numpyro.distributions import constraints
 
 import fedbayes as fb
 from fedbayes import checkpoint as checkpoint_io
-from fedbayes.result import RESULT_FORMAT, group
+from fedbayes.checkpoint import RESULT_FORMAT
+from fedbayes.result import group
 
 
 def logistic(x, y=None):
@@ -165,7 +166,7 @@ def test_a_damaged_or_foreign_file_is_refused(soul, tmp_path):
     sealed({"format": RESULT_FORMAT, "kind": "checkpoint"}, spec=b"")
     with pytest.raises(fb.CheckpointError, match="not a saved fedbayes result"):
         fb.load(path)
-    meta = {"format": RESULT_FORMAT, "kind": "fedbayes.Result", "versions": fb.result._versions()}
+    meta = {"format": RESULT_FORMAT, "kind": "fedbayes.Result", "versions": fb.checkpoint.versions()}
     sealed(meta, result=pickle.dumps({"not": "a result"}))
     with pytest.raises(fb.CheckpointError, match="holds a dict, not a fedbayes Result"):
         fb.load(path)

@@ -157,7 +157,8 @@ def _save_arviz(out: Any, path: str | os.PathLike | None) -> Any:
 def plot_arviz_pit(data: Any, *, path: str | os.PathLike | None = None, **kwargs: Any) -> Any:
     """ArviZ's PIT plot of the posterior predictive against the observed data (``res.extend_idata()``):
     ``plot_ppc_pit`` (PIT ECDF with simultaneous band) on ArviZ 1.x, ``plot_bpv(kind="u_value")`` on 0.x."""
-    from ..result import ARVIZ_1, Result, az
+    from ..arviz_adapter import ARVIZ_1, az
+    from ..result import Result
 
     _pyplot()
     idata = data.idata if isinstance(data, Result) else data
@@ -170,7 +171,8 @@ def plot_arviz_pava(data: Any, *, data_type: str = "categorical", path: str | os
     """PAV-adjusted calibration of a discrete posterior predictive: ArviZ's ``plot_ppc_pava`` on ArviZ
     1.x. ArviZ 0.x has none; there the top-label PAV reliability of the posterior predictive class
     frequencies is drawn by :func:`plot_reliability` instead."""
-    from ..result import ARVIZ_1, Result, az, group
+    from ..arviz_adapter import ARVIZ_1, az, group
+    from ..result import Result
 
     _pyplot()
     idata = data.idata if isinstance(data, Result) else data

@@ -119,7 +119,8 @@ def moment_errors(samples: Any, reference: Any) -> dict[str, np.ndarray]:
 def _draw_sets(obj: Any) -> dict[str, tuple[np.ndarray, bool]]:
     """``{site: (draws, is_local)}``: globals (S, ...) and locals (S, C, ...), constrained, chains pooled.
     A fit whose globals are a point estimate gives them as one draw (S = 1)."""
-    from ..result import Result, group
+    from ..arviz_adapter import group
+    from ..result import Result
 
     out: dict[str, tuple[np.ndarray, bool]] = {}
     if isinstance(obj, Result):
@@ -207,7 +208,8 @@ def loo_per_client(data: Any) -> Any:
     """
     import pandas as pd
 
-    from ..result import Result, group, loo_summary, to_arviz
+    from ..arviz_adapter import group, loo_summary, to_arviz
+    from ..result import Result
 
     idata = data.idata if isinstance(data, Result) else data
     try:
