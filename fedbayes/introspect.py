@@ -140,7 +140,12 @@ class _SmoothLogits(Messenger):
 
 
 class DataMask(Messenger):
-    """Mask padded observations out of every sample site inside a data plate."""
+    """Mask padded observations out of every sample site inside a data plate.
+
+    A boolean ``mask`` keeps the rows where it is True. A float ``mask`` holds row weights (a minibatch,
+    :mod:`fedbayes.minibatch`: N_i / B on the batch's rows, 0 on padding): rows of weight 0 are masked
+    out and the others' log-densities are scaled by their weight (the site's ``scale``, which every
+    density of :class:`FedModel` multiplies in, :func:`sum_log_prob`)."""
 
     def __init__(self, fn: Callable, mask: jax.Array, data_plates: frozenset[str]):
         self.mask = mask
@@ -150,10 +155,25 @@ class DataMask(Messenger):
     def process_message(self, msg: dict[str, Any]) -> None:
         if msg["type"] != "sample":
             return
+        weighted = jnp.issubdtype(jnp.result_type(self.mask), jnp.floating)
         for frame in msg["cond_indep_stack"]:
             if frame.name in self.data_plates:
                 m = jnp.reshape(self.mask, (-1,) + (1,) * (-frame.dim - 1))
-                msg["fn"] = msg["fn"].mask(m)
+                msg["fn"] = msg["fn"].mask(m > 0 if weighted else m)
+                if weighted:
+                    msg["scale"] = m if msg.get("scale") is None else msg["scale"] * m
+
+
+class _WholePlates(Messenger):
+    """Every ``numpyro.plate`` with a ``subsample_size`` runs over all its rows (indices 0..size-1, scale 1):
+    fedbayes draws minibatches itself (:mod:`fedbayes.minibatch`) and hands the model the batch's rows,
+    so NumPyro's own subsampling (its key, its size / subsample_size scale) is switched off."""
+
+    def process_message(self, msg: dict[str, Any]) -> None:
+        if msg["type"] == "plate" and msg["value"] is None:
+            size = msg["args"][0]
+            msg["value"] = jnp.arange(size)
+            msg["args"] = (size, None)
 
 
 class _Unobserve(Messenger):
@@ -382,9 +402,10 @@ class FedModel:
     @property
     def model(self) -> Callable:
         """The user's model as fedbayes evaluates it: Bernoulli-logit sites with exact derivatives at logit 0
-        (:class:`_BernoulliLogits`; the same values). ``user_model`` is the function as given."""
+        (:class:`_BernoulliLogits`; the same values) and plates over all their rows (:class:`_WholePlates`:
+        minibatches are drawn by the algorithm). ``user_model`` is the function as given."""
         user = self.__dict__.get("user_model", self.__dict__.get("model"))  # results pickled before user_model
-        return _SmoothLogits(user)
+        return _SmoothLogits(_WholePlates(user))
 
     @serialized
     def __init__(self, model: Callable, data: FederatedData, model_kwargs: Mapping[str, Any] | None = None):
@@ -400,15 +421,17 @@ class FedModel:
         longer = {k: np.concatenate([v, v[-1:]], axis=0) for k, v in example.items()}
         try:
             # JAX arrays, as the model sees its data in a fit (NumPy arrays cannot be indexed by tracers)
-            tr = _abstract_trace(model, {**_as_jax(example), **self.model_kwargs})
-            tr_longer = _abstract_trace(model, {**_as_jax(longer), **self.model_kwargs})
+            raw = _abstract_trace(model, {**_as_jax(example), **self.model_kwargs})
+            tr = _abstract_trace(_WholePlates(model), {**_as_jax(example), **self.model_kwargs})
+            tr_longer = _abstract_trace(_WholePlates(model), {**_as_jax(longer), **self.model_kwargs})
         except Exception as err:  # the user's model failed on a client's data
             raise ModelError(
                 f"calling the model on client 0's data failed with {type(err).__name__}: {err}. "
                 f"The model is called as model(**client_data, **model_kwargs) with data keys {list(data.keys)}."
             ) from err
-        self._refuse_subsampling(tr)
+        self.subsample_size = self._subsample_size(raw)
         self.data_plates = self._find_data_plates(tr, tr_longer)
+        self._check_subsampled_plates(raw)
         self.sites: dict[str, Site] = {}
         self.observed: tuple[str, ...] = ()
         self._classify(tr, tr_longer)
@@ -422,19 +445,29 @@ class FedModel:
 
     # ----------------------------------------------------------------------------- introspection
     @staticmethod
-    def _refuse_subsampling(tr) -> None:
-        """Refuse ``numpyro.plate(name, N, subsample_size=B)`` with B < N: fedbayes evaluates each
-        client's likelihood on all its rows (padded and masked); a subsampled plate would draw its own
-        rows with NumPyro's key and rescale by N / B behind the algorithms' backs."""
+    def _subsample_size(tr) -> int | None:
+        """B of ``numpyro.plate(name, N, subsample_size=B)`` with B < N (None if no plate subsamples): the
+        model asks for minibatches of B rows, which the algorithms that take them draw themselves
+        (:mod:`fedbayes.minibatch`); the others refuse the model (:meth:`require`)."""
+        sizes = {}
         for name, site in tr.items():
-            if site["type"] != "plate":
-                continue
-            size, subsample = site["args"]
-            if subsample is not None and subsample != size:
-                raise ModelError(
-                    f"plate '{name}' subsamples {subsample} of its {size} rows (subsample_size={subsample}); "
-                    "fedbayes evaluates each client's likelihood on all of its rows, so remove subsample_size "
-                    "(minibatch clients, with the N_i / B scaling done by the algorithm, are not available yet)")
+            if site["type"] == "plate":
+                size, subsample = site["args"]
+                if subsample is not None and subsample != size:
+                    sizes[name] = int(subsample)
+        if len(set(sizes.values())) > 1:
+            raise ModelError(f"plates {sorted(sizes)} subsample different numbers of rows ({sizes}); fedbayes draws "
+                             "one minibatch of each client's rows per step: give one subsample_size")
+        return next(iter(sizes.values()), None)
+
+    def _check_subsampled_plates(self, raw) -> None:
+        """A plate with ``subsample_size`` (in ``raw``, the trace with NumPyro's subsampling) must run over
+        the client's rows (a data plate)."""
+        for name, site in raw.items():
+            if site["type"] == "plate" and name not in self.data_plates and site["args"][1] not in (None, site["args"][0]):
+                raise ModelError(f"plate '{name}' has subsample_size={site['args'][1]} but does not run over the "
+                                 "client's rows; fedbayes draws minibatches of a client's rows only (subsample the "
+                                 "plate over the observations)")
 
     @staticmethod
     def _find_data_plates(tr, tr_longer) -> frozenset[str]:
@@ -655,8 +688,15 @@ class FedModel:
                 note="its value on a client's real rows changes when the client's data are padded (e.g. a mean "
                      "over the rows, or x.shape[0])")
 
-    def require(self, algorithm: str, *, local_continuous: bool = True, allow_obs_latent: bool = False) -> None:
-        """Raise ModelError if the model has sites ``algorithm`` cannot handle, naming the site."""
+    def require(self, algorithm: str, *, local_continuous: bool = True, allow_obs_latent: bool = False,
+                minibatch: bool = False) -> None:
+        """Raise ModelError if the model has sites ``algorithm`` cannot handle, naming the site, or asks for
+        minibatches (a plate's ``subsample_size``) that ``algorithm`` does not draw (``minibatch=False``)."""
+        if self.subsample_size is not None and not minibatch:
+            raise ModelError(
+                f"the model's data plate subsamples {self.subsample_size} rows (subsample_size={self.subsample_size}), "
+                f"but {algorithm} evaluates every client's likelihood on all of its rows; remove subsample_size, or "
+                "use an algorithm that takes minibatch steps (fb.FedSOUL, fb.LMC and the ELF samplers, fb.QLSD)")
         for site in self.sites.values():
             if site.role == "obs_latent" and not allow_obs_latent:
                 raise ModelError(

@@ -50,7 +50,7 @@ def nuts(model: Callable, data: FederatedData | Mapping[str, Any], *, num_warmup
     if params:
         raise ModelError(f"sites {params} are numpyro.param (no prior), so there is no posterior to sample; give "
                          "them priors for a NUTS reference, or compare with a centralised maximiser")
-    fm.require("the NUTS reference")
+    fm.require("the NUTS reference", minibatch=True)  # full data: a subsampled plate runs over all rows
     C = data.num_clients
     padded, mask = data.padded, data.mask
 

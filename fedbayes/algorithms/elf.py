@@ -39,10 +39,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from .. import minibatch
 from ..compress import Compressor, identity, require_contractive, scale_to_contractive
 from ..engine import stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..kernels import curvature
+from ..minibatch import check_batch_size
 from ..introspect import FedModel, serialized
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from .channels import DirectUplink, EF21PDownlink, EF21Uplink, FullDownlink
@@ -101,6 +103,20 @@ class LangevinSampler:
         the search needs a data-dependent number of exchanges; pass ``init=`` a MAP ``Result`` instead).
         A dict of constrained values or a previous fit ``Result`` (its ``params``) is used as given,
         jittered per chain by U(-0.5, 0.5).
+    batch_size:
+        B, the rows of a client's data each round's gradient sees (None, the default: all of them).
+        Each client then sends the gradient of its log-likelihood on a fresh minibatch of B rows scaled
+        by N_i / B (:mod:`fedbayes.minibatch`; each chain its own batch), an unbiased estimate of
+        grad U_i: stochastic-gradient Langevin dynamics (SGLD, Welling and Teh 2011). It is not exact:
+        the gradient noise (covariance V per round, summed over clients) adds to the injected noise,
+        and on a Gaussian target with Hessian H the stationary covariance solves
+        H S + S H - gamma H S H = 2 I + gamma V instead of ULA's H S + S H - gamma H S H = 2 I (the
+        same mean; ``tests/test_minibatch.py`` checks the formula), so the posterior comes out wider
+        by about gamma V / 2 in the precision's units: keep the full batch unless the data are too
+        large, and a small step with minibatches. The set-up (the start at the mode, the step size,
+        the ELF samplers' first full gradients) uses all rows. With error feedback (D-/B-ELF) the
+        memories track the noisy gradients; no result covers that case. A model's
+        ``numpyro.plate(..., subsample_size=B)`` sets B the same way.
     """
 
     step_size: float | None = None
@@ -108,6 +124,7 @@ class LangevinSampler:
     warmup: int | None = None
     thinning: int = 1
     init: Any = None
+    batch_size: int | None = None
 
     partial_participation = False
     name = "LMC"
@@ -121,6 +138,7 @@ class LangevinSampler:
             require_int(self.warmup, f"{self.name} warmup", 0)
         require_int(self.thinning, f"{self.name} thinning")
         check_init(self.init, self.name)
+        check_batch_size(self.batch_size, self.name)
         self._channels(None)  # refuse a compressor of the wrong kind now, not at fit time
 
     def _channels(self, dim: int | None) -> tuple[Any, Any]:
@@ -130,7 +148,7 @@ class LangevinSampler:
 
     def build(self, problem: Problem) -> "LangevinRun":
         fm: FedModel = problem.model
-        fm.require(self.name)
+        fm.require(self.name, minibatch=True)
         if fm.local_names:
             raise ModelError(
                 f"{self.name} samples the global sites only, but the model has local latents "
@@ -277,6 +295,7 @@ class LangevinRun(FederatedRun):
     def __init__(self, cfg: LangevinSampler, fm: FedModel, problem: Problem):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
         self._b = problem.data.num_clients
+        self._batches = minibatch.resolve(cfg.batch_size, fm, problem.data.mask.shape[1], cfg.name)
         self.warmup = cfg.warmup if cfg.warmup is not None else problem.num_rounds // 2
         self._spread = None  # Cholesky factor of H^-1 at the mode: the chains' dispersed starts
         self._precond = None  # the same factor S as the Langevin preconditioner (automatic step only)
@@ -326,8 +345,13 @@ class LangevinRun(FederatedRun):
         loglik = self._fm.client_log_terms(theta, {}, client.data, client.mask)[1]
         return -loglik - self._fm.log_prior(theta, jacobian=True) / self._b
 
-    def _grad(self, x, client):
-        return jax.vmap(jax.grad(self.client_potential), in_axes=(0, None))(x, client)  # over chains
+    def _grad(self, x, client, key: jax.Array | None = None):
+        """grad U_i at each chain's x (rows of ``x``); with minibatches and a ``key``, each chain's on its own
+        batch (:mod:`fedbayes.minibatch`)."""
+        if key is None or not self._batches.active:
+            return jax.vmap(jax.grad(self.client_potential), in_axes=(0, None))(x, client)  # over chains
+        keys = jax.random.split(minibatch.batch_key(key), x.shape[0])
+        return jax.vmap(lambda xc, kc: jax.grad(self.client_potential)(xc, self._batches.draw(kc, client)))(x, keys)
 
     def max_curvature(self, clients: ClientData, x: jax.Array) -> jax.Array:
         """lambda_max of the Hessian of U = sum_i U_i at x, by power iteration on summed client HVPs."""
@@ -406,7 +430,7 @@ class LangevinRun(FederatedRun):
     def client_step(self, key, payload, state: ClientState, client: ClientData):
         """The gradient at the point the downlink delivers, sent through the uplink."""
         w, down = self.down.receive(payload, state.down)
-        up, message = self.up.send(key, self._grad(w, client), state.up)
+        up, message = self.up.send(key, self._grad(w, client, key), state.up)
         return ClientState(down, up), message
 
     def resync_message(self, state: ServerState) -> Message:
@@ -445,6 +469,7 @@ class LangevinRun(FederatedRun):
             params_last={k: v[:, -1].mean(0) for k, v in samples.items()},
             start_bits=self.map_bits,
             settings={"step_size": gamma, "warmup": self.warmup, "start": self.start,
+                      "batch_size": self._batches.size if self._batches.active else None,
                       "map_iterations": self.map_iterations, "preconditioned": self._precond is not None},
             final_state=server,
         )

@@ -46,11 +46,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from .. import optim
+from .. import minibatch, optim
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import client_key, final_exchange, stack_clients
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
+from ..minibatch import check_batch_size
 from ..kernels import LangevinPoint, backtrack, curvature, langevin_move, newton_mode, newton_root
 from ..introspect import FedModel, Params
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
@@ -112,7 +113,8 @@ class FedSOUL:
         error is about half of that at 0.1 (MASS epil's final exchange) (sleepstudy's Days slope: 10.19 at
         0.1, 10.41-10.58 over four seeds at 1.0, against statsmodels' 10.47).
     local_kernel:
-        The clients' Markov kernel. "mala" (default): each Langevin proposal is accepted or rejected by
+        The clients' Markov kernel. None (default): "mala" with the full batch, "ula" with minibatches
+        (``batch_size``). "mala": each Langevin proposal is accepted or rejected by
         Metropolis-Hastings (:func:`fedbayes.kernels.langevin_move`; the log-density and gradient at the
         proposal are the ones the next move and the Fisher gradient need anyway, so the test costs no
         extra evaluation), and each chain's stationary law is the local posterior p(z | D_i, theta)
@@ -122,6 +124,21 @@ class FedSOUL:
         move overshoots, and a move to a point where the log-density or a gradient is not finite is
         rejected. The mean acceptance probability of the final draws is in
         ``res.client_info["acceptance"]``.
+    batch_size:
+        B, the rows of a client's data each local move sees (None, the default: all of them). Each move
+        then evaluates the client's log-likelihood on a fresh minibatch of B rows scaled by N_i / B
+        (:mod:`fedbayes.minibatch`: drawn from the client's round key, without replacement within the
+        round), so its drift and its Fisher-gradient term are unbiased estimates: the local chain is
+        stochastic-gradient Langevin dynamics (SGLD, Welling and Teh 2011; FedPop's own setting). The
+        theory's cost: SGLD's stationary law is the local posterior only as gamma -> 0 (the gradient
+        noise adds a variance of order gamma^2 Var(grad) per move on top of ULA's O(gamma) bias), and
+        it reaches theta* through the Fisher gradient as ULA's bias does; a Metropolis test cannot fix
+        it (a minibatch log-density is not the log-density), so minibatches take the "ula" kernel and
+        ``local_kernel="mala"`` with batches is refused. The kernel's step and metric are adapted on
+        the round's first batch (an unbiased estimate of the client's curvature); the set-up (starts)
+        and the final exchange (personal posteriors, Louis' standard errors, by MALA) use all rows. A
+        model's ``numpyro.plate(..., subsample_size=B)`` sets B the same way. B at least every client's
+        row count is the full batch, and the fit the full-batch fit bit for bit.
     local_metric:
         The clients' Langevin preconditioner. "dense": each round (and for the final draws) the client
         computes the Hessian H_i of -log p(D_i, z | theta) in z at its anchor (:meth:`FedSOULRun._adapt`,
@@ -210,7 +227,8 @@ class FedSOUL:
     step_size: float | Sequence[float] | None = None
     step_scale: float | None = None
     local_metric: str = "auto"
-    local_kernel: str = "mala"
+    local_kernel: str | None = None
+    batch_size: int | None = None
     power_iters: int = 2
     server_lr: float | Callable | None = None
     server_optimizer: Any = "auto"
@@ -238,7 +256,8 @@ class FedSOUL:
             raise ConfigError(f"FedSOUL burn_in={self.burn_in} must be smaller than local_steps={self.local_steps}")
         require_int(self.power_iters, "FedSOUL power_iters")
         require_choice(self.local_metric, "FedSOUL local_metric", ("auto", "identity", "dense"))
-        require_choice(self.local_kernel, "FedSOUL local_kernel", ("mala", "ula"))
+        require_choice(self.local_kernel, "FedSOUL local_kernel", (None, "mala", "ula"))
+        check_batch_size(self.batch_size, "FedSOUL")
         require_int(self.num_samples, "FedSOUL num_samples")
         require_int(self.warmup, "FedSOUL warmup", 0)
         require_int(self.thinning, "FedSOUL thinning")
@@ -279,7 +298,7 @@ class FedSOUL:
     def build(self, problem: Problem) -> "FedSOULRun":
         """Bind the configuration to a problem: the object that runs the round protocol."""
         fm: FedModel = problem.model
-        fm.require("FedSOUL")
+        fm.require("FedSOUL", minibatch=True)
         if not fm.local_names:
             raise ConfigError("FedSOUL needs at least one local latent (a sample site under fb.local())")
         for site in (*self.exact_sites, *(self.bounds or {})):
@@ -288,7 +307,13 @@ class FedSOUL:
         n = problem.data.num_clients
         if np.ndim(self.step_size) == 1 and len(self.step_size) != n:
             raise ConfigError(f"FedSOUL step_size has {len(self.step_size)} entries for {n} clients")
-        return FedSOULRun(self, fm, int(self.average_from * problem.num_rounds), resolve_init(self.init, problem), n)
+        batches = minibatch.resolve(self.batch_size, fm, problem.data.mask.shape[1], "FedSOUL")
+        if batches.active and self.local_kernel == "mala":
+            raise ConfigError("FedSOUL local_kernel='mala' cannot take minibatch steps: a Metropolis test on a "
+                              "minibatch estimate of the log-density does not leave the local posterior invariant; "
+                              "leave local_kernel=None (ULA, i.e. SGLD, with minibatches) or use the full batch")
+        return FedSOULRun(self, fm, int(self.average_from * problem.num_rounds), resolve_init(self.init, problem), n,
+                          batches)
 
 
 class FedSOULRun(FederatedRun):
@@ -297,8 +322,9 @@ class FedSOULRun(FederatedRun):
     final_exchange = True  # personal posteriors at the estimate
 
     def __init__(self, cfg: FedSOUL, fm: FedModel, avg_start: int, init_values: Mapping[str, Any] | None,
-                 num_clients: int):
+                 num_clients: int, batches: minibatch.Minibatch):
         self.cfg, self._fm, self._avg_start, self._init_values = cfg, fm, avg_start, init_values
+        self._batches = batches
         self.num_clients = num_clients
         self.name = cfg.name
         self.dim = int(sum(int(np.prod(fm.sites[n].unconstrained_shape, dtype=np.int64)) for n in fm.global_names))
@@ -316,7 +342,8 @@ class FedSOULRun(FederatedRun):
         self._dense = cfg.local_metric == "dense" or (cfg.local_metric == "auto" and cfg.step_size is None
                                                       and 0 < q <= LOCAL_DENSE_MAX)
         self.local_metric = "dense" if self._dense else "identity"
-        self._adjusted = cfg.local_kernel == "mala"
+        self.local_kernel = cfg.local_kernel or ("ula" if batches.active else "mala")
+        self._adjusted = self.local_kernel == "mala"
         self.step_scale = cfg.step_scale if cfg.step_scale is not None else (1.0 if self._adjusted else 0.1)
 
     @staticmethod
@@ -353,26 +380,35 @@ class FedSOULRun(FederatedRun):
         return lambda z: fm.client_log_joint(theta, z, client.data, client.mask)
 
     def _run_chain(self, fm, key, theta, z0, step, client, num_steps, keep_from, information: bool = False,
-                   root: jax.Array | None = None):
+                   root: jax.Array | None = None, order: jax.Array | None = None):
         """A chain of ``num_steps`` local moves (:meth:`_move`) from z0; averages grad_theta log p(D, z | theta)
         (and the log joint) over the states after move ``keep_from``. With ``information``, also the complete-data
         information mean_m(-grad^2_theta log p(D, Z_m | theta)) over the same states (flat, unconstrained;
-        None otherwise)."""
+        None otherwise).
+
+        With minibatches (``order``, the round's order of the client's rows, :mod:`fedbayes.minibatch`), the
+        chain's start is evaluated on batch 0 and move m's proposal on batch m + 1: each drift and each
+        Fisher-gradient term is an unbiased estimate on a batch drawn independently of the state it is
+        evaluated at (SGLD)."""
         flat, unravel = ravel_pytree(theta)
         d = flat.size if information else 0
-        hess = jax.hessian(lambda x, z: fm.client_log_joint(unravel(x), z, client.data, client.mask))
-        evaluate = self._evaluator(theta, client)
-        start = LangevinPoint(z0, *evaluate(z0))
+        batch = lambda m: self._batches.take(order, client, m) if order is not None else client  # noqa: E731
+
+        def hess(x, z, c):
+            return jax.hessian(lambda x, z: fm.client_log_joint(unravel(x), z, c.data, c.mask))(x, z)
+
+        start = LangevinPoint(z0, *self._evaluator(theta, batch(0))(z0))
         zeros = jax.tree_util.tree_map(jnp.zeros_like, start.aux)
 
         def body(carry, xs):
             point, acc, acc_val, acc_h = carry
             k, m = xs
-            point, _ = self._move(k, point, evaluate, step, root)
+            c = batch(m + 1)
+            point, _ = self._move(k, point, self._evaluator(theta, c), step, root)
             keep = m >= keep_from
             acc = jax.tree_util.tree_map(lambda a, g: a + jnp.where(keep, g, 0.0), acc, point.aux)
             if information:
-                acc_h = acc_h - jnp.where(keep, hess(flat, point.x), 0.0)
+                acc_h = acc_h - jnp.where(keep, hess(flat, point.x, c), 0.0)
             return (point, acc, acc_val + jnp.where(keep, point.log_density, 0.0), acc_h), None
 
         xs = (jax.random.split(key, num_steps), jnp.arange(num_steps))
@@ -393,10 +429,12 @@ class FedSOULRun(FederatedRun):
             return val, g_z, g_theta
         return evaluate
 
-    def _move(self, key, point: LangevinPoint, evaluate, step, root) -> tuple[LangevinPoint, jax.Array]:
+    def _move(self, key, point: LangevinPoint, evaluate, step, root, adjusted: bool | None = None
+              ) -> tuple[LangevinPoint, jax.Array]:
         """One local move (:func:`fedbayes.kernels.langevin_move`, tamed): MALA with ``local_kernel="mala"``,
-        plain ULA with ``"ula"``; ``root`` the local metric's root (None: the identity)."""
-        return langevin_move(key, point, evaluate, step, root, adjusted=self._adjusted, tame=True)
+        plain ULA with ``"ula"`` (``adjusted`` overrides); ``root`` the local metric's root (None: the identity)."""
+        adjusted = self._adjusted if adjusted is None else adjusted
+        return langevin_move(key, point, evaluate, step, root, adjusted=adjusted, tame=True)
 
     def _adapt(self, theta: Params, anchor: Params, v, step, client: ClientData, iters: int):
         """The round's kernel at theta_k: ``(anchor', v, gamma, R)``, R the metric's root (None: identity).
@@ -484,9 +522,13 @@ class FedSOULRun(FederatedRun):
         fm: FedModel = self._fm
         k_init, k_chain, k_comp = jax.random.split(key, 3)
         z0 = state.z if self.cfg.stateful else fm.sample_local_prior(k_init, theta, client.data, client.mask)
-        anchor, v, step, root = self._adapt(theta, state.anchor, state.v, state.step, client, self.cfg.power_iters)
+        order = self._batches.order(key, client) if self._batches.active else None
+        # the kernel is adapted on the round's batch 0 (the curvature of an unbiased estimate of the client's
+        # log-density; the whole client without minibatches), which none of the moves' drifts uses
+        adapt_on = self._batches.take(order, client, 0) if order is not None else client
+        anchor, v, step, root = self._adapt(theta, state.anchor, state.v, state.step, adapt_on, self.cfg.power_iters)
         z, grad, objective, info = self._run_chain(fm, k_chain, theta, z0, step, client, self.cfg.local_steps,
-                                                   self.cfg.burn_in, self._fisher, root)
+                                                   self.cfg.burn_in, self._fisher, root, order)
         sent, bits = self._compress(k_comp, grad)
         tri = ()
         if self._fisher:  # the complete-data information as its upper triangle, uncompressed
@@ -591,9 +633,12 @@ class FedSOULRun(FederatedRun):
         log_joint = self._log_joint_fn(fm, theta, client)
         evaluate = lambda z: (*jax.value_and_grad(log_joint)(z), ())  # noqa: E731
 
+        # on the whole client's data: with minibatch training the final chains are MALA (exact), not SGLD
+        adjusted = self._adjusted or self._batches.active
+
         def chain(kc, z0):
             def body(point, k):
-                point, prob = self._move(k, point, evaluate, step, root)
+                point, prob = self._move(k, point, evaluate, step, root, adjusted)
                 return point, (point.x, prob)
             return jax.lax.scan(body, LangevinPoint(z0, *evaluate(z0)), jax.random.split(kc, n_steps))[1]
 
@@ -642,7 +687,8 @@ class FedSOULRun(FederatedRun):
                                    else type(self.optimizer).__name__,
                                    "uncertainty": self.uncertainty,
                                    "local_metric": self.local_metric,
-                                   "local_kernel": self.cfg.local_kernel,
+                                   "local_kernel": self.local_kernel,
+                                   "batch_size": self._batches.size if self._batches.active else None,
                                    "step_scale": self.step_scale,
                                    **({} if callable(self.server_lr) else {"server_lr": self.server_lr})})
         if locals_ is not None:

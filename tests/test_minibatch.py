@@ -1,0 +1,199 @@
+"""Minibatch clients (fedbayes.minibatch): unbiased batches, the full batch bit for bit, SGLD's exact law.
+
+References: the client's full-batch log-likelihood and gradient (the batch estimate's mean), the
+full-batch fit (B at least every client's rows), the closed-form stationary covariance of
+stochastic-gradient Langevin dynamics on a Gaussian target, and the closed-form maximum marginal
+likelihood of a Gaussian random-intercept model.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+
+import fedbayes as fb
+from fedbayes.engine import stack_clients
+from fedbayes.introspect import FedModel
+from fedbayes.minibatch import Minibatch
+
+
+def regression(x, y):
+    w = numpyro.sample("w", dist.Normal(0.0, 3.0).expand([2]).to_event(1))
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ w, 1.0), obs=y)
+
+
+def regression_subsampled(x, y):  # the same model asking for batches of 4 rows itself
+    w = numpyro.sample("w", dist.Normal(0.0, 3.0).expand([2]).to_event(1))
+    with numpyro.plate("obs", y.shape[0], subsample_size=4) as rows:
+        numpyro.sample("y", dist.Normal(x[rows] @ w, 1.0), obs=y[rows])
+
+
+def random_intercepts(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with fb.local():
+        z = numpyro.sample("z", dist.Normal(mu, 1.0))
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Normal(z, 1.0), obs=y)
+
+
+def _regression_data(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    xs = [rng.normal(size=(n, 2)) for n in sizes]
+    return fb.FederatedData({"x": xs, "y": [x @ np.array([1.0, -0.5]) + rng.normal(size=len(x)) for x in xs]})
+
+
+def test_batches_are_distinct_rows_cover_the_round_and_weigh_n_over_b():
+    data = _regression_data([12, 3, 7])  # padded to 12 rows; client 1 has fewer rows than a batch
+    clients = stack_clients(data)
+    mb = Minibatch(4, 12)
+    for c in range(3):
+        client = jax.tree_util.tree_map(lambda a: a[c], clients)
+        order = mb.order(jax.random.PRNGKey(c), client)
+        n = int(data.sizes[c])
+        seen = []
+        for m in range(3):
+            b = mb.take(order, client, m)
+            rows = np.asarray(order)[np.asarray([(m * 4 + j) % n if n > 4 else j for j in range(4)])]
+            real = rows[np.asarray(b.mask) > 0]
+            assert len(set(real.tolist())) == len(real)  # without replacement within a batch
+            assert np.all(real < n)  # never a padded row with a weight
+            # the weights sum to N_i: the batch's scale makes its sum an estimate of all N_i rows
+            np.testing.assert_allclose(np.sum(np.asarray(b.mask)), n, rtol=1e-6)
+            np.testing.assert_array_equal(np.asarray(b.data["y"])[np.asarray(b.mask) > 0], np.asarray(client.data["y"])[real])
+            seen.extend(real.tolist())
+        if n == 12:  # three batches of 4 of 12 rows: an epoch, every row once
+            assert sorted(seen) == list(range(12))
+        if n == 3:  # fewer rows than a batch: all of them, weight 1
+            assert sorted(seen[:3]) == [0, 1, 2]
+
+
+def test_minibatch_log_likelihood_and_gradient_are_unbiased():
+    data = _regression_data([30, 9, 17])
+    fm = FedModel(regression, data)
+    clients = stack_clients(data)
+    mb = Minibatch(5, 30)
+    theta = {"w": jnp.array([0.3, 0.8])}
+
+    def loglik(client):
+        return fm.client_log_terms(theta, {}, client.data, client.mask)[1]
+
+    draws = 20_000
+    for c in range(3):
+        client = jax.tree_util.tree_map(lambda a: a[c], clients)
+        full, full_grad = loglik(client), jax.grad(lambda t: fm.client_log_terms(t, {}, client.data, client.mask)[1])(theta)["w"]
+        keys = jax.random.split(jax.random.PRNGKey(10 + c), draws)
+
+        def one(k):
+            b = mb.draw(k, client)
+            return loglik(b), jax.grad(lambda t: fm.client_log_terms(t, {}, b.data, b.mask)[1])(theta)["w"]
+
+        vals, grads = jax.jit(jax.vmap(one))(keys)
+        vals, grads = np.asarray(vals, np.float64), np.asarray(grads, np.float64)
+        # independent draws: the mean's standard error is sd / sqrt(draws); 4.5 se is a 1e-5 two-sided
+        # chance per coordinate (float32 sums add ~1e-6 relative, far below it)
+        se = vals.std() / np.sqrt(draws)
+        assert abs(vals.mean() - float(full)) < 4.5 * se + 1e-5 * abs(float(full))
+        se_g = grads.std(0) / np.sqrt(draws)
+        assert np.all(np.abs(grads.mean(0) - np.asarray(full_grad)) < 4.5 * se_g + 1e-5 * np.abs(np.asarray(full_grad)))
+        if data.sizes[c] > 5:
+            assert vals.std() > 0  # a real batch, not the full client
+
+
+def test_a_batch_of_every_row_is_the_full_batch_bit_for_bit():
+    data = _regression_data([8, 8, 8])
+    full = fb.fed_fit(regression, data, fb.LMC(num_chains=2, step_size=0.01), num_rounds=60, seed=3, progress=False)
+    same = fb.fed_fit(regression, data, fb.LMC(num_chains=2, step_size=0.01, batch_size=8), num_rounds=60, seed=3,
+                      progress=False)
+    np.testing.assert_array_equal(full.global_samples["w"], same.global_samples["w"])
+    assert same.settings["batch_size"] is None  # nothing drawn: every step saw all rows
+    part = fb.fed_fit(regression, data, fb.LMC(num_chains=2, step_size=0.01, batch_size=4), num_rounds=60, seed=3,
+                      progress=False)
+    assert part.settings["batch_size"] == 4 and not np.array_equal(part.global_samples["w"], full.global_samples["w"])
+    np.testing.assert_array_equal(full.history["bits_up"], part.history["bits_up"])  # batches cost nothing on the wire
+
+
+def test_the_model_s_subsample_size_is_the_batch_size_and_others_refuse_it():
+    data = _regression_data([12, 10, 12])
+    kw = dict(num_rounds=40, seed=1, progress=False)
+    by_option = fb.fed_fit(regression, data, fb.LMC(num_chains=2, step_size=0.01, batch_size=4), **kw)
+    by_model = fb.fed_fit(regression_subsampled, data, fb.LMC(num_chains=2, step_size=0.01), **kw)
+    np.testing.assert_array_equal(by_option.global_samples["w"], by_model.global_samples["w"])
+    assert by_model.settings["batch_size"] == 4
+    with pytest.raises(fb.ConfigError, match="batch_size=3 but the model's plate has subsample_size=4"):
+        fb.fed_fit(regression_subsampled, data, fb.LMC(batch_size=3), **kw)
+    for algorithm in (fb.TAMUNA(), fb.GD(), fb.FedMM()):
+        with pytest.raises(fb.ModelError, match="subsamples 4 rows .* remove subsample_size"):
+            fb.fed_fit(regression_subsampled, data, algorithm, **kw)
+    with pytest.raises(fb.ConfigError, match=r"batch_size \(rows per local step; None: the full batch\) must be an integer >= 1, got 0"):
+        fb.LMC(batch_size=0)
+
+
+def test_sgld_has_its_exact_stationary_law():
+    """LMC with batches of B rows on a Gaussian target: x' = x - gamma (H (x - m) + e) + sqrt(2 gamma) xi,
+    the gradient noise e independent of x with variance V = sum_i N_i^2 / B s_i^2 (N_i - B) / (N_i - 1)
+    (s_i^2 the client's population variance of y: a B-subset drawn without replacement). The stationary
+    law is N(m, S) with H S + S H - gamma H S H = 2 + gamma V, i.e. S = (2 + gamma V) / (2 H - gamma H^2):
+    ULA's (2 / (2 H - gamma H^2)) plus the gradient noise's share."""
+    rng = np.random.default_rng(4)
+    sizes = [20, 20, 12, 16]
+    ys = [rng.normal(rng.normal(1.0, 1.0), 1.5, n) for n in sizes]
+    data = fb.FederatedData({"y": ys})
+
+    def gaussian_mean(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        with numpyro.plate("obs", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    B = 5
+    H = 1.0 / 100 + sum(sizes)
+    m = sum(float(np.sum(y)) for y in ys) / H
+    V = sum(n * n / B * np.var(y) * (n - B) / (n - 1) for n, y in zip(sizes, ys))
+    gamma = 0.5 / H  # AR(1) coefficient 1 - gamma H = 0.5
+    S_sgld = (2 + gamma * V) / (2 * H - gamma * H * H)
+    S_ula = 2 / (2 * H - gamma * H * H)
+    assert S_sgld > 1.5 * S_ula  # the test can tell them apart
+    res = fb.fed_fit(gaussian_mean, data, fb.LMC(step_size=gamma, num_chains=4, warmup=200, batch_size=B),
+                     num_rounds=10_200, seed=0, progress=False)
+    draws = np.asarray(res.global_samples["mu"], np.float64)  # (4, 10 000)
+    n = draws.size
+    # an AR(1) chain with coefficient a = 0.5: the mean's effective sample size is n (1 - a) / (1 + a) and
+    # the variance's n (1 - a^2) / (1 + a^2) (x^2 is AR(1) with a^2); 5 standard errors each
+    ess_mean, ess_var = n / 3, n * 0.6
+    assert abs(draws.mean() - m) < 5 * np.sqrt(S_sgld / ess_mean)
+    assert abs(draws.var() / S_sgld - 1) < 5 * np.sqrt(2 / ess_var)
+
+
+def test_fedsoul_with_minibatch_sgld_reaches_the_closed_form_estimate():
+    """A Gaussian random-intercept model: mu's Fisher gradient sum_i E[z_i - mu] is linear in z_i, so SGLD's
+    inflated local variance does not bias it, and the averaged estimate must reach the maximiser of the
+    marginal posterior, mu* = sum_i w_i ybar_i / (sum_i w_i + 1 / 100) with w_i = N_i / (N_i + 1),
+    within a tenth of its standard error (1 / sqrt(sum w_i + 1 / 100))."""
+    rng = np.random.default_rng(1)
+    sizes = [40, 40, 25, 40, 32, 40]
+    ys = [rng.normal(rng.normal(2.0, 1.0), 1.0, n) for n in sizes]
+    data = fb.FederatedData({"y": ys})
+    w = np.array([n / (n + 1) for n in sizes])
+    mu_star = float(np.sum(w * np.array([y.mean() for y in ys])) / (w.sum() + 0.01))
+    se = 1 / np.sqrt(w.sum() + 0.01)
+    res = fb.fed_fit(random_intercepts, data, fb.FedSOUL(batch_size=8, uncertainty=False), num_rounds=400, seed=0,
+                     progress=False)
+    assert res.settings["local_kernel"] == "ula" and res.settings["batch_size"] == 8
+    assert abs(float(res.params["mu"]) - mu_star) < 0.1 * se
+    with pytest.raises(fb.ConfigError, match="local_kernel='mala' cannot take minibatch steps"):
+        fb.fed_fit(random_intercepts, data, fb.FedSOUL(batch_size=8, local_kernel="mala"), num_rounds=10, progress=False)
+
+
+def test_fedsoul_batch_of_every_row_is_the_full_batch_bit_for_bit():
+    rng = np.random.default_rng(2)
+    data = fb.FederatedData({"y": [rng.normal(1.0, 1.0, 6) for _ in range(3)]})
+    kw = dict(num_rounds=30, seed=2, progress=False)
+    alg = dict(uncertainty=False, num_samples=20, warmup=20)
+    full = fb.fed_fit(random_intercepts, data, fb.FedSOUL(**alg), **kw)
+    same = fb.fed_fit(random_intercepts, data, fb.FedSOUL(batch_size=6, **alg), **kw)
+    np.testing.assert_array_equal(np.asarray(full.history["theta/mu"]), np.asarray(same.history["theta/mu"]))
+    np.testing.assert_array_equal(full.local_samples["z"], same.local_samples["z"])
