@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Literal
+import numpyro
 import numpyro.distributions as dist
 from numpyro import handlers
 from numpyro.distributions import biject_to
@@ -162,6 +163,62 @@ class DataMask(Messenger):
                 msg["fn"] = msg["fn"].mask(m > 0 if weighted else m)
                 if weighted:
                     msg["scale"] = m if msg.get("scale") is None else msg["scale"] * m
+
+
+PYTREE_SEP = "/"
+"""Separator of a pytree-valued ``param`` site's name and its leaf's path: ``net$params/Dense_0/kernel``."""
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "idx", "name"):  # DictKey, SequenceKey / FlattenedIndexKey, GetAttrKey
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def pytree_leaf_names(name: str, tree: Any) -> tuple[list[str], Any]:
+    """``(leaf site names, treedef)`` of a pytree-valued ``param`` site ``name``: one name per leaf,
+    ``name/<path>`` with the path's keys joined by :data:`PYTREE_SEP` (flattening order)."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    names = [PYTREE_SEP.join([name, *(_key_name(k) for k in path)]) for path, _ in with_paths]
+    if len(set(names)) != len(names):
+        raise ModelError(f"param site '{name}' holds a pytree whose leaf paths do not name its leaves uniquely")
+    return names, treedef
+
+
+class _LeafParams(Messenger):
+    """A ``numpyro.param`` whose value is a pytree of arrays (a flax module's parameters through
+    ``numpyro.contrib.module.flax_module``, or any dict / tuple of arrays) becomes one ``param`` site per
+    leaf, named by :func:`pytree_leaf_names`, so that every part of fedbayes that handles a site by name
+    (substitution, transforms, flattening for compression and the ledger, checkpoints, idata, Flower's
+    wire format) handles a network's weights as ordinary array sites. The model still receives the
+    pytree: the leaves' values (substituted where fedbayes gives them) are assembled into it, and the
+    pytree's own message is retyped ``"pytree_param"`` so that no handler treats it as a site.
+
+    ``known`` maps a pytree site's name to its ``(leaf names, treedef)``: a ``param(name)`` without an
+    initial value (flax_module asks for its parameters so before it initialises them) is then answered
+    from the leaves when fedbayes substitutes all of them."""
+
+    def __init__(self, fn: Callable, known: Mapping[str, tuple[list[str], Any]]):
+        self.known = known
+        super().__init__(fn)
+
+    def process_message(self, msg: dict[str, Any]) -> None:
+        if msg["type"] != "param":
+            return
+        init = msg["args"][0] if msg["args"] else None
+        if init is not None and not callable(init) and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(init)):
+            names, treedef = pytree_leaf_names(msg["name"], init)
+            leaves = [numpyro.param(n, v, **msg["kwargs"]) for n, v in zip(names, jax.tree_util.tree_leaves(init))]
+        elif init is None and msg["name"] in self.known:
+            names, treedef = self.known[msg["name"]]
+            leaves = [numpyro.param(n, **msg["kwargs"]) for n in names]
+            if any(v is None for v in leaves):
+                return  # not all substituted: the model initialises its pytree and calls param again
+        else:
+            return
+        msg["value"] = jax.tree_util.tree_unflatten(treedef, leaves)
+        msg["type"] = "pytree_param"
 
 
 class _WholePlates(Messenger):
@@ -405,7 +462,7 @@ class FedModel:
         (:class:`_BernoulliLogits`; the same values) and plates over all their rows (:class:`_WholePlates`:
         minibatches are drawn by the algorithm). ``user_model`` is the function as given."""
         user = self.__dict__.get("user_model", self.__dict__.get("model"))  # results pickled before user_model
-        return _SmoothLogits(_WholePlates(user))
+        return _SmoothLogits(_WholePlates(_LeafParams(user, self.__dict__.get("pytree_params", {}))))
 
     @serialized
     def __init__(self, model: Callable, data: FederatedData, model_kwargs: Mapping[str, Any] | None = None):
@@ -421,21 +478,24 @@ class FedModel:
         longer = {k: np.concatenate([v, v[-1:]], axis=0) for k, v in example.items()}
         try:
             # JAX arrays, as the model sees its data in a fit (NumPy arrays cannot be indexed by tracers)
-            raw = _abstract_trace(model, {**_as_jax(example), **self.model_kwargs})
-            tr = _abstract_trace(_WholePlates(model), {**_as_jax(example), **self.model_kwargs})
-            tr_longer = _abstract_trace(_WholePlates(model), {**_as_jax(longer), **self.model_kwargs})
+            raw = _abstract_trace(_LeafParams(model, {}), {**_as_jax(example), **self.model_kwargs})
+            tr = _abstract_trace(_WholePlates(_LeafParams(model, {})), {**_as_jax(example), **self.model_kwargs})
+            tr_longer = _abstract_trace(_WholePlates(_LeafParams(model, {})), {**_as_jax(longer), **self.model_kwargs})
         except Exception as err:  # the user's model failed on a client's data
             raise ModelError(
                 f"calling the model on client 0's data failed with {type(err).__name__}: {err}. "
                 f"The model is called as model(**client_data, **model_kwargs) with data keys {list(data.keys)}."
             ) from err
         self.subsample_size = self._subsample_size(raw)
+        self.pytree_params = {name: pytree_leaf_names(name, site["value"]) for name, site in tr.items()
+                              if site["type"] == "pytree_param"}
         self.data_plates = self._find_data_plates(tr, tr_longer)
         self._check_subsampled_plates(raw)
         self.sites: dict[str, Site] = {}
         self.observed: tuple[str, ...] = ()
         self._classify(tr, tr_longer)
         self._example = {k: jnp.asarray(v) for k, v in example.items()}
+        self._drop_inert_leaves(tr)
         self._classify_deterministic(tr, tr_longer)
         self._check_padding_invariance({k: v[: data.sizes[0]] for k, v in example.items()}, tr)
         self._warn_left_out_deterministic()
@@ -476,8 +536,8 @@ class FedModel:
             other = tr_longer.get(name)
             if other is None:
                 continue
-            sizes = {f.name: f.size for f in other["cond_indep_stack"]}
-            for frame in site["cond_indep_stack"]:
+            sizes = {f.name: f.size for f in other.get("cond_indep_stack", ())}
+            for frame in site.get("cond_indep_stack", ()):
                 if frame.name in sizes and sizes[frame.name] != frame.size:
                     plates.add(frame.name)
         return frozenset(plates)
@@ -485,6 +545,11 @@ class FedModel:
     def _classify(self, tr, tr_longer) -> None:
         observed = []
         for name, site in tr.items():
+            if site["type"] == "mutable":
+                raise ModelError(
+                    f"site '{name}' is mutable state (numpyro.mutable, e.g. a flax module's batch_stats through "
+                    "flax_module(..., mutable=[...])), which fedbayes does not carry between clients and rounds; "
+                    "use a module without mutable collections (e.g. LayerNorm instead of BatchNorm)")
             if site["type"] not in ("sample", "param"):
                 continue
             in_data_plate = any(f.name in self.data_plates for f in site["cond_indep_stack"])
@@ -525,6 +590,33 @@ class FedModel:
         if not observed:
             raise ModelError("the model has no observed site: condition at least one sample site on the data (obs=...)")
         self.observed = tuple(observed)
+
+    def _drop_inert_leaves(self, tr) -> None:
+        """Leave out the leaves of pytree params that nothing in the model depends on (no sample site's
+        log-density, no deterministic value), found by data flow through the model's program.
+
+        ``numpyro.contrib.module.random_flax_module`` is the case: it declares the module's parameters
+        with ``flax_module`` (a pytree param) and then replaces every one of them by a ``sample`` site
+        with the prior; as sites those params would be estimated for ever at zero gradient, and they would
+        make the samplers refuse the model as one with params."""
+        leaves = sorted(n for names, _ in self.pytree_params.values() for n in names if n in self.sites)
+        if not leaves:
+            return
+        example = {**self._example, **self.model_kwargs}
+
+        def density(values):
+            t = _trace(self.model, example, substitutions=values)
+            terms = [jnp.sum(site["fn"].log_prob(site["value"])) for site in t.values() if site["type"] == "sample"]
+            terms += [jnp.sum(jnp.asarray(site["value"], float)) for site in t.values() if site["type"] == "deterministic"]
+            return sum(terms, jnp.zeros(()))
+
+        shapes = {n: jax.ShapeDtypeStruct(jnp.shape(tr[n]["value"]), jnp.result_type(tr[n]["value"])) for n in leaves}
+        used = _input_dependence(jax.make_jaxpr(density)(shapes), leaves)[0]  # dict inputs flatten by sorted key
+        inert = [n for n in leaves if n not in used]
+        for n in inert:
+            del self.sites[n]
+        self.pytree_params = {name: (names, treedef) for name, (names, treedef) in self.pytree_params.items()
+                              if any(n in used for n in names)}
 
     def _classify_deterministic(self, tr, tr_longer) -> None:
         """Record the ``numpyro.deterministic`` sites (:attr:`deterministic`) and the row axis of every

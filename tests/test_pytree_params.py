@@ -1,0 +1,156 @@
+"""Pytree-valued param sites (a flax module's weights, or any dict of arrays) as one site per leaf.
+
+References: the same model written with one array site per weight (the same fit bit for bit), the
+pooled least-squares solution (a linear model's MLE), a fit interrupted and resumed from its checkpoint
+(bit for bit), and the same fit through Flower's messages (fb.flower.simulate).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+
+import fedbayes as fb
+from fedbayes.arviz_adapter import group
+
+flax_linen = pytest.importorskip("flax.linen")  # the "nn" extra, installed by make test
+from numpyro.contrib.module import flax_module  # noqa: E402
+
+
+def linear_pytree(x, y):
+    net = numpyro.param("net", {"w": jnp.zeros((2,)), "b": jnp.zeros(())})
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ net["w"] + net["b"], 1.0), obs=y)
+
+
+def linear_arrays(x, y):  # the same model, one site per weight, named as the pytree's leaves are
+    w = numpyro.param("net/w", jnp.zeros((2,)))
+    b = numpyro.param("net/b", jnp.zeros(()))
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ w + b, 1.0), obs=y)
+
+
+class Features(flax_linen.Module):
+    @flax_linen.compact
+    def __call__(self, x):
+        return flax_linen.tanh(flax_linen.Dense(3)(x))
+
+
+def personalised_net(x, y):
+    """FedPop's structure: a shared flax feature extractor, a personal linear head per client with a
+    learned population prior N(mu, 1)."""
+    net = flax_module("net", Features(), input_shape=(1, 2))
+    mu = numpyro.param("mu", jnp.zeros((3, 2)))
+    with fb.local():
+        head = numpyro.sample("head", dist.Normal(mu, 1.0).to_event(2))
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Categorical(logits=net(x) @ head), obs=y)
+
+
+def _linear_data(seed=0):
+    rng = np.random.default_rng(seed)
+    xs = [rng.normal(size=(25, 2)) for _ in range(4)]
+    ys = [x @ np.array([1.0, -0.5]) + 0.3 + rng.normal(size=25) for x in xs]
+    return fb.FederatedData({"x": xs, "y": ys}), np.concatenate([np.c_[x, np.ones(len(x))] for x in xs]), np.concatenate(ys)
+
+
+def _class_data(seed=0):
+    rng = np.random.default_rng(seed)
+    xs = [rng.normal(size=(20, 2)) for _ in range(4)]
+    ys = [((x[:, 0] * (1 if i % 2 else -1) + 0.3 * rng.normal(size=20)) > 0).astype(np.int32) for i, x in enumerate(xs)]
+    return fb.FederatedData({"x": xs, "y": ys})
+
+
+def test_a_pytree_param_is_one_site_per_leaf_and_fits_as_the_arrays_do():
+    data, X, Y = _linear_data()
+    fm = fb.FedModel(linear_pytree, data)
+    assert set(fm.global_names) == {"net/w", "net/b"} and fm.pytree_params["net"][0] == ["net/b", "net/w"]
+    kw = dict(num_rounds=150, seed=0, progress=False)
+    tree = fb.fed_fit(linear_pytree, data, fb.GD(), **kw)
+    arrays = fb.fed_fit(linear_arrays, data, fb.GD(), **kw)
+    for k in ("net/w", "net/b"):
+        np.testing.assert_array_equal(tree.params[k], arrays.params[k])
+    np.testing.assert_array_equal(tree.history["bits_up"], arrays.history["bits_up"])
+    ols = np.linalg.lstsq(X, Y, rcond=None)[0]
+    # GD's fixed point is the pooled least-squares solution; float32 arithmetic leaves ~1e-6
+    np.testing.assert_allclose(np.r_[tree.params["net/w"], tree.params["net/b"]], ols, atol=2e-5)
+    assert {"net/w", "net/b"} <= set(group(tree.idata, "fed_params").data_vars)
+
+
+def test_a_flax_feature_extractor_with_personal_heads_trains_checkpoints_and_runs_on_flower(tmp_path):
+    data = _class_data()
+    fm = fb.FedModel(personalised_net, data)
+    assert set(fm.global_names) == {"net$params/Dense_0/bias", "net$params/Dense_0/kernel", "mu"}
+    soul = fb.FedSOUL(num_samples=10, warmup=10, num_chains=1, uncertainty=False)
+    kw = dict(num_rounds=24, seed=5, progress=False)
+    res = fb.fed_fit(personalised_net, data, soul, **kw)
+    assert res.params["net$params/Dense_0/kernel"].shape == (2, 3) and res.local_samples["head"].shape[:2] == (4, 10)
+    first = np.asarray(res.history["theta/net$params/Dense_0/kernel"])
+    assert not np.allclose(first[0], first[-1])  # the feature extractor was trained
+    posterior = group(res.idata, "posterior")
+    assert "head" in posterior.data_vars
+
+    # interrupted at round 12 and resumed from its checkpoint: the same fit bit for bit
+    path = tmp_path / "net.ckpt"
+
+    def stop(done, hist):
+        if done == 12:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fb.fed_fit(personalised_net, data, soul, checkpoint=path, checkpoint_every=12, chunk_size=12, callback=stop, **kw)
+    resumed = fb.resume(path, model=personalised_net, data=data, algorithm=soul)
+    for k, v in res.params.items():
+        np.testing.assert_array_equal(resumed.params[k], v)
+
+    # FedAvg of the shared model (heads at their population mean), in fed_fit and through Flower's messages
+    avg = fb.FedAvg(local_latents="population-mean")
+    direct = fb.fed_fit(personalised_net, data, avg, num_rounds=6, seed=1, progress=False)
+    flower = fb.flower.simulate(personalised_net, data, avg, num_rounds=6, seed=1, backend="local")
+    for k, v in direct.params.items():
+        np.testing.assert_allclose(flower.params[k], v, rtol=1e-6, atol=1e-7)
+    assert int(np.sum(flower.history["bits_up"])) == int(np.sum(direct.history["bits_up"]))
+
+
+def test_random_flax_module_is_its_sample_sites_and_mutable_state_is_refused():
+    """random_flax_module declares the module's params (a pytree) and replaces each by a sample site with the
+    prior: the unused params are left out, so the samplers take the model; flax's mutable state is refused."""
+    from numpyro.contrib.module import random_flax_module
+
+    class Linear(flax_linen.Module):
+        @flax_linen.compact
+        def __call__(self, x):
+            return flax_linen.Dense(1)(x)[..., 0]
+
+    def bayesian_linear(x, y):
+        net = random_flax_module("net", Linear(), dist.Normal(0.0, 3.0), input_shape=(1, 2))
+        with numpyro.plate("obs", y.shape[0]):
+            numpyro.sample("y", dist.Normal(net(x), 1.0), obs=y)
+
+    data, X, Y = _linear_data()
+    fm = fb.FedModel(bayesian_linear, data)
+    assert {n: s.role for n, s in fm.sites.items()} == {"net/Dense_0.bias": "global", "net/Dense_0.kernel": "global"}
+    res = fb.fed_fit(bayesian_linear, data, fb.LMC(num_chains=1), num_rounds=400, seed=0, progress=False)
+    # a conjugate Gaussian: the posterior mean is the ridge solution with penalty 1 / 3^2
+    ridge = np.linalg.solve(X.T @ X + np.eye(3) / 9.0, X.T @ Y)
+    post_sd = np.sqrt(np.diag(np.linalg.inv(X.T @ X + np.eye(3) / 9.0)))
+    est = np.r_[res.params["net/Dense_0.kernel"][:, 0], res.params["net/Dense_0.bias"]]
+    # 200 draws of a chain started at the mode with AR coefficient below 0.9: the mean's standard error is
+    # under sd / sqrt(200 / 19) ~ 0.31 sd; 1.5 sd leaves 5 standard errors
+    assert np.all(np.abs(est - ridge) < 1.5 * post_sd)
+
+    class WithState(flax_linen.Module):
+        @flax_linen.compact
+        def __call__(self, x):
+            return flax_linen.BatchNorm(use_running_average=False)(flax_linen.Dense(1)(x))[..., 0]
+
+    def stateful(x, y):
+        net = flax_module("net", WithState(), input_shape=(1, 2), mutable=["batch_stats"])
+        with numpyro.plate("obs", y.shape[0]):
+            numpyro.sample("y", dist.Normal(net(x), 1.0), obs=y)
+
+    with pytest.raises(fb.ModelError, match="is mutable state"):
+        fb.FedModel(stateful, data)
