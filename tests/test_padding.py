@@ -107,9 +107,9 @@ def subsampled(x, y):
 
 
 def test_a_subsampled_plate_is_refused_before_computing(ragged):
-    """A plate with subsample_size draws its own rows and rescales by N / B: refused, never silently
-    wrong (minibatch clients belong to the algorithms)."""
-    with pytest.raises(fb.ModelError, match=r"plate 'obs' subsamples 2 of its 4 rows.*remove subsample_size"):
+    """A plate with subsample_size asks for minibatches, which GD does not draw (tests/test_minibatch.py: the
+    algorithms that do): refused, never silently wrong."""
+    with pytest.raises(fb.ModelError, match=r"data plate subsamples 2 rows.*but GD evaluates every client's likelihood on all of its rows; remove subsample_size"):
         fb.fed_fit(subsampled, ragged, fb.GD(), num_rounds=5, progress=False)
 
 
