@@ -95,7 +95,7 @@ class LangevinPoint(NamedTuple):
 
 def langevin_move(key: jax.Array, point: LangevinPoint, evaluate: Callable[[PyTree], tuple[Any, PyTree, Any]],
                   step_size: jax.Array | float, root: jax.Array | None = None, *, adjusted: bool = False,
-                  tame: bool = False) -> tuple[LangevinPoint, jax.Array]:
+                  tame: bool = False, noise: bool = True) -> tuple[LangevinPoint, jax.Array]:
     """One Langevin move from ``point``, Metropolis-adjusted (MALA) or not (ULA).
 
     The proposal is, in the coordinates u with x = x_0 + R u (R = ``root``, the identity when None),
@@ -110,7 +110,10 @@ def langevin_move(key: jax.Array, point: LangevinPoint, evaluate: Callable[[PyTr
     whose stationary law is pi exactly, whatever gamma (the taming is a deterministic function of the
     state, so the ratio stays exact). ``evaluate(x')`` returns ``(log pi(x'), grad log pi(x'), aux)``. A
     proposal at which anything is non-finite is rejected in both cases (the chain stays). Returns the
-    new point and the acceptance probability (1 for an accepted ULA move, 0 for a non-finite one)."""
+    new point and the acceptance probability (1 for an accepted ULA move, 0 for a non-finite one).
+
+    ``noise=False`` drops the noise term: the move is a (preconditioned) gradient-ascent step
+    u' = u + D(x), taken unadjusted (FedRep's local training, :class:`fedbayes.FedRep`)."""
     flat, unravel = ravel_pytree(point.x)
     k_noise, k_accept = jax.random.split(key)
 
@@ -120,7 +123,7 @@ def langevin_move(key: jax.Array, point: LangevinPoint, evaluate: Callable[[PyTr
         return d * _tame_factor(d, step_size, TAME) if tame else d
 
     xi = jax.random.normal(k_noise, flat.shape, flat.dtype)
-    du = drift(point.grad) + jnp.sqrt(2.0 * step_size) * xi
+    du = drift(point.grad) + jnp.sqrt(2.0 * step_size) * xi if noise else drift(point.grad)
     x_new = unravel(flat + (du if root is None else root @ du))
     new = LangevinPoint(x_new, *evaluate(x_new))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in jax.tree_util.tree_leaves(new)]))

@@ -39,7 +39,7 @@ from __future__ import annotations
 import numbers
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -249,6 +249,9 @@ class FedSOUL:
     aggregation: Any = "mean"
     name: str = "FedSOUL"
 
+    local_prior: ClassVar[bool] = True  # the local chain's target includes log p(z | theta) (FedRep: not)
+    local_noise: ClassVar[bool] = True  # Langevin moves (FedRep: gradient-ascent steps)
+
     def __post_init__(self):
         require_int(self.local_steps, "FedSOUL local_steps")
         require_int(self.burn_in, "FedSOUL burn_in", 0)
@@ -316,6 +319,36 @@ class FedSOUL:
                           batches)
 
 
+@dataclass(frozen=True)
+class FedRep(FedSOUL):
+    """FedRep (Collins, Hassani, Mokhtari and Shakkottai 2021) as FedSOUL's limit sigma -> infinity without
+    noise: FedPop's baseline with a shared representation and personal heads trained locally.
+
+    Each client trains its ``fb.local()`` sites (the head) by ``local_steps`` gradient-ascent steps on its
+    own log-likelihood log p(D_i | theta, z_i), with no population prior (the prior's spread taken to
+    infinity) and no Langevin noise, from where its previous round ended; it sends the gradient of the
+    same log-likelihood in the shared sites theta (the representation) at its head, which the server
+    averages and follows with FedSOUL's optimiser. So FedRep is FedSOUL with the local target
+    p(D_i | theta, z) instead of p(D_i, z | theta) and the local moves u' = u + gamma R^T grad (the same
+    metric and automatic step, ``step_scale`` 1: the 1 / L gradient step, or with the dense metric a
+    Newton step). Sites that enter only the population prior (its mean and scale) receive no gradient and
+    keep their start. Its joint fixed point maximises sum_i log p(D_i | theta, z_i) over theta and every
+    z_i (``tests/test_fedrep.py``: the within-client least-squares solution of a random-intercept
+    regression). Minibatches (``batch_size``) make the local steps stochastic gradient steps. The final
+    exchange returns each client's trained head (chains of gradient steps converge to it: its "samples"
+    are that point), with no standard errors.
+    """
+
+    step_scale: float | None = 1.0
+    local_kernel: str | None = "ula"
+    uncertainty: bool | None = False
+    num_chains: int = 1
+    name: str = "FedRep"
+
+    local_prior: ClassVar[bool] = False
+    local_noise: ClassVar[bool] = False
+
+
 class FedSOULRun(FederatedRun):
     """FedSOUL bound to a model: ``init``, ``client_step``, ``server_step`` of the engine protocol."""
 
@@ -376,8 +409,15 @@ class FedSOULRun(FederatedRun):
             out[site] = t.inv(jnp.clip(t(theta[site]), lo, hi))
         return out
 
+    def _client_log_joint(self, theta: Params, z: Params, data, mask) -> jax.Array:
+        """The local chain's log-density: log p(D_i, z | theta), or for FedRep (no population prior) the
+        log-likelihood log p(D_i | theta, z) alone."""
+        if self.cfg.local_prior:
+            return self._fm.client_log_joint(theta, z, data, mask)
+        return self._fm.client_log_terms(theta, z, data, mask)[1]
+
     def _log_joint_fn(self, fm: FedModel, theta: Params, client: ClientData):
-        return lambda z: fm.client_log_joint(theta, z, client.data, client.mask)
+        return lambda z: self._client_log_joint(theta, z, client.data, client.mask)
 
     def _run_chain(self, fm, key, theta, z0, step, client, num_steps, keep_from, information: bool = False,
                    root: jax.Array | None = None, order: jax.Array | None = None):
@@ -395,7 +435,7 @@ class FedSOULRun(FederatedRun):
         batch = lambda m: self._batches.take(order, client, m) if order is not None else client  # noqa: E731
 
         def hess(x, z, c):
-            return jax.hessian(lambda x, z: fm.client_log_joint(unravel(x), z, c.data, c.mask))(x, z)
+            return jax.hessian(lambda x, z: self._client_log_joint(unravel(x), z, c.data, c.mask))(x, z)
 
         start = LangevinPoint(z0, *self._evaluator(theta, batch(0))(z0))
         zeros = jax.tree_util.tree_map(jnp.zeros_like, start.aux)
@@ -422,10 +462,10 @@ class FedSOULRun(FederatedRun):
     def _evaluator(self, theta: Params, client: ClientData):
         """z -> (log p(D, z | theta), grad_z of it, grad_theta of it): what a local move needs, and the
         Fisher-identity gradient at the new state as the point's ``aux``."""
-        fm = self._fm
 
         def evaluate(z):
-            val, g_theta, g_z = fm.joint_grads(theta, z, client.data, client.mask)
+            val, (g_theta, g_z) = jax.value_and_grad(self._client_log_joint, argnums=(0, 1))(
+                theta, z, client.data, client.mask)
             return val, g_z, g_theta
         return evaluate
 
@@ -434,7 +474,8 @@ class FedSOULRun(FederatedRun):
         """One local move (:func:`fedbayes.kernels.langevin_move`, tamed): MALA with ``local_kernel="mala"``,
         plain ULA with ``"ula"`` (``adjusted`` overrides); ``root`` the local metric's root (None: the identity)."""
         adjusted = self._adjusted if adjusted is None else adjusted
-        return langevin_move(key, point, evaluate, step, root, adjusted=adjusted, tame=True)
+        return langevin_move(key, point, evaluate, step, root, adjusted=adjusted and self.cfg.local_noise, tame=True,
+                             noise=self.cfg.local_noise)
 
     def _adapt(self, theta: Params, anchor: Params, v, step, client: ClientData, iters: int):
         """The round's kernel at theta_k: ``(anchor', v, gamma, R)``, R the metric's root (None: identity).

@@ -1,0 +1,47 @@
+"""FedRep (fb.FedRep): FedSOUL's limit without the population prior and without noise.
+
+Reference: its fixed point maximises sum_i log p(D_i | w, z_i) over the shared w and every personal z_i;
+for a random-intercept regression y_ij = w x_ij + z_i + e_ij that is the within-client least-squares
+solution, w* = sum_ij (x_ij - xbar_i)(y_ij - ybar_i) / sum_ij (x_ij - xbar_i)^2, z_i* = ybar_i - w* xbar_i.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+
+import fedbayes as fb
+
+
+def intercepts(x, y):
+    w = numpyro.param("w", jnp.zeros(()))
+    mu = numpyro.param("mu", jnp.zeros(()))
+    with fb.local():
+        z = numpyro.sample("z", dist.Normal(mu, 1.0))
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Normal(w * x + z, 1.0), obs=y)
+
+
+def test_fedrep_reaches_the_within_client_least_squares_solution():
+    rng = np.random.default_rng(0)
+    sizes = [12, 20, 8, 15, 10]
+    xs = [rng.normal(loc=i - 2.0, size=n) for i, n in enumerate(sizes)]  # client means of x differ: the
+    ys = [0.7 * x + rng.normal(3.0, 2.0) + rng.normal(size=len(x)) for x in xs]  # pooled slope is biased
+    data = fb.FederatedData({"x": xs, "y": ys})
+    dx = np.concatenate([x - x.mean() for x in xs])
+    dy = np.concatenate([y - y.mean() for y in ys])
+    w_star = float(dx @ dy / (dx @ dx))
+    z_star = np.array([y.mean() - w_star * x.mean() for x, y in zip(xs, ys)])
+    res = fb.fed_fit(intercepts, data, fb.FedRep(num_samples=5, warmup=20), num_rounds=200, seed=0, progress=False)
+    # a deterministic fixed point reached in float32: 1e-4 relative is about 100 float32 roundings
+    np.testing.assert_allclose(float(res.params["w"]), w_star, rtol=1e-4)
+    heads = np.asarray(res.local_samples["z"])  # (clients, draws): every "draw" is the trained head
+    np.testing.assert_allclose(heads, np.broadcast_to(z_star[:, None], heads.shape), rtol=1e-4, atol=1e-4)
+    assert float(res.params["mu"]) == 0.0  # the population prior's mean receives no gradient: FedRep has none
+    assert res.settings["local_kernel"] == "ula" and res.algorithm == "FedRep"
+    # FedSOUL keeps the prior (z_i shrunk towards mu, mu learned): a different fixed point
+    soul = fb.fed_fit(intercepts, data, fb.FedSOUL(num_samples=20, warmup=20, uncertainty=False), num_rounds=200,
+                      seed=0, progress=False)
+    assert abs(float(soul.params["mu"])) > 0.5
