@@ -45,3 +45,21 @@ def test_fedrep_reaches_the_within_client_least_squares_solution():
     soul = fb.fed_fit(intercepts, data, fb.FedSOUL(num_samples=20, warmup=20, uncertainty=False), num_rounds=200,
                       seed=0, progress=False)
     assert abs(float(soul.params["mu"])) > 0.5
+
+
+def test_finetune_trains_each_head_at_the_frozen_shared_model_and_sends_nothing_in_rounds():
+    """fb.FineTune: the shared w from the warm start (a given FedAvg-style fit here), frozen; each head
+    fine-tuned to the client's least-squares intercept at that w, z_i = ybar_i - w xbar_i."""
+    rng = np.random.default_rng(1)
+    xs = [rng.normal(loc=i - 1.0, size=10) for i in range(3)]
+    ys = [0.5 * x + rng.normal(2.0, 1.0) + rng.normal(size=10) for x in xs]
+    data = fb.FederatedData({"x": xs, "y": ys})
+    shared = {"w": 0.4, "mu": 1.5}  # e.g. a FedAvg Result; a dict of the shared sites works the same
+    res = fb.fed_fit(intercepts, data, fb.FineTune(init=shared, num_samples=5, warmup=20), num_rounds=60, seed=0,
+                     progress=False)
+    assert float(res.params["w"]) == np.float32(0.4)  # frozen
+    heads = np.asarray(res.local_samples["z"])
+    z_star = np.array([y.mean() - np.float32(0.4) * x.mean() for x, y in zip(xs, ys)])
+    np.testing.assert_allclose(heads, np.broadcast_to(z_star[:, None], heads.shape), rtol=1e-4, atol=1e-4)
+    rounds_up = np.asarray(res.history["bits_up"])[1:-1]  # between the set-up and the final exchange
+    assert np.all(rounds_up == 0) and np.all(np.asarray(res.history["bits_down"])[1:-1] == 0)

@@ -249,6 +249,9 @@ class FedSOUL:
     aggregation: Any = "mean"
     name: str = "FedSOUL"
 
+    def _run_class(self) -> type:
+        return FedSOULRun
+
     local_prior: ClassVar[bool] = True  # the local chain's target includes log p(z | theta) (FedRep: not)
     local_noise: ClassVar[bool] = True  # Langevin moves (FedRep: gradient-ascent steps)
 
@@ -315,7 +318,7 @@ class FedSOUL:
             raise ConfigError("FedSOUL local_kernel='mala' cannot take minibatch steps: a Metropolis test on a "
                               "minibatch estimate of the log-density does not leave the local posterior invariant; "
                               "leave local_kernel=None (ULA, i.e. SGLD, with minibatches) or use the full batch")
-        return FedSOULRun(self, fm, int(self.average_from * problem.num_rounds), resolve_init(self.init, problem), n,
+        return self._run_class()(self, fm, int(self.average_from * problem.num_rounds), resolve_init(self.init, problem), n,
                           batches)
 
 
@@ -347,6 +350,28 @@ class FedRep(FedSOUL):
 
     local_prior: ClassVar[bool] = False
     local_noise: ClassVar[bool] = False
+
+
+@dataclass(frozen=True)
+class FineTune(FedRep):
+    """A shared model fitted first, then each client's head fine-tuned locally: FedPop's "FedAvg + FT"
+    baseline.
+
+    The shared sites are fitted by the warm start ``init`` (default ``"map"``: TAMUNA's federated MAP of
+    the non-personalised model, every client's latents at their population mean, which is FedAvg's
+    target without its client drift; or pass ``init=`` a ``fb.FedAvg`` ``Result`` for FedAvg itself) and
+    then frozen: each round every client takes ``local_steps`` of FedRep's gradient steps on its head
+    (its log-likelihood at the frozen shared sites, no population prior, no noise). Nothing crosses the
+    network in the rounds: the shared sites reach the clients once after the set-up (as client
+    settings), and the clients send nothing back, so the ledger holds the warm start's bits, the set-up
+    and that one message.
+    """
+
+    init: Any = "map"
+    name: str = "FineTune"
+
+    def _run_class(self) -> type:
+        return FineTuneRun
 
 
 class FedSOULRun(FederatedRun):
@@ -560,6 +585,12 @@ class FedSOULRun(FederatedRun):
         return dense_message(theta)
 
     def client_step(self, key, theta: Params, state: ClientState, client: ClientData):
+        state, (sent, objective, tri), bits = self._local_round(key, theta, state, client)
+        return state, Message(Upload(sent, objective, tri), bits)
+
+    def _local_round(self, key, theta: Params, state: ClientState, client: ClientData):
+        """A client's round: the kernel adapted, M local moves, and what it would upload with its bits:
+        ``(state, (compressed gradient, objective, information triangle), bits)``."""
         fm: FedModel = self._fm
         k_init, k_chain, k_comp = jax.random.split(key, 3)
         z0 = state.z if self.cfg.stateful else fm.sample_local_prior(k_init, theta, client.data, client.mask)
@@ -575,7 +606,7 @@ class FedSOULRun(FederatedRun):
         if self._fisher:  # the complete-data information as its upper triangle, uncompressed
             tri = info[jnp.triu_indices(self.dim)]
             bits = bits + FLOAT_BITS * tri.size
-        return ClientState(z, v, step, anchor), Message(Upload(sent, objective, tri), bits + FLOAT_BITS)
+        return ClientState(z, v, step, anchor), (sent, objective, tri), bits + FLOAT_BITS
 
     def _compress(self, key, grad: Params) -> tuple[tuple[Params, Any], jax.Array]:
         """(exact sites, the other sites compressed as one vector) as sent, and the bits."""
@@ -781,3 +812,23 @@ class FedSOULRun(FederatedRun):
         zs, _, _ = self.sample_locals(k_run, theta, batch(ClientState(z0, v0, step, anchor)), batch(client),
                                       num_samples, warmup)
         return jax.tree_util.tree_map(lambda a: a[0].reshape((-1,) + a.shape[3:]), zs)
+
+
+class FineTuneRun(FedSOULRun):
+    """:class:`FineTune` bound to a model: FedRep's local rounds at shared sites that never move."""
+
+    def client_settings(self, server_state: ServerState) -> Params:
+        """The frozen shared sites, sent to every client once."""
+        return server_state.theta
+
+    def _broadcast(self, theta: Params) -> Message:
+        return dense_message(())  # the clients hold the shared sites: nothing to send in a round
+
+    def client_step(self, key, payload, state: ClientState, client: ClientData):
+        """FedRep's local steps on the head at the frozen shared sites; nothing goes back."""
+        state, _, _ = self._local_round(key, client.settings, state, client)
+        return state, dense_message(())
+
+    def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
+        """Nothing to aggregate: the shared sites stay where the warm start put them."""
+        return state, self._broadcast(state.theta), {f"theta/{n}": v for n, v in self._fm.constrain(state.theta).items()}
