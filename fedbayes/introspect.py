@@ -788,7 +788,7 @@ class FedModel:
             raise ModelError(
                 f"the model's data plate subsamples {self.subsample_size} rows (subsample_size={self.subsample_size}), "
                 f"but {algorithm} evaluates every client's likelihood on all of its rows; remove subsample_size, or "
-                "use an algorithm that takes minibatch steps (fb.FedSOUL, fb.LMC and the ELF samplers, fb.QLSD)")
+                "use an algorithm that takes minibatch steps (fb.FedSOUL, FedRep, the Langevin samplers, TAMUNA, GD, FedAvg)")
         for site in self.sites.values():
             if site.role == "obs_latent" and not allow_obs_latent:
                 raise ModelError(

@@ -107,10 +107,10 @@ def subsampled(x, y):
 
 
 def test_a_subsampled_plate_is_refused_before_computing(ragged):
-    """A plate with subsample_size asks for minibatches, which GD does not draw (tests/test_minibatch.py: the
+    """A plate with subsample_size asks for minibatches, which FedMM does not draw (tests/test_minibatch.py: the
     algorithms that do): refused, never silently wrong."""
-    with pytest.raises(fb.ModelError, match=r"data plate subsamples 2 rows.*but GD evaluates every client's likelihood on all of its rows; remove subsample_size"):
-        fb.fed_fit(subsampled, ragged, fb.GD(), num_rounds=5, progress=False)
+    with pytest.raises(fb.ModelError, match=r"data plate subsamples 2 rows.*but FedMM evaluates every client's likelihood on all of its rows; remove subsample_size"):
+        fb.fed_fit(subsampled, ragged, fb.FedMM(), num_rounds=5, progress=False)
 
 
 def test_a_plate_whose_subsample_is_the_whole_client_is_accepted(ragged):

@@ -55,11 +55,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from .. import minibatch
 from ..engine import final_exchange, stack_clients
 from ..wire import Masked
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
 from ..introspect import FedModel
+from ..minibatch import check_batch_size
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo
 from .tamuna_theory import (  # noqa: F401 - the masks and theory helpers, re-exported as fb.tamuna.*
     _real, aggregate, client_extremes, estimate_condition, estimate_condition_at, expected_uplink_floats, mask,
@@ -189,6 +191,17 @@ class TAMUNA:
         algorithm), or ``"median"`` / ``"trimmed"`` / a trim fraction for a coordinate-wise robust
         centre against Byzantine clients (``fb.faults.Aggregation``; a robust centre breaks
         sum_i h_i = 0 and moves the fixed point on heterogeneous clients: see its docstring).
+    batch_size:
+        B, the rows of a client's data each local step sees (None, the default: all of them): local step
+        m of a round takes the gradient of f_i on the round's batch m, its log-likelihood scaled by
+        N_i / B (:mod:`fedbayes.minibatch`), an unbiased estimate of grad f_i (stochastic local steps;
+        FedAvg with minibatches is the classic FedAvg of SGD steps). Theorem 1 is for exact gradients:
+        with stochastic ones the iterates do not converge to x* but fluctuate about it, with a spread of
+        order gamma times the gradients' variance (``tests/test_minibatch.py`` checks GD's exact
+        stationary variance on a Gaussian mean), so keep the full batch when the exact MAP is wanted
+        and lower the step with batches. The set-up (the curvature, the safeguard's objective at the
+        broadcast point) uses all rows. A model's ``numpyro.plate(..., subsample_size=B)`` sets B the
+        same way.
     """
 
     step_size: float | None = None
@@ -204,6 +217,7 @@ class TAMUNA:
     aggregation: Any = "mean"
     safeguard: bool | None = None
     precondition: bool | None = None
+    batch_size: int | None = None
 
     name = "TAMUNA"
     control_variates = True
@@ -246,10 +260,11 @@ class TAMUNA:
         require_choice(self.safeguard, f"{n} safeguard", (None, True, False))
         require_choice(self.precondition, f"{n} precondition", (None, True, False))
         as_aggregation(self.aggregation)
+        check_batch_size(self.batch_size, self.name)
 
     def build(self, problem: Problem) -> "TAMUNARun":
         fm: FedModel = problem.model
-        fm.require(self.name, local_continuous=False)
+        fm.require(self.name, local_continuous=False, minibatch=True)
         if fm.local_names and self.local_latents != POPULATION_MEAN:
             raise ModelError(
                 f"{self.name} optimises the global sites of a finite sum, but the model has per-client latents "
@@ -339,6 +354,7 @@ class TAMUNARun(FederatedRun):
 
     def __init__(self, cfg: TAMUNA, fm: FedModel, problem: Problem):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
+        self._batches = minibatch.resolve(cfg.batch_size, fm, problem.data.mask.shape[1], cfg.name)
         self.divergence_hint = cfg.divergence_hint
         self._aggregate = as_aggregation(cfg.aggregation)
         self.n = problem.data.num_clients
@@ -552,7 +568,12 @@ class TAMUNARun(FederatedRun):
     def client_step(self, key, payload, h, client: ClientData):
         x_bar, gamma = self._unpack(payload, client.settings)
         steps = self.num_local_steps(client.shared_key, client.settings)
-        x = jax.lax.fori_loop(0, steps, lambda _, x: x - gamma * (self._grad(x, client) - h), x_bar)
+        if self._batches.active:  # local step m on the round's batch m (stochastic local steps)
+            order = self._batches.order(key, client)
+            x = jax.lax.fori_loop(0, steps, lambda m, x: x - gamma * (self._grad(x, self._batches.take(order, client, m))
+                                                                        - h), x_bar)
+        else:
+            x = jax.lax.fori_loop(0, steps, lambda _, x: x - gamma * (self._grad(x, client) - h), x_bar)
         q = self.column(client.shared_key, client.slot)
         sent = Masked(jnp.where(q, x, 0.0), self.column)
         if self.safeguard:  # f_i at the broadcast point, for the server's monotonicity check
