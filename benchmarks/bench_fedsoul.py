@@ -15,12 +15,11 @@ Peak memory is the peak resident set size of a fresh process running one configu
 from __future__ import annotations
 
 import json
-import platform
 import resource
-import subprocess
 import sys
 import time
 
+import _common  # benchmarks/_common.py (the script's folder is on sys.path)
 import jax
 import jax.numpy as jnp
 
@@ -105,14 +104,11 @@ def child(argv):
 
 
 def run_child(*args) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _common.run_child(__file__, *args)
 
 
 def main():
-    print(f"# {time.strftime('%Y-%m-%d')}, {platform.machine()}, {jax.devices()[0].device_kind}, "
-          f"jax {jax.__version__}, {__import__('os').cpu_count()} cores")
+    print(_common.machine_line())
     print("| clients | participation | fed_fit rounds/s | hand-written rounds/s | time ratio | "
           "fed_fit peak MB | hand-written peak MB | fed_fit MALA rounds/s | MALA / ULA time |")
     print("|---|---|---|---|---|---|---|---|---|")

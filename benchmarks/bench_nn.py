@@ -21,11 +21,10 @@ second call of its compiled run.
 from __future__ import annotations
 
 import json
-import platform
-import subprocess
 import sys
 import time
 
+import _common  # benchmarks/_common.py (the script's folder is on sys.path)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,14 +137,11 @@ def one(impl: str, clients: int) -> float:
 
 
 def run_child(*args) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _common.run_child(__file__, *args)
 
 
 def main():
-    print(f"# {time.strftime('%Y-%m-%d')}, {platform.machine()}, {jax.devices()[0].device_kind}, "
-          f"jax {jax.__version__}, {__import__('os').cpu_count()} cores")
+    print(_common.machine_line())
     print("| clients | cohort | fed_fit rounds/s | hand-written rounds/s | time ratio | "
           "fed_fit us per client inner step | hand-written us per client inner step |")
     print("|---|---|---|---|---|---|---|")

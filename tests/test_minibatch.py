@@ -41,6 +41,20 @@ def random_intercepts(y):
         numpyro.sample("y", dist.Normal(z, 1.0), obs=y)
 
 
+def gaussian_mean(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+def _gaussian_mean_data(seed):
+    """Four clients of 20, 20, 12 and 16 draws of N(c_i, 1.5^2): (sizes, arrays, FederatedData)."""
+    rng = np.random.default_rng(seed)
+    sizes = [20, 20, 12, 16]
+    ys = [rng.normal(rng.normal(1.0, 1.0), 1.5, n) for n in sizes]
+    return sizes, ys, fb.FederatedData({"y": ys})
+
+
 def _regression_data(sizes, seed=0):
     rng = np.random.default_rng(seed)
     xs = [rng.normal(size=(n, 2)) for n in sizes]
@@ -138,16 +152,7 @@ def test_sgld_has_its_exact_stationary_law():
     (s_i^2 the client's population variance of y: a B-subset drawn without replacement). The stationary
     law is N(m, S) with H S + S H - gamma H S H = 2 + gamma V, i.e. S = (2 + gamma V) / (2 H - gamma H^2):
     ULA's (2 / (2 H - gamma H^2)) plus the gradient noise's share."""
-    rng = np.random.default_rng(4)
-    sizes = [20, 20, 12, 16]
-    ys = [rng.normal(rng.normal(1.0, 1.0), 1.5, n) for n in sizes]
-    data = fb.FederatedData({"y": ys})
-
-    def gaussian_mean(y):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
-        with numpyro.plate("obs", y.shape[0]):
-            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
-
+    sizes, ys, data = _gaussian_mean_data(4)
     B = 5
     H = 1.0 / 100 + sum(sizes)
     m = sum(float(np.sum(y)) for y in ys) / H
@@ -204,16 +209,7 @@ def test_gd_with_stochastic_local_steps_has_its_exact_stationary_spread():
     the batch gradients' errors, Var(e) = sum_i N_i^2 / B s_i^2 (N_i - B) / (N_i - 1) / n^2. The iterates
     fluctuate about the MAP x* with variance gamma^2 Var(e) / (1 - (1 - gamma H)^2); the full batch
     (B = N_i) is plain GD bit for bit."""
-    rng = np.random.default_rng(6)
-    sizes = [20, 20, 12, 16]
-    ys = [rng.normal(rng.normal(1.0, 1.0), 1.5, n) for n in sizes]
-    data = fb.FederatedData({"y": ys})
-
-    def gaussian_mean(y):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
-        with numpyro.plate("obs", y.shape[0]):
-            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
-
+    sizes, ys, data = _gaussian_mean_data(6)
     n, B = len(sizes), 5
     H = (sum(sizes) + 0.01) / n
     x_star = sum(float(np.sum(y)) for y in ys) / (sum(sizes) + 0.01)
