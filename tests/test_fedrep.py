@@ -63,3 +63,15 @@ def test_finetune_trains_each_head_at_the_frozen_shared_model_and_sends_nothing_
     np.testing.assert_allclose(heads, np.broadcast_to(z_star[:, None], heads.shape), rtol=1e-4, atol=1e-4)
     rounds_up = np.asarray(res.history["bits_up"])[1:-1]  # between the set-up and the final exchange
     assert np.all(rounds_up == 0) and np.all(np.asarray(res.history["bits_down"])[1:-1] == 0)
+
+
+def test_aligned_head_error_is_zero_for_an_equivalent_parametrisation():
+    """phi A and A^{-1} z_i give the same predictions: the aligned error is 0 (to rounding) for any invertible
+    A, and the plain mean distance when the representation is the true one."""
+    rng = np.random.default_rng(3)
+    phi, _ = np.linalg.qr(rng.normal(size=(6, 2)))
+    z = rng.normal(size=(5, 2))
+    A = np.array([[2.0, 0.5], [-0.3, 1.5]])
+    assert fb.models.aligned_head_error(phi @ A, np.linalg.solve(A, z.T).T, phi, z) < 1e-12
+    off = z + 0.1
+    np.testing.assert_allclose(fb.models.aligned_head_error(phi, off, phi, z), np.sqrt(0.02), rtol=1e-12)

@@ -74,3 +74,14 @@ def principal_angle_distance(a: np.ndarray, b: np.ndarray) -> float:
     qa, _ = np.linalg.qr(np.asarray(a))
     qb, _ = np.linalg.qr(np.asarray(b))
     return float(np.linalg.norm(qb - qa @ (qa.T @ qb), ord=2))
+
+
+def aligned_head_error(phi_hat: np.ndarray, z_hat: np.ndarray, phi: np.ndarray, z: np.ndarray) -> float:
+    """FedPop's aligned l2(z): the mean over clients of ||R^{-1} z_hat_i - z_i||, R = argmin ||phi_hat R - phi||_F.
+
+    phi -> phi R, z -> R^{-1} z leaves every prediction unchanged, so heads are compared after the
+    estimated representation is aligned with the true one by least squares. ``z_hat`` (clients, d) are
+    point values of the heads (e.g. local posterior means), ``phi_hat`` (k, d)."""
+    R = np.linalg.lstsq(np.asarray(phi_hat, float), np.asarray(phi, float), rcond=None)[0]
+    aligned = np.linalg.solve(R, np.asarray(z_hat, float).T).T
+    return float(np.mean(np.linalg.norm(aligned - np.asarray(z, float), axis=1)))
