@@ -224,11 +224,17 @@ class _LeafParams(Messenger):
 class _WholePlates(Messenger):
     """Every ``numpyro.plate`` with a ``subsample_size`` runs over all its rows (indices 0..size-1, scale 1):
     fedbayes draws minibatches itself (:mod:`fedbayes.minibatch`) and hands the model the batch's rows,
-    so NumPyro's own subsampling (its key, its size / subsample_size scale) is switched off."""
+    so NumPyro's own subsampling (its key, its size / subsample_size scale) is switched off.
+    ``subsampled`` records ``{plate: subsample_size}`` of the plates it switched off."""
+
+    def __init__(self, fn: Callable):
+        self.subsampled: dict[str, int] = {}
+        super().__init__(fn)
 
     def process_message(self, msg: dict[str, Any]) -> None:
         if msg["type"] == "plate" and msg["value"] is None:
-            size = msg["args"][0]
+            size, subsample = msg["args"]
+            self.subsampled[msg["name"]] = int(subsample)
             msg["value"] = jnp.arange(size)
             msg["args"] = (size, None)
 
@@ -478,19 +484,19 @@ class FedModel:
         longer = {k: np.concatenate([v, v[-1:]], axis=0) for k, v in example.items()}
         try:
             # JAX arrays, as the model sees its data in a fit (NumPy arrays cannot be indexed by tracers)
-            raw = _abstract_trace(_LeafParams(model, {}), {**_as_jax(example), **self.model_kwargs})
-            tr = _abstract_trace(_WholePlates(_LeafParams(model, {})), {**_as_jax(example), **self.model_kwargs})
+            whole = _WholePlates(_LeafParams(model, {}))
+            tr = _abstract_trace(whole, {**_as_jax(example), **self.model_kwargs})
             tr_longer = _abstract_trace(_WholePlates(_LeafParams(model, {})), {**_as_jax(longer), **self.model_kwargs})
         except Exception as err:  # the user's model failed on a client's data
             raise ModelError(
                 f"calling the model on client 0's data failed with {type(err).__name__}: {err}. "
                 f"The model is called as model(**client_data, **model_kwargs) with data keys {list(data.keys)}."
             ) from err
-        self.subsample_size = self._subsample_size(raw)
+        self.subsample_size = self._subsample_size(whole.subsampled)
         self.pytree_params = {name: pytree_leaf_names(name, site["value"]) for name, site in tr.items()
                               if site["type"] == "pytree_param"}
         self.data_plates = self._find_data_plates(tr, tr_longer)
-        self._check_subsampled_plates(raw)
+        self._check_subsampled_plates(whole.subsampled)
         self.sites: dict[str, Site] = {}
         self.observed: tuple[str, ...] = ()
         self._classify(tr, tr_longer)
@@ -505,27 +511,21 @@ class FedModel:
 
     # ----------------------------------------------------------------------------- introspection
     @staticmethod
-    def _subsample_size(tr) -> int | None:
-        """B of ``numpyro.plate(name, N, subsample_size=B)`` with B < N (None if no plate subsamples): the
-        model asks for minibatches of B rows, which the algorithms that take them draw themselves
-        (:mod:`fedbayes.minibatch`); the others refuse the model (:meth:`require`)."""
-        sizes = {}
-        for name, site in tr.items():
-            if site["type"] == "plate":
-                size, subsample = site["args"]
-                if subsample is not None and subsample != size:
-                    sizes[name] = int(subsample)
-        if len(set(sizes.values())) > 1:
-            raise ModelError(f"plates {sorted(sizes)} subsample different numbers of rows ({sizes}); fedbayes draws "
-                             "one minibatch of each client's rows per step: give one subsample_size")
-        return next(iter(sizes.values()), None)
+    def _subsample_size(subsampled: Mapping[str, int]) -> int | None:
+        """B of ``numpyro.plate(name, N, subsample_size=B)`` with B < N (None if no plate subsamples;
+        ``subsampled`` as :class:`_WholePlates` records it): the model asks for minibatches of B rows,
+        which the algorithms that take them draw themselves (:mod:`fedbayes.minibatch`); the others
+        refuse the model (:meth:`require`)."""
+        if len(set(subsampled.values())) > 1:
+            raise ModelError(f"plates {sorted(subsampled)} subsample different numbers of rows ({dict(subsampled)}); "
+                             "fedbayes draws one minibatch of each client's rows per step: give one subsample_size")
+        return next(iter(subsampled.values()), None)
 
-    def _check_subsampled_plates(self, raw) -> None:
-        """A plate with ``subsample_size`` (in ``raw``, the trace with NumPyro's subsampling) must run over
-        the client's rows (a data plate)."""
-        for name, site in raw.items():
-            if site["type"] == "plate" and name not in self.data_plates and site["args"][1] not in (None, site["args"][0]):
-                raise ModelError(f"plate '{name}' has subsample_size={site['args'][1]} but does not run over the "
+    def _check_subsampled_plates(self, subsampled: Mapping[str, int]) -> None:
+        """A plate with ``subsample_size`` must run over the client's rows (a data plate)."""
+        for name, size in subsampled.items():
+            if name not in self.data_plates:
+                raise ModelError(f"plate '{name}' has subsample_size={size} but does not run over the "
                                  "client's rows; fedbayes draws minibatches of a client's rows only (subsample the "
                                  "plate over the observations)")
 
