@@ -39,7 +39,7 @@ test-heavy: $(STAMP)
 # The ArviZ 1.x line (DataTree) needs Python >= 3.12: run the ArviZ-facing tests there.
 # Usage: make test-arviz1 PYTHON=python3.12
 test-arviz1: .venv312/.fedbayes-installed
-	MPLBACKEND=Agg .venv312/bin/python -m pytest -q tests/test_result.py tests/test_diagnostics.py
+	MPLBACKEND=Agg .venv312/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/test_result.py tests/test_diagnostics.py
 
 .venv312/.fedbayes-installed: pyproject.toml
 	@test -x .venv312/bin/python || $(PYTHON) -m venv .venv312
