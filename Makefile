@@ -25,8 +25,9 @@ SLOW_TESTS := tests/test_fedmm.py tests/test_flower.py tests/test_flower_app.py 
 # `make test` (under 10 minutes on 2 cores) runs every test not marked slow or heavy; `make test-slow`
 # runs the heavier end-to-end and statistical checks marked slow; .ci/run runs both. `make test-heavy`
 # runs the third tier (Flower's Ray engine and `flwr run`, FedSOUL and FedMM on Flower, the real-data
-# samplers, the known gaps' expected failures, the LAPACK structure checks), which would take .ci/run
-# past its 40 minutes: run it before a release.
+# samplers, the known gaps' expected failures, the LAPACK structure checks, the longest FedSOUL fault,
+# save/load and run-immutability checks; tests/tiers.py lists them), which would take .ci/run past its
+# 40 minutes: run it before a release.
 test: $(STAMP)
 	MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not slow and not heavy" $(SLOW_TESTS) tests
 
