@@ -263,7 +263,7 @@ class FedSOUL:
         require_int(self.power_iters, "FedSOUL power_iters")
         require_choice(self.local_metric, "FedSOUL local_metric", ("auto", "identity", "dense"))
         require_choice(self.local_kernel, "FedSOUL local_kernel", (None, "mala", "ula"))
-        check_batch_size(self.batch_size, "FedSOUL")
+        check_batch_size(self.batch_size, self.name)
         require_int(self.num_samples, "FedSOUL num_samples")
         require_int(self.warmup, "FedSOUL warmup", 0)
         require_int(self.thinning, "FedSOUL thinning")
@@ -304,16 +304,16 @@ class FedSOUL:
     def build(self, problem: Problem) -> "FedSOULRun":
         """Bind the configuration to a problem: the object that runs the round protocol."""
         fm: FedModel = problem.model
-        fm.require("FedSOUL", minibatch=True)
+        fm.require(self.name, minibatch=True)
         if not fm.local_names:
-            raise ConfigError("FedSOUL needs at least one local latent (a sample site under fb.local())")
+            raise ConfigError(f"{self.name} needs at least one local latent (a sample site under fb.local())")
         for site in (*self.exact_sites, *(self.bounds or {})):
             if site not in fm.global_names:
                 raise ConfigError(f"'{site}' is not a global site of the model; global sites are {list(fm.global_names)}")
         n = problem.data.num_clients
         if np.ndim(self.step_size) == 1 and len(self.step_size) != n:
             raise ConfigError(f"FedSOUL step_size has {len(self.step_size)} entries for {n} clients")
-        batches = minibatch.resolve(self.batch_size, fm, problem.data.mask.shape[1], "FedSOUL")
+        batches = minibatch.resolve(self.batch_size, fm, problem.data.mask.shape[1], self.name)
         if batches.active and self.local_kernel == "mala":
             raise ConfigError("FedSOUL local_kernel='mala' cannot take minibatch steps: a Metropolis test on a "
                               "minibatch estimate of the log-density does not leave the local posterior invariant; "
