@@ -555,10 +555,9 @@ class FedModel:
             in_data_plate = any(f.name in self.data_plates for f in site["cond_indep_stack"])
             if not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(site["value"])):
                 raise ModelError(
-                    f"{site['type']} site '{name}' holds a pytree of arrays (e.g. a flax / equinox / haiku module's "
-                    "parameters through numpyro.contrib.module), which fedbayes does not handle yet: give each "
-                    "array its own numpyro.param / numpyro.sample site (a small network can be written with "
-                    "explicit weight sites)")
+                    f"{site['type']} site '{name}' holds a pytree of arrays, which fedbayes handles only as a "
+                    "numpyro.param with an initial value (one site per leaf, e.g. flax_module's parameters): give a "
+                    "sample site one array each, and a param its initial value rather than an init function")
             shape = tuple(jnp.shape(site["value"]))
             grows = tuple(jnp.shape(tr_longer[name]["value"])) != shape if name in tr_longer else False
             if site["type"] == "sample" and site["is_observed"]:

@@ -401,8 +401,12 @@ class FedSOULRun(FederatedRun):
                                                       and 0 < q <= LOCAL_DENSE_MAX)
         self.local_metric = "dense" if self._dense else "identity"
         self.local_kernel = cfg.local_kernel or ("ula" if batches.active else "mala")
-        self._adjusted = self.local_kernel == "mala"
-        self.step_scale = cfg.step_scale if cfg.step_scale is not None else (1.0 if self._adjusted else 0.1)
+        mala = self.local_kernel == "mala"
+        self.step_scale = cfg.step_scale if cfg.step_scale is not None else (1.0 if mala else 0.1)
+        # the rounds' kernel, and the final exchange's (all rows: MALA when training took batches); a
+        # noise-free move (FedRep) is never adjusted
+        self._adjusted = mala and cfg.local_noise
+        self._final_adjusted = (mala or batches.active) and cfg.local_noise
 
     @staticmethod
     def _nonlinear_coordinates(fm: FedModel) -> jax.Array:
@@ -499,7 +503,7 @@ class FedSOULRun(FederatedRun):
         """One local move (:func:`fedbayes.kernels.langevin_move`, tamed): MALA with ``local_kernel="mala"``,
         plain ULA with ``"ula"`` (``adjusted`` overrides); ``root`` the local metric's root (None: the identity)."""
         adjusted = self._adjusted if adjusted is None else adjusted
-        return langevin_move(key, point, evaluate, step, root, adjusted=adjusted and self.cfg.local_noise, tame=True,
+        return langevin_move(key, point, evaluate, step, root, adjusted=adjusted, tame=True,
                              noise=self.cfg.local_noise)
 
     def _adapt(self, theta: Params, anchor: Params, v, step, client: ClientData, iters: int):
@@ -705,12 +709,10 @@ class FedSOULRun(FederatedRun):
         log_joint = self._log_joint_fn(fm, theta, client)
         evaluate = lambda z: (*jax.value_and_grad(log_joint)(z), ())  # noqa: E731
 
-        # on the whole client's data: with minibatch training the final chains are MALA (exact), not SGLD
-        adjusted = self._adjusted or self._batches.active
 
         def chain(kc, z0):
             def body(point, k):
-                point, prob = self._move(k, point, evaluate, step, root, adjusted)
+                point, prob = self._move(k, point, evaluate, step, root, self._final_adjusted)
                 return point, (point.x, prob)
             return jax.lax.scan(body, LangevinPoint(z0, *evaluate(z0)), jax.random.split(kc, n_steps))[1]
 
