@@ -11,16 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+import pytest
 
 import fedbayes as fb
 
 
-def intercepts(x, y):
+def intercepts(x, y=None):
     w = numpyro.param("w", jnp.zeros(()))
     mu = numpyro.param("mu", jnp.zeros(()))
     with fb.local():
         z = numpyro.sample("z", dist.Normal(mu, 1.0))
-    with numpyro.plate("obs", y.shape[0]):
+    with numpyro.plate("obs", x.shape[0]):
         numpyro.sample("y", dist.Normal(w * x + z, 1.0), obs=y)
 
 
@@ -63,6 +64,35 @@ def test_finetune_trains_each_head_at_the_frozen_shared_model_and_sends_nothing_
     np.testing.assert_allclose(heads, np.broadcast_to(z_star[:, None], heads.shape), rtol=1e-4, atol=1e-4)
     rounds_up = np.asarray(res.history["bits_up"])[1:-1]  # between the set-up and the final exchange
     assert np.all(rounds_up == 0) and np.all(np.asarray(res.history["bits_down"])[1:-1] == 0)
+
+
+def test_local_only_fits_each_client_alone_and_predicts_with_its_own_model():
+    """fb.LocalOnly: every client's own maximum, here its own least-squares line w_i = cov(x_i, y_i) / var(x_i),
+    z_i = ybar_i - w_i xbar_i (w has no prior: a param), with partial participation; nothing crosses the
+    network after the set-up, and a client's predictions use its own w_i."""
+    rng = np.random.default_rng(0)
+    sizes = [12, 20, 8, 15, 10]
+    xs = [rng.normal(loc=i - 2.0, size=n) for i, n in enumerate(sizes)]
+    ys = [0.7 * x + rng.normal(3.0, 2.0) + rng.normal(size=len(x)) for x in xs]
+    data = fb.FederatedData({"x": xs, "y": ys})
+    w_star = np.array([np.mean((x - x.mean()) * (y - y.mean())) / np.var(x) for x, y in zip(xs, ys)])
+    z_star = np.array([y.mean() - w * x.mean() for x, y, w in zip(xs, ys, w_star)])
+    res = fb.fed_fit(intercepts, data, fb.LocalOnly(num_samples=5, warmup=20), num_rounds=400, clients_per_round=2,
+                     seed=0, progress=False)
+    # deterministic fixed points reached in float32 (each client takes part in about 160 rounds)
+    np.testing.assert_allclose(res.local_samples["w"][:, 0], w_star, rtol=1e-4)
+    np.testing.assert_allclose(res.local_samples["z"][:, 0], z_star, rtol=1e-4, atol=1e-4)
+    assert np.all(res.local_samples["w"] == res.local_samples["w"][:, :1])  # one fitted value per client
+    np.testing.assert_allclose(float(res.params["w"]), res.local_samples["w"][:, 0].mean(), rtol=1e-6)
+    assert res.bits_up == 0 and np.all(np.asarray(res.history["bits_down"])[1:] == 0)
+    assert res.idata.posterior["w"].dims == ("chain", "draw", "client")
+    x_new = np.array([-1.0, 0.0, 2.0])
+    mean = res.predict({"x": x_new}, client=3, num_samples=2000)["y"].mean(axis=0)  # Normal(w_3 x + z_3, 1)
+    np.testing.assert_allclose(mean, w_star[3] * x_new + z_star[3], atol=0.1)  # 2000 draws of sd 1: 4.5 se
+    with pytest.raises(fb.ConfigError, match="no model"):
+        res.sample_client({"x": x_new, "y": x_new})
+    with pytest.raises(fb.ConfigError, match="sends nothing"):
+        fb.LocalOnly(compressor=fb.compress.qsgd(levels=4))
 
 
 def test_aligned_head_error_is_zero_for_an_equivalent_parametrisation():

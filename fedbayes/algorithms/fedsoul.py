@@ -51,6 +51,7 @@ from ..compress import Compressor, identity, require_unbiased
 from ..engine import client_key, final_exchange, stack_clients
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
+from ..wire import decode_tree
 from ..minibatch import check_batch_size
 from ..kernels import LangevinPoint, backtrack, curvature, langevin_move, newton_mode, newton_root
 from ..introspect import FedModel, Params
@@ -372,6 +373,46 @@ class FineTune(FedRep):
 
     def _run_class(self) -> type:
         return FineTuneRun
+
+
+@dataclass(frozen=True)
+class LocalOnly(FedRep):
+    """Each client fits the whole model on its own data alone: FedPop's "Local" baseline.
+
+    No site is shared: every client keeps its own copy theta_i of the global sites, started at the common
+    theta_0 of the set-up, and each of its rounds is one FedRep round on its own, with itself as the only
+    client: ``local_steps`` gradient steps on its head z_i (log p(D_i | theta_i, z), no population prior,
+    no noise), then one step of FedSOUL's server optimiser on theta_i with its own gradient,
+
+        theta_i <- theta_i + eta_k step(grad log p(theta_i) + grad_theta log p(D_i | theta_i, z_i)),
+
+    taken on the client. So each client converges to its own maximum a posteriori
+    argmax_{theta, z} log p(theta) + log p(D_i | theta, z) (``tests/test_fedrep.py``: per-client least
+    squares), and nothing crosses the network after the set-up: the ledger holds the set-up and nothing
+    else. A client's rounds are the rounds it takes part in; ``average_from`` counts them (about
+    ``num_rounds * clients_per_round / num_clients``). ``res.local_samples`` holds each client's own fitted
+    global sites beside its head (a client's predictions use them), and ``res.params`` their average over
+    the clients, a summary that no client's model uses. A client unseen in training has no model:
+    ``res.sample_client`` refuses. Compression and robust aggregation do not apply and are refused.
+    """
+
+    name: str = "LocalOnly"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.compressor, type(identity())) or self.exact_sites or self.aggregation != "mean":
+            raise ConfigError("LocalOnly sends nothing after the set-up: compressor, exact_sites and aggregation "
+                              "do not apply")
+
+    def _run_class(self) -> type:
+        return LocalOnlyRun
+
+    def build(self, problem: Problem) -> "LocalOnlyRun":
+        run = super().build(problem)
+        # averaging starts after a fraction of a client's own rounds (it takes part in cohort / n of them)
+        share = (problem.cohort_size or problem.data.num_clients) / problem.data.num_clients
+        run._avg_start = int(self.average_from * problem.num_rounds * share)
+        return run
 
 
 class FedSOULRun(FederatedRun):
@@ -834,3 +875,71 @@ class FineTuneRun(FedSOULRun):
     def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
         """Nothing to aggregate: the shared sites stay where the warm start put them."""
         return state, self._broadcast(state.theta), {f"theta/{n}": v for n, v in self._fm.constrain(state.theta).items()}
+
+
+class LocalOnlyState(NamedTuple):
+    """A :class:`LocalOnly` client's state: its chain, its own copy of the global sites with their
+    optimiser (a :class:`ServerState` of its own), and the rounds it has taken part in."""
+
+    chain: ClientState
+    own: ServerState
+    rounds: jax.Array
+
+
+class LocalOnlyRun(FedSOULRun):
+    """:class:`LocalOnly` bound to a model: each client runs FedRep with itself as the only client."""
+
+    def setup_client(self, stage: int, key: jax.Array, theta: Params, state: Any, client: ClientData):
+        """FedRep's chain start, and the client's own copy of theta_0 with a fresh optimiser; nothing back."""
+        chain, _ = super().setup_client(stage, key, theta, state, client)
+        own, _ = FedSOULRun.setup_server_step(self, stage, key, theta, None)
+        return LocalOnlyState(chain, own, jnp.zeros((), jnp.int32)), ()
+
+    def setup_server_step(self, stage: int, key: jax.Array, theta: Params, uploads: Any):
+        state, _ = super().setup_server_step(stage, key, theta, uploads)
+        return state, self._broadcast(theta)
+
+    def _broadcast(self, theta: Params) -> Message:
+        return dense_message(())  # nothing is shared after the set-up
+
+    def client_step(self, key, payload, state: LocalOnlyState, client: ClientData):
+        """One FedRep round at the client's own theta_i, then one optimiser step on theta_i (FedSOUL's
+        server step with this client as the only, active, one); nothing goes back."""
+        k_round, k_own = jax.random.split(key)
+        chain, (sent, objective, tri), _ = self._local_round(k_round, state.own.theta, state.chain, client)
+        one = lambda a: jnp.asarray(a)[None]  # noqa: E731
+        uploads = Message(Upload(jax.tree_util.tree_map(one, decode_tree(sent)), one(objective),
+                                 jax.tree_util.tree_map(one, tri)), jnp.zeros((), jnp.int32))
+        info = RoundInfo(round=state.rounds, cohort=jnp.zeros((1,), jnp.int32), active=jnp.ones((1,), bool),
+                         num_clients=1)
+        own, _, _ = FedSOULRun.server_step(self, k_own, state.own, uploads, info)
+        return LocalOnlyState(chain, own, state.rounds + 1), dense_message(())
+
+    def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
+        """Nothing to aggregate: the clients train alone."""
+        return state, self._broadcast(state.theta), {}
+
+    def final_message(self, key, server: ServerState) -> Params:
+        return ()
+
+    def final_client(self, key, theta: Params, state: LocalOnlyState, client: ClientData):
+        """The client's trained head at its own averaged theta_i, and theta_i itself as a local "sample"
+        (repeated over chains and draws); both kept by the client, nothing back."""
+        own = self.averaged_theta(state.own)
+        kept, _ = super().final_client(key, own, state.chain, client)
+        shape = jax.tree_util.tree_leaves(kept["local_samples"])[0].shape[:2]
+        copies = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, shape + a.shape), own)
+        return {**kept, "local_samples": {**kept["local_samples"], **copies}}, ()
+
+    def final_server(self, key, server: ServerState, theta: Params, uploads, locals_) -> FitParts:
+        """``params``: the clients' own global sites averaged (in unconstrained space), a summary; each
+        client's own in the local samples."""
+        mean = server.theta
+        if locals_ is not None:
+            mean = {n: jnp.mean(locals_["local_samples"][n][:, 0, 0], 0) for n in self._fm.global_names}
+        parts = super().final_server(key, server._replace(theta=mean), mean, None, locals_)
+        return parts
+
+    def sample_new_client(self, key, theta: Params, client: ClientData, num_samples: int, warmup: int) -> Params:
+        raise ConfigError("LocalOnly fits each client alone: a client unseen in training has no model (fit it on "
+                          "its own data, e.g. fb.fed_fit on a FederatedData of that one client)")
