@@ -140,8 +140,8 @@ def test_the_model_s_subsample_size_is_the_batch_size_and_others_refuse_it():
     assert by_model.settings["batch_size"] == 4
     with pytest.raises(fb.ConfigError, match="batch_size=3 but the model's plate has subsample_size=4"):
         fb.fed_fit(regression_subsampled, data, fb.LMC(batch_size=3), **kw)
-    with pytest.raises(fb.ModelError, match="subsamples 4 rows .* but FedMM .* remove subsample_size"):
-        fb.fed_fit(regression_subsampled, data, fb.FedMM(), **kw)
+    with pytest.raises(fb.ModelError, match="subsamples 4 rows .* but ParamAveragingEM .* remove subsample_size"):
+        fb.fed_fit(regression_subsampled, data, fb.ParamAveragingEM(), **kw)
     with pytest.raises(fb.ConfigError, match=r"batch_size \(rows per local step; None: the full batch\) must be an integer >= 1, got 0"):
         fb.LMC(batch_size=0)
 
@@ -225,3 +225,61 @@ def test_gd_with_stochastic_local_steps_has_its_exact_stationary_spread():
     full = fb.fed_fit(gaussian_mean, data, fb.GD(step_size=gamma), num_rounds=30, seed=0, progress=False)
     same = fb.fed_fit(gaussian_mean, data, fb.GD(step_size=gamma, batch_size=20), num_rounds=30, seed=0, progress=False)
     np.testing.assert_array_equal(np.asarray(full.history["theta/mu"]), np.asarray(same.history["theta/mu"]))
+
+
+def _mixture():
+    data, _ = fb.models.make_gaussian_mixture(4, num_components=2, dim=1, sizes=(40, 60), concentration=1.0, seed=5)
+    y = np.asarray(data.pooled()["y"])
+    init = {"weights": np.array([0.5, 0.5]), "means": np.array([[y.min()], [y.max()]]), "covs": np.ones((2, 1, 1))}
+    return data, init, fb.models.gaussian_mixture(2, 1)
+
+
+def test_fedmm_minibatch_statistic_is_unbiased():
+    """FedMM's minibatch oracle (the paper's b^-1 sum_{j in batch} S(Z_j, theta)): its mean over batches is
+    the client's full E-step statistic at the same theta."""
+    from fedbayes.engine import Problem
+
+    data, init, model = _mixture()
+    fm = FedModel(model, data)
+    run = fb.FedMM(init=init, batch_size=7).build(Problem(fm, data, 10, None))
+    clients = stack_clients(data)
+    theta = fm.unconstrain(init)
+    draws = 20_000
+    for c in range(2):
+        client = jax.tree_util.tree_map(lambda a: a[c], clients)
+        full = np.asarray(run._e_step(theta, client)[0], np.float64)
+
+        def one(k):
+            batch = run._batches.draw(k, client)
+            real = batch.mask > 0
+            return run._e_step(theta, batch._replace(mask=real, size=jnp.sum(real).astype(client.size.dtype)))[0]
+
+        vals = np.asarray(jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(c), draws)), np.float64)
+        # independent batches: 4.5 standard errors per coordinate (float32 rounding ~1e-6 relative below it)
+        se = vals.std(0) / np.sqrt(draws)
+        assert np.all(np.abs(vals.mean(0) - full) < 4.5 * se + 1e-5 * np.abs(full))
+        assert np.all(vals.std(0)[np.abs(full) > 0] > 0)  # real batches, not the whole client
+
+
+@pytest.mark.filterwarnings("ignore::fedbayes.ConvergenceWarning")  # the 3 noisy runs' drift check, expected
+def test_fedmm_minibatch_reaches_the_em_fixed_point_and_refuses_per_client_latents():
+    """With a decreasing step (gamma_t = (t + 1)^-0.7, Robbins-Monro) and the average of the last half of
+    the statistics, minibatch FedMM ends at full-batch EM's fixed point; B = N_i is the full batch bit for bit."""
+    data, init, model = _mixture()
+    kw = dict(num_rounds=600, seed=0, progress=False)
+    full = fb.fed_fit(model, data, fb.FedMM(init=init, uncertainty=False), **kw)
+    same = fb.fed_fit(model, data, fb.FedMM(init=init, uncertainty=False, batch_size=int(max(data.sizes))), **kw)
+    np.testing.assert_array_equal(full.params["means"], same.params["means"])
+    step = lambda t: (t + 1.0) ** -0.7  # noqa: E731
+    runs = [fb.fed_fit(model, data, fb.FedMM(init=init, uncertainty=False, batch_size=10, step_size=step,
+                                             average_from=0.5), num_rounds=600, seed=s, progress=False)
+            for s in range(3)]
+    means = np.stack([np.sort(r.params["means"].ravel()) for r in runs])
+    target = np.sort(full.params["means"].ravel())
+    # the averaged iterate's error is the oracle's noise averaged over ~300 rounds; its spread over the seeds
+    # measures it: the seeds' mean within 4 of its standard errors (plus 1e-3 for the finite-run bias)
+    se = means.std(0, ddof=1) / np.sqrt(len(runs))
+    assert np.all(np.abs(means.mean(0) - target) < 4 * se + 1e-3), (means, target)
+    assert np.all(means.std(0) > 0)
+    with pytest.raises(fb.ConfigError, match="per client"):
+        fb.fed_fit(random_intercepts, _gaussian_mean_data(0)[2], fb.FedMM(batch_size=3), num_rounds=5, progress=False)

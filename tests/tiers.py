@@ -84,6 +84,7 @@ SECOND_TIER: dict[str, object] = {
         "test_fedsoul_with_minibatch_sgld_reaches_the_closed_form_estimate",
         "test_fedsoul_batch_of_every_row_is_the_full_batch_bit_for_bit",
         "test_gd_with_stochastic_local_steps_has_its_exact_stationary_spread",
+        "test_fedmm_minibatch_reaches_the_em_fixed_point_and_refuses_per_client_latents",
     ),
     "tests/test_model.py": (
         "test_fisher_identity_gradient_matches_the_closed_form_marginal",

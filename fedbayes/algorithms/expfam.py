@@ -347,6 +347,14 @@ class Derived:
     m_step_iters: int = 200
 
     # ------------------------------------------------------------------ evaluation helpers
+    @property
+    def rowwise(self) -> bool:
+        """Whether the client's statistic is a sum over its rows of terms that each depend on one row only
+        (no latents, or latents that belong to single rows): then a batch's mean is an unbiased estimate of
+        the client's (FedMM's minibatch E-step). A Monte Carlo E-step's chain state spans all the client's
+        rows, so it is not."""
+        return self.latent_mode == "none" or (bool(self.latent_per_obs) and self.latent_mode != "monte_carlo")
+
     def _trace(self, theta_c: Params, latents_c: Params, data, mask):
         """The client's trace with every sample value an array (``obs=1.0`` gives a Python float)."""
         tr = self.fm._client_trace({**theta_c, **latents_c}, data, mask)

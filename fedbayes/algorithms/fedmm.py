@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from .. import minibatch
+from ..minibatch import check_batch_size
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import client_key, final_exchange, stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_fraction, require_int
@@ -118,6 +120,18 @@ class FedMM:
         Monte Carlo E-step, else None: the last iterate).
     louis_draws:
         Posterior draws for Louis' identity where it is not computed exactly.
+    batch_size:
+        B, the rows of a client's data each round's E-step sees (None, the default: all of them): the
+        paper's minibatch oracle (its section 2, "large batch learning"), s_i = B^-1 sum_{j in batch}
+        E[S(D_ij, h_j) | D_ij, theta_t], an unbiased estimate of the client's mean statistic over a batch
+        of B distinct rows drawn each round from the client's round key (:mod:`fedbayes.minibatch`; the
+        whole client when N_i <= B). It needs latents that belong to single rows (a mixture's labels, PPCA's
+        factors) or none: the conditional law of a per-client latent (a random effect) depends on all the
+        client's rows jointly, so its batch statistic is biased, and such models (and hand-written
+        statistics, whose structure is not known) are refused. The oracle's noise (variance ~ 1/B) does
+        not vanish at the fixed point: use a decreasing ``step_size`` or ``average_from``; the control
+        variates do not remove it (they remove the clients' heterogeneity, not the oracle's noise). The
+        set-up and the final exchange use all rows.
     uncertainty:
         After the fit, compute the local posteriors and Louis' standard errors: the final exchange,
         theta-hat (d floats) to every client and q + d(d+1)/2 floats back from each (``res.final_bits``);
@@ -140,7 +154,9 @@ class FedMM:
     m_step_iters: int = 200
     louis_draws: int = 500
     uncertainty: bool = True
+    batch_size: int | None = None
     name = "FedMM"
+    takes_batches = True  # a model's plate subsample_size is honoured (ParamAveragingEM: refused)
     divergence_hint = ("lower step_size, use more quantisation levels, or start from other initial values "
                        "(a mixture component may have collapsed)")
 
@@ -167,17 +183,24 @@ class FedMM:
         require_fraction(self.average_from, f"{self.name} average_from", allow_none=True)
         require_int(self.m_step_iters, f"{self.name} m_step_iters", 1)
         require_int(self.louis_draws, f"{self.name} louis_draws", 2)
+        check_batch_size(self.batch_size, self.name)
 
     def build(self, problem: Problem) -> "FedMMRun":
         fm: FedModel = problem.model
-        fm.require(self.name, local_continuous=False, allow_obs_latent=True)
+        fm.require(self.name, local_continuous=False, allow_obs_latent=True, minibatch=self.takes_batches)
         stats = self.statistics if self.statistics is not None else derive(fm, m_step_iters=self.m_step_iters)
         try:
             init = resolve_init(self.init, problem)
         except ModelError as err:  # init="map": the TAMUNA warm start cannot fit this model
             raise ModelError(f"{self.name}(init='map') starts from a TAMUNA fit of the model, which fails: {err}. "
                              "Pass init={site: value} (or a previous fit's Result) instead.") from None
-        return FedMMRun(dataclasses.replace(self, init=init), fm, stats, problem)
+        run = FedMMRun(dataclasses.replace(self, init=init), fm, stats, problem)
+        if run._batches.active and not getattr(stats, "rowwise", False):
+            raise ConfigError(f"{self.name} batch_size: a minibatch E-step is unbiased only when every latent belongs "
+                              "to one row (a mixture's labels) or there is none; this model's latents are per client "
+                              "(their conditional law depends on all the client's rows) or its statistics are "
+                              "hand-written: leave batch_size=None")
+        return run
 
 
 @dataclass(frozen=True)
@@ -209,6 +232,7 @@ class FedMMRun(FederatedRun):
         self._avg_start = None if avg is None else int(avg * problem.num_rounds)
         self._structure(problem)
         self._m_step_jit = jax.jit(self.m_step)
+        self._batches = minibatch.resolve(cfg.batch_size, fm, problem.data.mask.shape[1], cfg.name)
 
     def _structure(self, problem: Problem) -> None:
         """The statistic's layout (q numbers), theta's size and the resulting alpha, from shapes alone
@@ -311,6 +335,10 @@ class FedMMRun(FederatedRun):
     def client_step(self, key: jax.Array, payload: Broadcast, state: ClientState, client: ClientData):
         """E-step at theta_t; upload Quant(s_i - S_t - V_i); V_i += (alpha/p) Q_i."""
         k_e, k_q = jax.random.split(key)
+        if self._batches.active:  # B of the client's rows, each with weight 1: the E-step's mean is the batch's
+            batch = self._batches.draw(key, client)
+            real = batch.mask > 0
+            client = batch._replace(mask=real, size=jnp.sum(real).astype(client.size.dtype))
         s_i, z = self._e_step(payload.theta, client, state.z, state.step, k_e)
         delta = s_i - payload.s - state.v
         sent, q, bits = self.cfg.compressor.coded(k_q, delta)
@@ -428,11 +456,14 @@ class ParamAveragingEM(FedMM):
     """
 
     name = "ParamAveragingEM"
+    takes_batches = False
 
     def __post_init__(self):
         super().__post_init__()
         if self.participation != 1.0 or not isinstance(self.compressor, type(identity())):
             raise ConfigError("ParamAveragingEM is the plain baseline: full participation, no compression")
+        if self.batch_size is not None:
+            raise ConfigError("ParamAveragingEM takes a full local EM step on all rows: batch_size does not apply")
 
     def build(self, problem: Problem) -> "ParamAveragingRun":
         run = FedMM.build(dataclasses.replace(self, control_variates="zero"), problem)
