@@ -132,11 +132,11 @@ def test_rhat_and_ess_through_the_arviz_adapter_match_closed_forms():
     iid = rng.normal(size=(4, 5000))
     ar = _ar1(rng, 5000, 0.8, size=(4,))
     shifted = rng.normal(size=(4, 5000)) + np.array([0.0, 0.0, 0.0, 1.0])[:, None]
-    st = cv._arviz_stats({"iid": iid, "ar": ar, "shifted": shifted}, {})
+    st = cv._chain_stats({"iid": iid, "ar": ar, "shifted": shifted})
     assert st["iid"]["ess_bulk"] == pytest.approx(20000, rel=0.12) and st["iid"]["rhat"] < 1.005
     assert st["ar"]["ess_bulk"] == pytest.approx(20000 * 0.2 / 1.8, rel=0.12)
     assert st["shifted"]["rhat"] > 1.05
-    one = cv._arviz_stats({"x": ar[:1]}, {})["x"]  # one chain: split in halves
+    one = cv._chain_stats({"x": ar[:1]})["x"]  # one chain: split in halves
     assert np.isfinite(one["rhat"]) and one["ess_bulk"] == pytest.approx(5000 * 0.2 / 1.8, rel=0.35)
 
 
@@ -261,8 +261,8 @@ def test_local_rhat_limit_lets_well_mixed_clients_pass_and_catches_a_stuck_chain
     chains = _ar1(rng, 1000, 0.6, 0.8, size=(C, 2))  # (client, chain, draw)
     def rhat_and_limit(c):
         draws = {"z": np.moveaxis(c, 0, 2)}
-        st = cv._arviz_stats(draws, {"z": ["client"]})["z"]
-        within = cv._arviz_stats(cv._per_chain(draws), {"z": ["client", "local_chain"]})["z"]["ess_bulk"].sum(1)
+        st = cv._chain_stats(draws)["z"]
+        within = cv._chain_stats(cv._per_chain(draws))["z"]["ess_bulk"].sum(1)
         # each chain's own ESS is 1000 (1 - phi) / (1 + phi) = 250, so 500 a client (the median of 100
         # estimates has a relative sd of ~1.5%)
         assert np.median(within) == pytest.approx(500, rel=0.1)
