@@ -982,15 +982,33 @@ class FedModel:
         return {n: tr[n]["value"] for n in self.observed}
 
     def trace_values(self, values_c: Mapping[str, Any], data: Mapping[str, jax.Array], names: Sequence[str],
-                     key: jax.Array | int = 0) -> Params:
+                     key: jax.Array | int = 0, locals_at_mean: bool = False) -> Params:
         """The named sites' values when the model runs on ``data`` with the constrained latent values
         ``values_c`` substituted and ``key`` for every other random choice (observed sites whose data are
         not given, a new client's locals drawn from p(z | theta), per-observation latents): one draw of
-        NumPyro's ``Predictive``. Deterministic sites are recomputed, never substituted."""
+        NumPyro's ``Predictive``. Deterministic sites are recomputed, never substituted. With
+        ``locals_at_mean`` the local latents not in ``values_c`` take their population mean E[z | theta]
+        instead of a draw (the non-personalised model: :meth:`substitution`)."""
         recorded = getattr(self, "deterministic", {})  # a FedModel pickled before it recorded them has none
         values = {k: v for k, v in values_c.items() if k not in recorded}
-        tr = _trace(self.model, {**data, **self.model_kwargs}, substitutions=values, seed=key)
+        tr = handlers.trace(handlers.seed(self.substituted(values, locals_at_mean), key)).get_trace(
+            **data, **self.model_kwargs)
         return {n: tr[n]["value"] for n in names}
+
+    def substituted(self, values_c: Mapping[str, Any], locals_at_mean: bool = False) -> Callable:
+        """The model with the constrained ``values_c`` substituted; with ``locals_at_mean`` also every local
+        latent not among them at its population mean E[z | theta] (the model a fit with
+        ``local_latents="population-mean"`` estimated: every client the average client)."""
+        if not locals_at_mean:
+            return handlers.substitute(self.model, data=values_c)
+        local_names = set(self.local_names)
+
+        def value(site):
+            if site["name"] in values_c:
+                return values_c[site["name"]]
+            return site["fn"].mean if site["name"] in local_names else None
+
+        return handlers.substitute(self.model, substitute_fn=value)
 
     def observed_values(self, data: Mapping[str, jax.Array]) -> Params:
         """The observed values of one padded client as the model sees them, ``{site: (max_size, ...)}``."""

@@ -356,6 +356,13 @@ class Result:
         clients = None if client is None else np.array([self._client_position(client)])
         return clients, {k: v[None] for k, v in x.items()}, None
 
+    @property
+    def _at_mean(self) -> bool:
+        """Whether the fit estimated the non-personalised model (``local_latents="population-mean"``, e.g.
+        ``fb.FedAvg``'s one shared model): its predictions put every client's local latents, a training
+        client's as a new one's, at their population mean E[z | theta*], the model that was fitted."""
+        return bool(self._fm.local_names) and self.settings.get("local_latents") == "population-mean"
+
     def _draws(self, clients: np.ndarray | None, num_samples: int | None, seed: int
                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
         """Constrained posterior draws for prediction: ``(locals {site: (K, S, ...)}, globals {site: (S, ...)}, S)``.
@@ -366,8 +373,9 @@ class Result:
         theta* repeated (point estimates).
         """
         fm = self._fm
-        if clients is None or not fm.local_names:
-            point = not fm.local_names and not self.global_samples  # a point estimate and no locals: one draw
+        if clients is None or not fm.local_names or self._at_mean:
+            # a point estimate and no locals (or the locals at their population mean): one draw
+            point = (not fm.local_names or self._at_mean) and not self.global_samples
             S = num_samples or (1 if point else 1000)
             local = {}
         else:
@@ -416,7 +424,8 @@ class Result:
         samples (p(y | x, D_i) = mean_s p(y | x, theta*, z_s)); for sampled globals, their posterior draws.
         With ``client=None`` the client is new: z is drawn from the population prior p(z | theta*) and then
         y | z (FedPop section 2's two-step recipe). For a model without local latents every client
-        predicts from the globals alone. Like NumPyro's ``Predictive``, deterministic sites are recomputed
+        predicts from the globals alone, and so does every client of a fit of the non-personalised model
+        (``local_latents="population-mean"``, e.g. ``fb.FedAvg``): its latents at their population mean. Like NumPyro's ``Predictive``, deterministic sites are recomputed
         at the new inputs and returned with the observed sites (a ``y`` given in ``new_data`` is returned
         as given). Returns ``{site: array (num_samples, ...)}``.
 
@@ -437,7 +446,7 @@ class Result:
         local, glob, S = self._draws(clients, num_samples, seed)
         recorded = getattr(fm, "deterministic", {})
         names = tuple(fm.observed) + tuple(n for n, d in recorded.items() if mask is None or d.paddable)
-        out = _prediction_program(fm, names)(self._draw_keys(clients, S, seed), local, glob, x)
+        out = _prediction_program(fm, names, self._at_mean)(self._draw_keys(clients, S, seed), local, glob, x)
         if mask is None:  # observed sites first, then deterministic ones, in the model's order
             return {k: np.asarray(out[k][0]) for k in names}
         return {k: self._masked(k, out[k], mask) for k in names}
@@ -456,7 +465,7 @@ class Result:
         site = fm.observed[0]
         clients, x, mask = self._prediction_inputs(new_data, client)
         local, glob, S = self._draws(clients, num_samples, seed)
-        out = _probability_program(fm, site)(self._draw_keys(clients, S, seed), local, glob, x)
+        out = _probability_program(fm, site, self._at_mean)(self._draw_keys(clients, S, seed), local, glob, x)
         return np.asarray(out[0]) if mask is None else self._masked(site, out, mask)
 
     # ------------------------------------------------------------------ model checking groups
@@ -616,18 +625,18 @@ def _over_clients(fn: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=32)
-def _prediction_program(fm: FedModel, names: tuple[str, ...]) -> Any:
+def _prediction_program(fm: FedModel, names: tuple[str, ...], at_mean: bool = False) -> Any:
     """The compiled prediction program of a model for the named sites (kept, so repeated predictions with
-    the same shapes reuse it)."""
-    return _over_clients(lambda key, values, inputs: fm.trace_values(values, inputs, names, key))
+    the same shapes reuse it); ``at_mean``: the locals at their population mean."""
+    return _over_clients(lambda key, values, inputs: fm.trace_values(values, inputs, names, key, at_mean))
 
 
 @functools.lru_cache(maxsize=32)
-def _probability_program(fm: FedModel, site: str) -> Any:
+def _probability_program(fm: FedModel, site: str, at_mean: bool = False) -> Any:
     """The compiled program of the class probabilities of a discrete observed ``site`` at one draw."""
 
     def one(key, values, inputs):
-        fn = handlers.seed(handlers.substitute(fm.model, data=values), key)
+        fn = handlers.seed(fm.substituted(values, at_mean), key)
         d = handlers.trace(fn).get_trace(**inputs, **fm.model_kwargs)[site]["fn"]
         if not d.has_enumerate_support:
             raise DataError(f"observed site '{site}' has a {type(d).__name__} distribution, not a discrete one "

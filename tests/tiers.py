@@ -70,6 +70,7 @@ SECOND_TIER: dict[str, object] = {
     ),
     "tests/test_fuzz.py": ALL,
     "tests/test_fedrep.py": ALL,
+    "tests/test_fedpop_images.py": ("test_fedpop_table_at_ci_size",),  # ~150 s: five NN fits
     "tests/test_fuzz_regressions.py": (
         "test_a_failing_callback_is_named_and_the_checkpoint_kept",
         "test_fits_of_seeds_2_32_apart_differ_and_small_seeds_are_unchanged",
@@ -147,6 +148,7 @@ THIRD_TIER: dict[str, object] = {
     ),
     "tests/test_fedsoul_scale.py": (  # FedSOUL's default fit on sleepstudy's raw units (tests/test_real_data.py) stays in CI
         "test_default_fit_in_raw_units_is_the_standardised_fit_mapped",
+        "test_adam_is_not_scale_free",  # 50 s, a negative control; moved 2026-11-26 for the FedPop table's CI run
     ),
     "tests/test_fuzz.py": ALL,  # `make fuzz` runs it longer
     "tests/test_sampler_steps.py": ("test_compressed_samplers_defaults_match_nuts",),  # LMC's stays in CI
@@ -159,6 +161,8 @@ THIRD_TIER: dict[str, object] = {
         "test_the_server_needs_no_client_data[fedmm]",
         "test_every_algorithm_runs_on_flower[fedem]",  # 77 s; FedMM's EM stays in CI (param-averaging)
         "test_a_node_writes_its_personal_posterior_where_its_config_says",  # 146 s
+        # 107 s; moved 2026-11-26 for the FedPop table's CI run (tests/test_fedpop_images.py); FedMM's stays
+        "test_a_client_missing_the_final_exchange_keeps_the_rest[fedsoul]",
     ),
     "tests/test_protocol.py": (  # 114 s; LMC, B-ELF, QLSD, TAMUNA and GD stay in CI
         "test_a_run_is_not_changed_by_its_fit[FedSOUL]",

@@ -1,0 +1,120 @@
+"""FedPop's image experiment (Table 2 and Figure 3) on data available offline.
+
+Protocol (FedPop section 5, ``fb.models.make_fedpop_images``): 100 clients holding S in {2, 5} classes
+each, 500 training and 100 test images per client, a shared tanh-MLP feature extractor (64 -> 32 -> 16
+on digits) with a personal linear head per client (``fb.models.fedpop_classifier``), 10 of 100 clients
+per round, M = 10 local steps on minibatches of 50 rows, seeds 0-2. Algorithms, one loop:
+
+* FedSOUL (SGLD heads, Adam on the shared sites, the library's defaults otherwise);
+* FedAvg (one shared classifier: every head at the population mean, ``local_latents="population-mean"``);
+* FedAvg + fine-tuning (``fb.FineTune`` from the FedAvg fit);
+* FedRep (``fb.FedRep``: personal heads by local gradient steps, no prior, no noise);
+* local training (``fb.LocalOnly``: every client alone).
+
+Scores per client on its own test images (``fb.models.classification_scores``: accuracy, top-label
+ECE with 10 bins, multi-class Brier, NLL of the posterior predictive), averaged over clients, then mean
+(sd) over the seeds. The small-data variant (Figure 3): S = 5, a fraction 10 / 50 / 90% of the clients
+hold 5 training images, FedSOUL against FedRep, accuracy over the small clients.
+
+    python benchmarks/bench_fedpop.py                 # the full protocol (about 1 h on 2 cores)
+    python benchmarks/bench_fedpop.py --quick         # 1 seed, S = 2, 150 rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+
+import _common  # benchmarks/_common.py (the script's folder is on sys.path)
+import numpy as np
+
+import fedbayes as fb
+
+COMMON = dict(local_steps=10, batch_size=50)
+FINAL = dict(num_samples=50, warmup=100, thinning=2)  # the final exchange's local chains (per client)
+
+
+def algorithms(avg: fb.Result) -> dict[str, object]:
+    return {
+        "FedSOUL": fb.FedSOUL(**COMMON, **FINAL),
+        "FedAvg + FT": fb.FineTune(init=avg, **COMMON, num_samples=5, warmup=20),
+        "FedRep": fb.FedRep(**COMMON, num_samples=5, warmup=20),
+        "Local": fb.LocalOnly(**COMMON, num_samples=5, warmup=20),
+    }
+
+
+def run_setting(S: int, seed: int, rounds: int, small_fraction: float = 0.0, names=None) -> dict[str, dict]:
+    train, test, info = fb.models.make_fedpop_images(100, S, small_fraction=small_fraction, seed=seed)
+    kw = dict(num_rounds=rounds, clients_per_round=10, seed=seed, progress=False)
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fb.ConvergenceWarning)  # short runs: the drift checks fire; scores tell
+        runs, avg = {}, None
+        if names is None or {"FedAvg", "FedAvg + FT"} & set(names):
+            t = time.time()
+            avg = fb.fed_fit(fb.models.fedpop_classifier, train, fb.FedAvg(local_latents="population-mean", **COMMON),
+                             **kw)
+            runs["FedAvg"] = (avg, time.time() - t)
+        for name, algo in algorithms(avg).items():
+            if names is not None and name not in names:
+                continue
+            t = time.time()
+            runs[name] = (fb.fed_fit(fb.models.fedpop_classifier, train, algo, **kw), time.time() - t)
+    small = np.asarray(train.sizes) < 500
+    for name, (res, seconds) in runs.items():
+        if names is not None and name not in names:
+            continue
+        scores = fb.models.classification_scores(res, test)
+        row = scores.mean().to_dict()
+        if small.any():
+            row["small_accuracy"] = float(scores["accuracy"][small].mean())
+        row["seconds"] = seconds
+        out[name] = row
+    out["_source"] = info["source"]
+    return out
+
+
+def table(results: list[dict], metrics=("accuracy", "ece", "brier", "nll")) -> str:
+    names = [k for k in results[0] if not k.startswith("_")]
+    lines = ["| algorithm | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
+    for name in names:
+        cells = []
+        for m in metrics:
+            v = np.array([r[name][m] for r in results])
+            cells.append(f"{v.mean():.3f} ({v.std(ddof=1) if len(v) > 1 else 0.0:.3f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args()
+    seeds = [0] if args.quick else [0, 1, 2]
+    rounds = args.rounds or (150 if args.quick else 400)
+    print(_common.machine_line())
+    for S in ([2] if args.quick else [2, 5]):
+        results = [run_setting(S, s, rounds) for s in seeds]
+        print(f"\nS = {S} classes per client ({results[0]['_source']}; {rounds} rounds, seeds {seeds}); "
+              "per-client scores averaged over clients, mean (sd) over seeds\n")
+        print(table(results))
+        print("\nseconds per fit: " + ", ".join(f"{k} {np.mean([r[k]['seconds'] for r in results]):.0f}"
+                                              for k in results[0] if not k.startswith("_")), flush=True)
+    if args.quick:
+        return
+    print("\nSmall-data variant (S = 5; a fraction of the clients hold 5 training images): accuracy of the small "
+          "clients, mean (sd) over seeds\n")
+    print("| fraction with 5 images | FedSOUL | FedRep |\n|---|---|---|")
+    for frac in (0.1, 0.5, 0.9):
+        res = [run_setting(5, s, rounds, small_fraction=frac, names=("FedSOUL", "FedRep")) for s in seeds]
+        cells = []
+        for name in ("FedSOUL", "FedRep"):
+            v = np.array([r[name]["small_accuracy"] for r in res])
+            cells.append(f"{v.mean():.3f} ({v.std(ddof=1):.3f})")
+        print(f"| {frac:.0%} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
