@@ -140,8 +140,8 @@ def test_the_model_s_subsample_size_is_the_batch_size_and_others_refuse_it():
     assert by_model.settings["batch_size"] == 4
     with pytest.raises(fb.ConfigError, match="batch_size=3 but the model's plate has subsample_size=4"):
         fb.fed_fit(regression_subsampled, data, fb.LMC(batch_size=3), **kw)
-    with pytest.raises(fb.ModelError, match="subsamples 4 rows .* but ParamAveragingEM .* remove subsample_size"):
-        fb.fed_fit(regression_subsampled, data, fb.ParamAveragingEM(), **kw)
+    with pytest.raises(fb.ModelError, match="subsamples 4 rows .* but FedMM .* remove subsample_size"):
+        fb.fed_fit(regression_subsampled, data, fb.FedMM(), **kw)  # FedMM takes batch_size, not the model's
     with pytest.raises(fb.ConfigError, match=r"batch_size \(rows per local step; None: the full batch\) must be an integer >= 1, got 0"):
         fb.LMC(batch_size=0)
 

@@ -107,8 +107,8 @@ def subsampled(x, y):
 
 
 def test_a_subsampled_plate_is_refused_before_computing(ragged):
-    """A plate with subsample_size asks for minibatches, which FedMM does not draw (tests/test_minibatch.py: the
-    algorithms that do): refused, never silently wrong."""
+    """A plate with subsample_size asks for minibatches, which FedMM does not take from the model (its own
+    ``batch_size`` draws them; tests/test_minibatch.py): refused, never silently wrong."""
     with pytest.raises(fb.ModelError, match=r"data plate subsamples 2 rows.*but FedMM evaluates every client's likelihood on all of its rows; remove subsample_size"):
         fb.fed_fit(subsampled, ragged, fb.FedMM(), num_rounds=5, progress=False)
 

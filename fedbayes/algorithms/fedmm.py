@@ -128,7 +128,8 @@ class FedMM:
         whole client when N_i <= B). It needs latents that belong to single rows (a mixture's labels, PPCA's
         factors) or none: the conditional law of a per-client latent (a random effect) depends on all the
         client's rows jointly, so its batch statistic is biased, and such models (and hand-written
-        statistics, whose structure is not known) are refused. The oracle's noise (variance ~ 1/B) does
+        statistics, whose structure is not known) are refused, as is a model's own ``subsample_size`` (the
+        statistics are derived by tracing whole plates: give B here). The oracle's noise (variance ~ 1/B) does
         not vanish at the fixed point: use a decreasing ``step_size`` or ``average_from``; the control
         variates do not remove it (they remove the clients' heterogeneity, not the oracle's noise). The
         set-up and the final exchange use all rows.
@@ -156,7 +157,6 @@ class FedMM:
     uncertainty: bool = True
     batch_size: int | None = None
     name = "FedMM"
-    takes_batches = True  # a model's plate subsample_size is honoured (ParamAveragingEM: refused)
     divergence_hint = ("lower step_size, use more quantisation levels, or start from other initial values "
                        "(a mixture component may have collapsed)")
 
@@ -187,7 +187,9 @@ class FedMM:
 
     def build(self, problem: Problem) -> "FedMMRun":
         fm: FedModel = problem.model
-        fm.require(self.name, local_continuous=False, allow_obs_latent=True, minibatch=self.takes_batches)
+        # a model's own subsample_size is refused (the statistics are derived by tracing whole plates): batches
+        # come from ``batch_size``
+        fm.require(self.name, local_continuous=False, allow_obs_latent=True)
         stats = self.statistics if self.statistics is not None else derive(fm, m_step_iters=self.m_step_iters)
         try:
             init = resolve_init(self.init, problem)
@@ -456,7 +458,6 @@ class ParamAveragingEM(FedMM):
     """
 
     name = "ParamAveragingEM"
-    takes_batches = False
 
     def __post_init__(self):
         super().__post_init__()
