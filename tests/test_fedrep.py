@@ -105,3 +105,22 @@ def test_aligned_head_error_is_zero_for_an_equivalent_parametrisation():
     assert fb.models.aligned_head_error(phi @ A, np.linalg.solve(A, z.T).T, phi, z) < 1e-12
     off = z + 0.1
     np.testing.assert_allclose(fb.models.aligned_head_error(phi, off, phi, z), np.sqrt(0.02), rtol=1e-12)
+
+
+def test_local_only_runs_on_flower_as_in_fed_fit():
+    """fb.LocalOnly through Flower's messages (the local grid): each node keeps its own copy of the shared
+    sites and its optimiser in its state; the same ledger (the set-up only) and the same fits as fed_fit, to
+    float32 rounding (as FedSOUL's and FedMM's Flower runs, tests/test_flower.py)."""
+    pytest.importorskip("flwr")
+    from fedbayes import flower
+
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(loc=i - 2.0, size=n) for i, n in enumerate([12, 20, 8])]
+    ys = [0.7 * x + rng.normal(3.0, 2.0) + rng.normal(size=len(x)) for x in xs]
+    data = fb.FederatedData({"x": xs, "y": ys})
+    algo = fb.LocalOnly(num_samples=5, warmup=20)
+    ref = fb.fed_fit(intercepts, data, algo, num_rounds=40, seed=0, progress=False)
+    res = flower.simulate(intercepts, data, algo, num_rounds=40, seed=0, backend="local", progress=False)
+    for site in ("w", "z"):
+        np.testing.assert_allclose(res.local_samples[site], ref.local_samples[site], rtol=1e-5, atol=1e-6)
+    assert (res.bits_up, res.bits_down) == (ref.bits_up, ref.bits_down) == (0, 3 * 2 * 32)
