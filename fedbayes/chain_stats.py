@@ -131,7 +131,7 @@ def rhat(draws: np.ndarray) -> np.ndarray | float:
     """Rank-normalised split R-hat of every element of ``draws`` (chain, draw, ...): NaN with fewer than 2
     chains or 4 draws, or a NaN draw."""
     a, shape = _flat(draws)
-    if a.shape[0] < 2 or a.shape[1] < 4 or np.isnan(a).all():
+    if a.shape[0] < 2 or a.shape[1] < 4:
         return _finish(np.full(a.shape[2], np.nan), a, shape, 2)
     split = _split(np.where(np.isnan(a), 0.0, a))
     bulk = _rhat(_z_scale(split))

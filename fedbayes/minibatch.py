@@ -91,11 +91,17 @@ class Minibatch:
         data = {k: v[idx] for k, v in client.data.items()}
         return client._replace(data=data, mask=mask)
 
-    def draw(self, key: jax.Array, client: ClientData) -> ClientData:
-        """One batch (the first of a fresh order): for algorithms that take one step per round."""
+    def draw(self, key: jax.Array, client: ClientData, weighted: bool = True) -> ClientData:
+        """One batch (the first of a fresh order): for algorithms that take one step per round. With
+        ``weighted=False`` the batch is a client of its own: mask 1 on its rows and ``size`` their number
+        (for an estimate that is the batch's mean, FedMM's E-step, rather than a sum scaled by N_i / B)."""
         if not self.active:
             return client
-        return self.take(self.order(key, client), client, 0)
+        batch = self.take(self.order(key, client), client, 0)
+        if weighted:
+            return batch
+        real = batch.mask > 0
+        return batch._replace(mask=real, size=jnp.sum(real).astype(client.size.dtype))
 
 
 def resolve(batch_size: int | None, model: Any, rows: int, algorithm: str) -> Minibatch:

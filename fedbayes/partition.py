@@ -127,6 +127,15 @@ def partition_dirichlet(
     )
 
 
+def shard_classes(num_classes: int, num_clients: int, classes_per_client: int, rng: np.random.Generator) -> np.ndarray:
+    """The shard rule of :func:`partition_shards` (FedPop's and FedAvg's): with ``perm`` a random permutation
+    of the ``K`` class indices (from ``rng``), client ``i`` holds classes ``perm[(i * S + j) % K]``, ``j < S``.
+    Returns the class indices held, ``(num_clients, S)``."""
+    perm = rng.permutation(num_classes)
+    return np.array([[perm[(i * classes_per_client + j) % num_classes] for j in range(classes_per_client)]
+                     for i in range(num_clients)], dtype=np.int64).reshape(num_clients, classes_per_client)
+
+
 def partition_shards(
     labels: ArrayLike,
     num_clients: int,
@@ -182,11 +191,10 @@ def partition_shards(
             raise ConfigError(f"sizes has {len(sizes)} entries but num_clients={num_clients}.")
         sizes = [_check_int(f"sizes[{i}]", s, 1) for i, s in enumerate(sizes)]
     rng = np.random.default_rng(_check_int("seed", seed, 0))
-    perm = rng.permutation(num_classes)
     holders: list[list[int]] = [[] for _ in range(num_classes)]
-    for i in range(num_clients):
-        for j in range(per_client):
-            holders[perm[(i * per_client + j) % num_classes]].append(i)
+    for i, held in enumerate(shard_classes(num_classes, num_clients, per_client, rng)):
+        for k in held:
+            holders[k].append(i)
     ids = np.full(labels.size, -1, dtype=np.int64)
     for k, owners in enumerate(holders):
         if not owners:

@@ -361,7 +361,9 @@ class Result:
         """Whether the fit estimated the non-personalised model (``local_latents="population-mean"``, e.g.
         ``fb.FedAvg``'s one shared model): its predictions put every client's local latents, a training
         client's as a new one's, at their population mean E[z | theta*], the model that was fitted."""
-        return bool(self._fm.local_names) and self.settings.get("local_latents") == "population-mean"
+        from .algorithms.tamuna import POPULATION_MEAN
+
+        return bool(self._fm.local_names) and self.settings.get("local_latents") == POPULATION_MEAN
 
     def _draws(self, clients: np.ndarray | None, num_samples: int | None, seed: int
                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:

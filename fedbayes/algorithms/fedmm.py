@@ -337,10 +337,7 @@ class FedMMRun(FederatedRun):
     def client_step(self, key: jax.Array, payload: Broadcast, state: ClientState, client: ClientData):
         """E-step at theta_t; upload Quant(s_i - S_t - V_i); V_i += (alpha/p) Q_i."""
         k_e, k_q = jax.random.split(key)
-        if self._batches.active:  # B of the client's rows, each with weight 1: the E-step's mean is the batch's
-            batch = self._batches.draw(key, client)
-            real = batch.mask > 0
-            client = batch._replace(mask=real, size=jnp.sum(real).astype(client.size.dtype))
+        client = self._batches.draw(key, client, weighted=False)  # B rows, weight 1: the E-step's mean is the batch's
         s_i, z = self._e_step(payload.theta, client, state.z, state.step, k_e)
         delta = s_i - payload.s - state.v
         sent, q, bits = self.cfg.compressor.coded(k_q, delta)

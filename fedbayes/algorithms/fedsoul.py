@@ -319,8 +319,11 @@ class FedSOUL:
             raise ConfigError("FedSOUL local_kernel='mala' cannot take minibatch steps: a Metropolis test on a "
                               "minibatch estimate of the log-density does not leave the local posterior invariant; "
                               "leave local_kernel=None (ULA, i.e. SGLD, with minibatches) or use the full batch")
-        return self._run_class()(self, fm, int(self.average_from * problem.num_rounds), resolve_init(self.init, problem), n,
-                          batches)
+        return self._run_class()(self, fm, self._averaging_start(problem), resolve_init(self.init, problem), n, batches)
+
+    def _averaging_start(self, problem: Problem) -> int:
+        """The round after which iterates enter the reported average."""
+        return int(self.average_from * problem.num_rounds)
 
 
 @dataclass(frozen=True)
@@ -407,12 +410,10 @@ class LocalOnly(FedRep):
     def _run_class(self) -> type:
         return LocalOnlyRun
 
-    def build(self, problem: Problem) -> "LocalOnlyRun":
-        run = super().build(problem)
-        # averaging starts after a fraction of a client's own rounds (it takes part in cohort / n of them)
+    def _averaging_start(self, problem: Problem) -> int:
+        """A fraction of a client's own rounds (it takes part in cohort / n of them)."""
         share = (problem.cohort_size or problem.data.num_clients) / problem.data.num_clients
-        run._avg_start = int(self.average_from * problem.num_rounds * share)
-        return run
+        return int(self.average_from * problem.num_rounds * share)
 
 
 class FedSOULRun(FederatedRun):
@@ -895,10 +896,6 @@ class LocalOnlyRun(FedSOULRun):
         own, _ = FedSOULRun.setup_server_step(self, stage, key, theta, None)
         return LocalOnlyState(chain, own, jnp.zeros((), jnp.int32)), ()
 
-    def setup_server_step(self, stage: int, key: jax.Array, theta: Params, uploads: Any):
-        state, _ = super().setup_server_step(stage, key, theta, uploads)
-        return state, self._broadcast(theta)
-
     def _broadcast(self, theta: Params) -> Message:
         return dense_message(())  # nothing is shared after the set-up
 
@@ -937,8 +934,7 @@ class LocalOnlyRun(FedSOULRun):
         mean = server.theta
         if locals_ is not None:
             mean = {n: jnp.mean(locals_["local_samples"][n][:, 0, 0], 0) for n in self._fm.global_names}
-        parts = super().final_server(key, server._replace(theta=mean), mean, None, locals_)
-        return parts
+        return super().final_server(key, server._replace(theta=mean), mean, None, locals_)
 
     def sample_new_client(self, key, theta: Params, client: ClientData, num_samples: int, warmup: int) -> Params:
         raise ConfigError("LocalOnly fits each client alone: a client unseen in training has no model (fit it on "

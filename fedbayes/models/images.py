@@ -31,6 +31,7 @@ from numpyro.distributions import constraints
 from ..data import FederatedData
 from ..errors import ConfigError, DataError
 from ..introspect import local
+from ..partition import shard_classes
 
 FASHION_DIRS = ("/usr/share/dataset-fashion-mnist", "/usr/share/datasets/fashion-mnist", "/usr/share/fashion-mnist",
                 "/usr/share/dataset-fashion-mnist/data/fashion")
@@ -135,9 +136,7 @@ def make_fedpop_images(num_clients: int = 100, classes_per_client: int = 2, *, t
     if not 0.0 <= small_fraction <= 1.0:
         raise ConfigError(f"small_fraction must lie in [0, 1], got {small_fraction}")
     rng = np.random.default_rng(seed)
-    perm = rng.permutation(num_classes)
-    classes = np.array([[perm[(i * classes_per_client + j) % num_classes] for j in range(classes_per_client)]
-                        for i in range(num_clients)])
+    classes = shard_classes(num_classes, num_clients, classes_per_client, rng)
     holders: dict[int, list[int]] = {}
     for i in range(num_clients):
         for k in classes[i]:
