@@ -15,7 +15,8 @@ Per client inner step: the round's time divided by (cohort x M). Rounds per seco
 compilation: fed_fit's chunks after the first two (``res.history["seconds"]``); the reference's
 second call of its compiled run.
 
-    python benchmarks/bench_nn.py            # prints the markdown table
+    python benchmarks/bench_nn.py            # prints the markdown table (100 and 1000 clients)
+    python benchmarks/bench_nn.py 100 10000  # other numbers of clients
 """
 
 from __future__ import annotations
@@ -140,12 +141,12 @@ def run_child(*args) -> dict:
     return _common.run_child(__file__, *args)
 
 
-def main():
+def main(clients_list=(100, 1000)):
     print(_common.machine_line())
     print("| clients | cohort | fed_fit rounds/s | hand-written rounds/s | time ratio | "
           "fed_fit us per client inner step | hand-written us per client inner step |")
     print("|---|---|---|---|---|---|---|")
-    for clients in (100, 1000):
+    for clients in clients_list:
         cohort = clients // 10
         rates = {impl: run_child(impl, clients)["rate"] for impl in ("fed_fit", "handwritten")}
         per_step = {k: 1e6 / (v * cohort * STEPS) for k, v in rates.items()}
@@ -158,4 +159,4 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         print(json.dumps({"rate": one(sys.argv[2], int(sys.argv[3]))}))
     else:
-        main()
+        main(tuple(int(a) for a in sys.argv[1:]) or (100, 1000))
