@@ -188,7 +188,8 @@ def pytree_leaf_names(name: str, tree: Any) -> tuple[list[str], Any]:
 
 class _LeafParams(Messenger):
     """A ``numpyro.param`` whose value is a pytree of arrays (a flax module's parameters through
-    ``numpyro.contrib.module.flax_module``, or any dict / tuple of arrays) becomes one ``param`` site per
+    ``numpyro.contrib.module.flax_module``, an equinox module's arrays through ``eqx_module``, which gives
+    them by an init function, or any dict / tuple of arrays) becomes one ``param`` site per
     leaf, named by :func:`pytree_leaf_names`, so that every part of fedbayes that handles a site by name
     (substitution, transforms, flattening for compression and the ledger, checkpoints, idata, Flower's
     wire format) handles a network's weights as ordinary array sites. The model still receives the
@@ -206,17 +207,23 @@ class _LeafParams(Messenger):
     def process_message(self, msg: dict[str, Any]) -> None:
         if msg["type"] != "param":
             return
-        init = msg["args"][0] if msg["args"] else None
-        if init is not None and not callable(init) and not jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(init)):
-            names, treedef = pytree_leaf_names(msg["name"], init)
-            leaves = [numpyro.param(n, v, **msg["kwargs"]) for n, v in zip(names, jax.tree_util.tree_leaves(init))]
-        elif init is None and msg["name"] in self.known:
+        from_function = not msg["args"]  # numpyro keeps a callable init_value in fn and no args
+        if msg["name"] in self.known and (from_function or msg["args"][0] is None):
             names, treedef = self.known[msg["name"]]
             leaves = [numpyro.param(n, **msg["kwargs"]) for n in names]
-            if any(v is None for v in leaves):
+            if all(v is not None for v in leaves):
+                msg["value"] = jax.tree_util.tree_unflatten(treedef, leaves)
+                msg["type"] = "pytree_param"
+                return
+            if not from_function:
                 return  # not all substituted: the model initialises its pytree and calls param again
-        else:
+        # The initial value: given, or built by the init function (equinox's eqx_module declares its module's
+        # arrays as param(name, lambda key: arrays); numpyro calls it with a key from the seed handler)
+        init = msg["fn"](**msg["kwargs"]) if from_function else msg["args"][0]
+        if init is None or jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(init)):
             return
+        names, treedef = pytree_leaf_names(msg["name"], init)
+        leaves = [numpyro.param(n, v, **msg["kwargs"]) for n, v in zip(names, jax.tree_util.tree_leaves(init))]
         msg["value"] = jax.tree_util.tree_unflatten(treedef, leaves)
         msg["type"] = "pytree_param"
 
