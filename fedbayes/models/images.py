@@ -154,10 +154,12 @@ def make_fedpop_images(num_clients: int = 100, classes_per_client: int = 2, *, t
     return train, test, {"classes": classes, "source": images["name"], "with_replacement": rep_a or rep_b}
 
 
-def fedpop_classifier(x, y=None, *, hidden: Sequence[int] = (32, 16), num_classes: int = 10):
+def fedpop_classifier(x, y=None, *, hidden: Sequence[int] = (32, 16), num_classes: int = 10,
+                      prior_scale: float | None = None):
     """FedPop's personalised classifier: a flax MLP feature extractor phi (tanh layers of sizes ``hidden``)
     shared by all clients, and a personal last layer z_i in R^{h x K} with the population prior
-    z_i ~ N(mu, sigma^2 I), mu and sigma learned:
+    z_i ~ N(mu, sigma^2 I), mu learned, sigma learned (``prior_scale=None``) or fixed at ``prior_scale``
+    (FedPop's released image configurations fix it at 1):
 
         p(y_j = k | x_j, phi, z_i) = softmax(phi(x_j)^T z_i)_k.
 
@@ -181,7 +183,8 @@ def fedpop_classifier(x, y=None, *, hidden: Sequence[int] = (32, 16), num_classe
     net = flax_module("phi", Features(tuple(hidden)), input_shape=(1, x.shape[-1]))
     width = hidden[-1]
     mu = numpyro.param("mu", jnp.zeros((width, num_classes)))
-    sigma = numpyro.param("sigma", jnp.ones(()), constraint=constraints.positive)
+    sigma = (numpyro.param("sigma", jnp.ones(()), constraint=constraints.positive) if prior_scale is None
+             else jnp.asarray(prior_scale, jnp.result_type(float)))
     with local():
         head = numpyro.sample("head", dist.Normal(mu, sigma).expand([width, num_classes]).to_event(2))
     with numpyro.plate("obs", x.shape[0]):
