@@ -479,7 +479,9 @@ def diagnose(res: Any) -> Any:
 def _fix(algorithm: str, check: str) -> str:
     if check == "local_rhat":
         return ("longer local chains after the last round: more num_samples, warmup or thinning (e.g. "
-                "fb.FedSOUL(num_samples=1000, warmup=500)), or more num_chains to see it")
+                "fb.FedSOUL(num_samples=1000, warmup=500)), or more num_chains to see it; with many local "
+                "coordinates (a network's head) on the identity metric, local_metric='dense' (chains whose "
+                "directions have very different spreads mix at the pace of the narrowest)")
     if algorithm in _SAMPLERS:
         return ("more num_rounds (more draws), a warmup that drops the chains' transient, or a smaller step_size "
                 "if R-hat stays high; thinning does not raise the ESS")
