@@ -84,6 +84,21 @@ def _linear_data(seed=0):
     return fb.FederatedData({"x": xs, "y": ys}), np.concatenate([np.c_[x, np.ones(len(x))] for x in xs]), np.concatenate(ys)
 
 
+def _samples_the_ridge_posterior(bayesian_linear, weight: str, bias: str) -> None:
+    """A Bayesian linear layer's weights are its two global sample sites, and LMC's posterior mean of this
+    conjugate Gaussian model is the ridge solution with penalty 1 / 3^2."""
+    data, X, Y = _linear_data()
+    fm = fb.FedModel(bayesian_linear, data)
+    assert {n: s.role for n, s in fm.sites.items()} == {weight: "global", bias: "global"}
+    res = fb.fed_fit(bayesian_linear, data, fb.LMC(num_chains=1), num_rounds=400, seed=0, progress=False)
+    ridge = np.linalg.solve(X.T @ X + np.eye(3) / 9.0, X.T @ Y)
+    post_sd = np.sqrt(np.diag(np.linalg.inv(X.T @ X + np.eye(3) / 9.0)))
+    est = np.r_[np.ravel(res.params[weight]), np.ravel(res.params[bias])]
+    # 200 draws of a chain started at the mode with AR coefficient below 0.9: the mean's standard error is
+    # under sd / sqrt(200 / 19) ~ 0.31 sd; 1.5 sd leaves 5 standard errors
+    assert np.all(np.abs(est - ridge) < 1.5 * post_sd)
+
+
 def _class_data(seed=0):
     rng = np.random.default_rng(seed)
     xs = [rng.normal(size=(20, 2)) for _ in range(4)]
@@ -160,17 +175,7 @@ def test_random_flax_module_is_its_sample_sites_and_mutable_state_is_refused():
         with numpyro.plate("obs", y.shape[0]):
             numpyro.sample("y", dist.Normal(net(x), 1.0), obs=y)
 
-    data, X, Y = _linear_data()
-    fm = fb.FedModel(bayesian_linear, data)
-    assert {n: s.role for n, s in fm.sites.items()} == {"net/Dense_0.bias": "global", "net/Dense_0.kernel": "global"}
-    res = fb.fed_fit(bayesian_linear, data, fb.LMC(num_chains=1), num_rounds=400, seed=0, progress=False)
-    # a conjugate Gaussian: the posterior mean is the ridge solution with penalty 1 / 3^2
-    ridge = np.linalg.solve(X.T @ X + np.eye(3) / 9.0, X.T @ Y)
-    post_sd = np.sqrt(np.diag(np.linalg.inv(X.T @ X + np.eye(3) / 9.0)))
-    est = np.r_[res.params["net/Dense_0.kernel"][:, 0], res.params["net/Dense_0.bias"]]
-    # 200 draws of a chain started at the mode with AR coefficient below 0.9: the mean's standard error is
-    # under sd / sqrt(200 / 19) ~ 0.31 sd; 1.5 sd leaves 5 standard errors
-    assert np.all(np.abs(est - ridge) < 1.5 * post_sd)
+    _samples_the_ridge_posterior(bayesian_linear, "net/Dense_0.kernel", "net/Dense_0.bias")
 
     class WithState(flax_linen.Module):
         @flax_linen.compact
@@ -183,7 +188,7 @@ def test_random_flax_module_is_its_sample_sites_and_mutable_state_is_refused():
             numpyro.sample("y", dist.Normal(net(x), 1.0), obs=y)
 
     with pytest.raises(fb.ModelError, match="is mutable state"):
-        fb.FedModel(stateful, data)
+        fb.FedModel(stateful, _linear_data()[0])
 
 
 def test_random_eqx_module_is_its_sample_sites():
@@ -201,12 +206,4 @@ def test_random_eqx_module_is_its_sample_sites():
         with numpyro.plate("obs", y.shape[0]):
             numpyro.sample("y", dist.Normal(eqx.filter_vmap(net)(x), 1.0), obs=y)
 
-    data, X, Y = _linear_data()
-    fm = fb.FedModel(bayesian_linear, data)
-    assert {n: s.role for n, s in fm.sites.items()} == {"net/bias": "global", "net/weight": "global"}
-    res = fb.fed_fit(bayesian_linear, data, fb.LMC(num_chains=1), num_rounds=400, seed=0, progress=False)
-    ridge = np.linalg.solve(X.T @ X + np.eye(3) / 9.0, X.T @ Y)
-    post_sd = np.sqrt(np.diag(np.linalg.inv(X.T @ X + np.eye(3) / 9.0)))
-    est = np.r_[np.ravel(res.params["net/weight"]), np.ravel(res.params["net/bias"])]
-    # as for random_flax_module above: 1.5 posterior sd leaves about 5 standard errors of the chain's mean
-    assert np.all(np.abs(est - ridge) < 1.5 * post_sd)
+    _samples_the_ridge_posterior(bayesian_linear, "net/weight", "net/bias")
