@@ -78,6 +78,10 @@ SECOND_TIER: dict[str, object] = {
     "tests/test_import_race.py": (
         "test_simultaneous_first_imports_of_fedbayes_all_succeed",
     ),
+    "tests/test_joint.py": (  # 25 s: the 20 000-round fit both share; the refusals stay in the first tier
+        "test_joint_lmc_has_the_ula_law_of_the_joint_target",
+        "test_joint_draws_are_one_posterior_in_idata_with_converged_chains",
+    ),
     "tests/test_minibatch.py": (  # the batches' own checks (rows, unbiasedness) stay in the first tier
         "test_a_batch_of_every_row_is_the_full_batch_bit_for_bit",
         "test_the_model_s_subsample_size_is_the_batch_size_and_others_refuse_it",

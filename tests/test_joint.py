@@ -1,0 +1,136 @@
+"""fb.JointLMC: joint federated Langevin on a Gaussian hierarchical model, against its closed form.
+
+The model: mu ~ N(0, 10^2) global, z_i ~ N(mu, 1) per client, y_ij ~ N(z_i, 1). The joint posterior of
+(mu, z_1..z_b) is Gaussian with precision P and mean m = P^-1 h (below). ULA with the block-diagonal
+preconditioner M = diag(gamma, gamma_1, ..., gamma_b) has the stationary law N(m, Sigma), Sigma the
+solution of Sigma = A Sigma A' + 2 M, A = I - M P (scipy's discrete Lyapunov solver): the exact mean, and a
+covariance that differs from P^-1 by O(step), visibly at the steps used here.
+
+Monte Carlo tolerances: each coordinate's draws (4 chains) have a bulk ESS n_eff (fedbayes.chain_stats,
+ArviZ's definition); a mean is off by about sd / sqrt(n_eff) and a Gaussian sample sd by about
+sd / sqrt(2 n_eff) (relative), so 4 such standard errors bound every check at any seed but one in
+several thousand.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+import scipy.linalg as sl
+
+import fedbayes as fb
+from fedbayes.arviz_adapter import group
+from fedbayes.chain_stats import ess_bulk
+from test_minibatch import random_intercepts as hierarchical  # mu ~ N(0, 10^2), z_i ~ N(mu, 1), y_ij ~ N(z_i, 1)
+
+SIZES = [3, 5, 8, 4]
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    ys = [rng.normal(1.0 + rng.normal(), 1.0, size=n) for n in SIZES]
+    return fb.FederatedData({"y": ys}), ys
+
+
+def _precision(ys):
+    """(P, m): the joint posterior's precision and mean over (mu, z_1, ..., z_b)."""
+    b = len(ys)
+    P, h = np.zeros((b + 1, b + 1)), np.zeros(b + 1)
+    P[0, 0] = 1 / 100 + b
+    for i, y in enumerate(ys):
+        P[0, i + 1] = P[i + 1, 0] = -1.0
+        P[i + 1, i + 1] = 1.0 + len(y)
+        h[i + 1] = y.sum()
+    return P, np.linalg.solve(P, h)
+
+
+def _ula_sd(P, steps):
+    M = np.diag(steps)
+    A = np.eye(len(steps)) - M @ P
+    return np.sqrt(np.diag(sl.solve_discrete_lyapunov(A, 2 * M)))
+
+
+def _draws(res) -> np.ndarray:
+    """(coordinates, chains, draws): mu, then each client's z."""
+    mu = np.asarray(res.global_samples["mu"], np.float64)
+    z = np.asarray(group(res.idata, "posterior")["z"], np.float64)  # (chain, draw, client)
+    return np.concatenate([mu[None], np.moveaxis(z, -1, 0)], 0)
+
+
+def _check_law(draws, mean, sd):
+    n_eff = np.array([ess_bulk(d) for d in draws])
+    flat = draws.reshape(draws.shape[0], -1)
+    assert np.all(np.abs(flat.mean(1) - mean) <= 4 * sd / np.sqrt(n_eff)), (flat.mean(1), mean, n_eff)
+    assert np.all(np.abs(flat.std(1) / sd - 1) <= 4 / np.sqrt(2 * n_eff)), (flat.std(1), sd, n_eff)
+    return n_eff
+
+
+@pytest.fixture(scope="module")
+def given_step_fit():
+    data, ys = _data()
+    res = fb.fed_fit(hierarchical, data, fb.JointLMC(step_size=0.05), num_rounds=20000, seed=0, progress=False)
+    return res, ys
+
+
+def test_joint_lmc_has_the_ula_law_of_the_joint_target(given_step_fit):
+    res, ys = given_step_fit
+    P, m = _precision(ys)
+    ula = _ula_sd(P, [0.05] * (len(ys) + 1))  # one step: Sigma = (P - gamma P^2 / 2)^-1
+    np.testing.assert_allclose(ula ** 2, np.diag(np.linalg.inv(P - 0.05 * P @ P / 2)), rtol=1e-10)
+    n_eff = _check_law(_draws(res), m, ula)
+    # the check can tell ULA's law from the posterior: z_3 (8 points) has posterior sd 0.339 and ULA sd 0.384
+    post = np.sqrt(np.diag(np.linalg.inv(P)))
+    assert np.abs(post[3] / ula[3] - 1) > 4 / np.sqrt(2 * n_eff[3])
+
+
+def test_joint_draws_are_one_posterior_in_idata_with_converged_chains(given_step_fit):
+    res, ys = given_step_fit
+    post = group(res.idata, "posterior")
+    assert post["mu"].dims == ("chain", "draw") and post["z"].dims == ("chain", "draw", "client")
+    assert post["z"].shape == (4, 10000, len(ys))
+    assert res.local_samples["z"].shape == (len(ys), 4 * 10000)
+    table = res.diagnostics
+    assert not table.empty and bool(table["ok"].all()), table
+    assert res.bits_up > 0 and res.settings["step_size"] == pytest.approx(0.05)
+
+
+@pytest.mark.slow
+def test_each_client_s_own_step_gives_the_block_diagonal_ula_law():
+    """Automatic steps: gamma = 0.1 / L for the globals' block and gamma_i = 0.1 / L_i for each client's, a
+    block-diagonal preconditioner; the draws have its Lyapunov law with the resolved steps."""
+    data, ys = _data()
+    res = fb.fed_fit(hierarchical, data, fb.JointLMC(), num_rounds=20000, seed=1, progress=False)
+    steps = [res.settings["step_size"], *np.asarray(res.client_info["step_size"], np.float64)]
+    assert len(set(np.round(steps, 8))) > 2  # the clients' steps differ (their data sizes do)
+    P, m = _precision(ys)
+    _check_law(_draws(res), m, _ula_sd(P, steps))
+
+
+def test_joint_lmc_refuses_what_it_cannot_sample():
+    data, _ = _data()
+
+    def no_locals(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        with numpyro.plate("obs", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    def with_param(y):
+        mu = numpyro.param("mu", 0.0)
+        with fb.local():
+            z = numpyro.sample("z", dist.Normal(mu, 1.0))
+        with numpyro.plate("obs", y.shape[0]):
+            numpyro.sample("y", dist.Normal(z, 1.0), obs=y)
+
+    kw = dict(num_rounds=5, progress=False)
+    with pytest.raises(fb.ModelError, match="has none: use fb.LMC"):
+        fb.fed_fit(no_locals, data, fb.JointLMC(), **kw)
+    with pytest.raises(fb.ModelError, match="without a prior"):
+        fb.fed_fit(with_param, data, fb.JointLMC(), **kw)
+    with pytest.raises(fb.ConfigError, match="every client in every round"):
+        fb.fed_fit(hierarchical, data, fb.JointLMC(), clients_per_round=2, **kw)
+    with pytest.raises(fb.ConfigError, match="full-batch"):
+        fb.fed_fit(hierarchical, data, fb.JointLMC(batch_size=2), **kw)
+    with pytest.raises(fb.ConfigError, match="joint mode"):
+        fb.fed_fit(hierarchical, data, fb.JointLMC(init="map"), **kw)
