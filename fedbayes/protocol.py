@@ -219,6 +219,12 @@ def dense_message(tree: PyTree) -> Message:
     return Message(tree, jnp.asarray(dense_bits(tree), jnp.int32))
 
 
+def with_final_parts(parts: FitParts, final: FitParts | Mapping[str, Any]) -> FitParts:
+    """``parts`` (from the round records, :meth:`FederatedRun.record_parts`) with the final exchange's set fields
+    added; the final exchange's ``params`` / ``params_last`` are placeholders there and are left out."""
+    return parts.update({k: v for k, v in FitParts.of(final).items() if k not in ("params", "params_last")})
+
+
 class FederatedRun(abc.ABC):
     """An algorithm bound to a problem: the base class of every run the engine and Flower execute.
 
@@ -333,6 +339,14 @@ class FederatedRun(abc.ABC):
         """:class:`FitParts` of the Result from the final exchange (default: none). ``uploads`` is None when a client
         did not answer on a network, ``locals_`` None where personal posteriors stay on their clients."""
         return {}
+
+    def record_parts(self, key: jax.Array, server_state: PyTree, problem: Problem,
+                     history: Mapping[str, np.ndarray]) -> FitParts | None:
+        """:class:`FitParts` read off the server's round records (``history``: the samplers' draws) by a run that
+        also has a final exchange (``final_exchange``), merged with :meth:`final_server`'s by
+        :func:`with_final_parts` (default: none). The Flower server calls it; a run's :meth:`finalize` does
+        the same in simulation."""
+        return None
 
     @abc.abstractmethod
     def finalize(self, key: jax.Array, carry: tuple[PyTree, PyTree, Message], problem: Problem,

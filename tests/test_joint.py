@@ -134,3 +134,29 @@ def test_joint_lmc_refuses_what_it_cannot_sample():
         fb.fed_fit(hierarchical, data, fb.JointLMC(batch_size=2), **kw)
     with pytest.raises(fb.ConfigError, match="joint mode"):
         fb.fed_fit(hierarchical, data, fb.JointLMC(init="map"), **kw)
+
+
+@pytest.mark.slow
+def test_joint_lmc_on_flower_and_resumed_from_a_checkpoint_is_the_same_fit(tmp_path):
+    """Through Flower's messages (every client a node, its latents and draws kept there) and interrupted
+    and resumed from a checkpoint, the fit is fed_fit's: the same draws, locals included, and ledger."""
+    data, _ = _data()
+    algo = fb.JointLMC(num_chains=2, warmup=20)
+    kw = dict(num_rounds=60, seed=3, progress=False)
+    direct = fb.fed_fit(hierarchical, data, algo, **kw)
+    flower = fb.flower.simulate(hierarchical, data, algo, backend="local", **kw)
+    np.testing.assert_allclose(flower.global_samples["mu"], direct.global_samples["mu"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(flower.local_samples["z"], direct.local_samples["z"], rtol=1e-5, atol=1e-6)
+    assert int(np.sum(flower.history["bits_up"])) == int(np.sum(direct.history["bits_up"]))
+
+    path = tmp_path / "joint.ckpt"
+
+    def stop(done, hist):
+        if done == 30:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        fb.fed_fit(hierarchical, data, algo, checkpoint=path, checkpoint_every=30, chunk_size=30, callback=stop, **kw)
+    resumed = fb.resume(path, model=hierarchical, data=data, algorithm=algo)
+    np.testing.assert_array_equal(resumed.global_samples["mu"], direct.global_samples["mu"])
+    np.testing.assert_array_equal(resumed.local_samples["z"], direct.local_samples["z"])

@@ -38,7 +38,7 @@ from ..engine import final_exchange, stack_clients
 from ..errors import ConfigError, ModelError
 from ..introspect import FedModel
 from ..kernels import curvature
-from ..protocol import ClientData, FitParts, Problem
+from ..protocol import ClientData, FitParts, Problem, with_final_parts
 from .elf import DENSE_CURVATURE, LangevinRun, LangevinSampler
 from .warmstart import resolve_init
 
@@ -189,23 +189,24 @@ class JointLangevinRun(LangevinRun):
         return {"local_samples": local, "step_size": state.gamma}, ()
 
     def final_server(self, key, server_state, payload, uploads, locals_) -> FitParts:
+        """The clients' own draws where collected (a simulation); the globals' come from :meth:`record_parts`."""
         parts = FitParts(params={}, params_last={})
         if locals_ is not None:
             parts.local_samples = locals_["local_samples"]
             parts.client_info = {"step_size": locals_["step_size"]}
         return parts
 
-    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
-        """The globals' draws (:meth:`LangevinRun.finalize`) and each client's own draws of its latents
-        (the final exchange)."""
-        parts = super().finalize(key, carry, problem, history)
-        server, states, _ = carry
-        local = final_exchange(self, key, server, states, stack_clients(problem.data))
-        parts.local_samples = local.local_samples
-        parts.client_info = local.client_info
-        parts.final_bits = local.final_bits
+    def record_parts(self, key, server_state, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
+        """The globals' draws from the server's records (:meth:`LangevinRun.finalize`)."""
+        parts = LangevinRun.finalize(self, key, (server_state, None, None), problem, history)
         parts.settings = {**(parts.settings or {}), "local_step_scale": LOCAL_STEP_SCALE}
         return parts
+
+    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
+        """The globals' draws and each client's own draws of its latents (the final exchange)."""
+        server, states, _ = carry
+        return with_final_parts(self.record_parts(key, server, problem, history),
+                                final_exchange(self, key, server, states, stack_clients(problem.data)))
 
 
 __all__ = ["JointLMC", "LOCAL_STEP_SCALE"]

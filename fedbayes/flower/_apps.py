@@ -29,7 +29,7 @@ from ..engine import (Progress, host_records, first_short_round, resolve_cohort_
 from ..errors import ConfigError, FedbayesError, TooFewClientsError
 from ..faults import FaultPolicy
 from ..introspect import FedModel
-from ..protocol import ClientData, Problem
+from ..protocol import ClientData, Problem, with_final_parts
 from ..result import Result
 
 PAYLOAD = "p"  # the one ArrayRecord key of a message's payload (its bytes count in Flower's measure)
@@ -669,11 +669,13 @@ class _Server:
             bar.update(k + 1)
         history = {name: np.concatenate([r[name] for r in self.records]) for name in self.records[0]}
         history = host_records(history, time.perf_counter() - t0)
+        problem = Problem(FedModel(rt.fit.model, rt.data, rt.fit.model_kwargs), rt.data, rt.fit.num_rounds, rt.cohort)
         if rt.run.final_exchange:
             parts = self.final(collect_locals)
+            records = rt.run.record_parts(rt.k_final, rt.server_state, problem, history)
+            if records is not None:  # a run with both (JointLMC: the globals' draws, the clients' own draws)
+                parts = with_final_parts(records, parts)
         else:  # the result is the server's alone (the samplers' draws, TAMUNA's x): no client state is read
-            problem = Problem(FedModel(rt.fit.model, rt.data, rt.fit.model_kwargs), rt.data, rt.fit.num_rounds,
-                              rt.cohort)
             parts = rt.run.finalize(rt.k_final, (rt.server_state, None, rt.broadcast), problem, history=history)
         parts = engine.with_init_bits(parts, self.setup_bits)
         fm = FedModel(rt.fit.model, rt.fit.data, rt.fit.model_kwargs)
