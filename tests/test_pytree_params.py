@@ -15,6 +15,7 @@ import pytest
 
 import fedbayes as fb
 from fedbayes.arviz_adapter import group
+from resume_helper import interrupted_and_resumed
 
 flax_linen = pytest.importorskip("flax.linen")  # the "nn" extra, installed by make test
 from numpyro.contrib.module import flax_module  # noqa: E402
@@ -139,15 +140,7 @@ def test_a_feature_extractor_with_personal_heads_trains_checkpoints_and_runs_on_
     assert "head" in posterior.data_vars
 
     # interrupted at round 12 and resumed from its checkpoint: the same fit bit for bit
-    path = tmp_path / "net.ckpt"
-
-    def stop(done, hist):
-        if done == 12:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        fb.fed_fit(personalised_net, data, soul, checkpoint=path, checkpoint_every=12, chunk_size=12, callback=stop, **kw)
-    resumed = fb.resume(path, model=personalised_net, data=data, algorithm=soul)
+    resumed = interrupted_and_resumed(personalised_net, data, soul, tmp_path / "net.ckpt", 12, **kw)
     for k, v in res.params.items():
         np.testing.assert_array_equal(resumed.params[k], v)
 

@@ -38,7 +38,7 @@ from ..engine import final_exchange, stack_clients
 from ..errors import ConfigError, ModelError
 from ..introspect import FedModel
 from ..kernels import curvature
-from ..protocol import ClientData, FitParts, Problem, with_final_parts
+from ..protocol import ClientData, FitParts, Message, Problem, dense_message, with_final_parts
 from ..compress import Compressor
 from .channels import DirectUplink, EF21PDownlink, EF21Uplink, FullDownlink
 from .elf import DENSE_CURVATURE, LangevinRun, LangevinSampler, _ef_compressor
@@ -162,24 +162,28 @@ class JointLangevinRun(LangevinRun):
         return state._replace(draws=draws)
 
     # ------------------------------------------------------------------ set-up
+    def _client_start(self, key, x0: jax.Array, client: ClientData, scale: float) -> tuple[jax.Array, jax.Array, Any]:
+        """``(z_0, gamma_i, share)``: each chain's latents drawn from p(z_i | x_0), the client's step (the given
+        ``step_size``, or ``scale`` / lambda_max of -grad_z^2 log p(D_i, z | x) at chain 0's start), and its share
+        of the globals' curvature for the server's step (the Hessian of U_i in x up to ``DENSE_CURVATURE``
+        coordinates, else its largest eigenvalue; none with a given step)."""
+        z0 = jax.vmap(lambda k, x: ravel_pytree(self._fm.sample_local_prior(k, self._unravel(x), client.data,
+                                                                            client.mask))[0])(
+            jax.random.split(key, x0.shape[0]), x0)
+        if self.cfg.step_size is not None:
+            return z0, jnp.asarray(self.cfg.step_size, z0.dtype), ()
+        lam, _ = curvature(lambda z: -self.joint_potential(x0[0], z, client), z0[0], jnp.ones_like(z0[0]), 50)
+        pot_x = lambda x: self.joint_potential(x, z0[0], client)  # noqa: E731
+        share = (jax.hessian(pot_x)(x0[0]) if self.dim <= DENSE_CURVATURE
+                 else curvature(lambda x: -pot_x(x), x0[0], jnp.ones_like(x0[0]), 100)[0])
+        return z0, scale / jnp.maximum(lam, 1e-12), share
+
     def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
         """Each chain's latents start at a draw from p(z_i | x_0); the client's step from its own curvature
         at chain 0's start; the first joint move from (x_0, z_0): z moves here, grad_x goes up (with the
         client's share of the globals' curvature for the server's step)."""
         k_z, k_move = jax.random.split(key)
-        chains = x0.shape[0]
-        starts = jax.vmap(lambda k, x: ravel_pytree(self._fm.sample_local_prior(k, self._unravel(x), client.data,
-                                                                               client.mask))[0])(
-            jax.random.split(k_z, chains), x0)
-        if self.cfg.step_size is not None:
-            gamma = jnp.asarray(self.cfg.step_size, starts.dtype)
-            share: Any = ()
-        else:
-            lam, _ = curvature(lambda z: -self.joint_potential(x0[0], z, client), starts[0], jnp.ones_like(starts[0]), 50)
-            gamma = LOCAL_STEP_SCALE / jnp.maximum(lam, 1e-12)
-            pot_x = lambda x: self.joint_potential(x, starts[0], client)  # noqa: E731
-            share = (jax.hessian(pot_x)(x0[0]) if self.dim <= DENSE_CURVATURE
-                     else curvature(lambda x: -pot_x(x), x0[0], jnp.ones_like(x0[0]), 100)[0])
+        starts, gamma, share = self._client_start(k_z, x0, client, LOCAL_STEP_SCALE)
         gx, gz = self._grads(x0, starts, client)
         z1 = self._move_z(k_move, starts, gz, gamma)
         draws = jnp.zeros((self.num_kept,) + starts.shape, starts.dtype)
@@ -226,4 +230,171 @@ class JointLangevinRun(LangevinRun):
                                 final_exchange(self, key, server, states, stack_clients(problem.data)))
 
 
-__all__ = ["JointLMC", "LOCAL_STEP_SCALE"]
+
+
+MALA_STEP_SCALE = 0.5
+"""JointMALA's automatic steps: gamma = MALA_STEP_SCALE / the largest curvature of each block at the start."""
+
+
+class MALAServerState(NamedTuple):
+    x: jax.Array  # (chains, d) the chains' current globals
+    g: jax.Array  # (chains, d) sum_i grad_x U_i at (x, z)
+    proposal: jax.Array  # (chains, d) the globals proposed to the clients this round
+    accepted: jax.Array  # (chains,) float 0 / 1: the last decision (sent with the next proposal)
+    gamma: jax.Array  # () the globals' step
+    down: Any  # FullDownlink's state (none)
+    up: Any  # DirectUplink's state (none)
+
+
+class MALAClientState(NamedTuple):
+    z: jax.Array  # (chains, q) current latents
+    u: jax.Array  # (chains,) U_i at (x, z)
+    gz: jax.Array  # (chains, q) grad_z U_i at (x, z)
+    z_prop: jax.Array  # (chains, q) the pending proposal
+    u_prop: jax.Array  # (chains,) U_i at (x', z')
+    gz_prop: jax.Array  # (chains, q) grad_z U_i at (x', z')
+    gamma: jax.Array  # () the client's own step
+    draws: jax.Array  # (kept draws, chains, q)
+    count: jax.Array  # () int32: rounds this client has answered
+
+
+def _log_q(to: jax.Array, frm: jax.Array, grad_at_frm: jax.Array, gamma: jax.Array) -> jax.Array:
+    """log of the Langevin proposal density q(to | frm), up to its constant: -|to - frm + gamma grad U(frm)|^2 / (4 gamma)
+    (summed over the last axis: one value per chain)."""
+    return -jnp.sum((to - frm + gamma * grad_at_frm) ** 2, -1) / (4 * gamma)
+
+
+@dataclass(frozen=True)
+class JointMALA(JointLMC):
+    """Exact joint federated sampling for hierarchical models: :class:`JointLMC`'s joint Langevin proposal,
+    accepted or rejected by Metropolis-Hastings, so that the chains' stationary law is the posterior
+    p(theta, z_1..z_b | D) exactly, at any step.
+
+    Each round the server broadcasts the proposal x' of the globals (with the last decision). Client i
+    proposes z_i' from its current state, evaluates U_i at (x', z_i'), and uploads two things: the
+    gradient of U_i in x there, and one scalar per chain, its share of the log acceptance ratio
+
+        c_i = U_i(x, z_i) - U_i(x', z_i') + log q_i(z_i | z_i', x') - log q_i(z_i' | z_i, x).
+
+    The server adds the globals' proposal term, log alpha = sum_i c_i + log q(x | x') - log q(x' | x),
+    accepts with probability min(1, alpha), and sends the decision with the next proposal. Each client
+    then keeps z_i' or z_i. The proposal's densities factor over the blocks (the preconditioner is block
+    diagonal), so no client needs another's latents.
+
+    Communication per round and chain: d + 1 floats up per client, and d + 1 floats down (the proposal
+    and the decision). Every gradient the next proposal needs has been computed by the time of the
+    decision, so a round costs one gradient evaluation per client, as ULA's does.
+
+    ``step_size``: the step of every block; None (default) gives MALA_STEP_SCALE (0.5) / the largest
+    curvature of each block at the start. The mean acceptance probability after warm-up is in
+    ``res.settings["acceptance"]``, and per round in ``res.history["acceptance"]``. No compression
+    (``uplink`` / ``downlink``: the test needs exact gradients). The options are otherwise
+    :class:`JointLMC`'s.
+    """
+
+    name = "JointMALA"
+
+    def build(self, problem: Problem) -> "JointMALARun":
+        if self.uplink is not None or self.downlink is not None:
+            raise ConfigError(f"{self.name} needs exact messages (its Metropolis test uses the gradients sent): "
+                              "no uplink / downlink compressor")
+        super().build(problem)  # the model and option checks
+        return JointMALARun(self, problem.model, problem)
+
+
+class JointMALARun(JointLangevinRun):
+    """:class:`JointMALA` bound to a model."""
+
+    resyncs = False
+
+    def _eval(self, x, z, client):
+        """(U_i, grad_x U_i, grad_z U_i) at each chain's (x, z), with a non-finite U_i as +inf."""
+        u, (gx, gz) = jax.vmap(jax.value_and_grad(self.joint_potential, argnums=(0, 1)), in_axes=(0, 0, None))(x, z, client)
+        return jnp.where(jnp.isfinite(u), u, jnp.inf), gx, gz
+
+    def _commit(self, state: MALAClientState, accepted: jax.Array) -> MALAClientState:
+        """Take the pending proposal where the server accepted it, and keep the state for round ``count - 1``."""
+        take = accepted.astype(bool)
+        pick = lambda new, old: jnp.where(take.reshape(take.shape + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
+        state = state._replace(z=pick(state.z_prop, state.z), u=pick(state.u_prop, state.u),
+                               gz=pick(state.gz_prop, state.gz))
+        return self._record(state._replace(count=state.count - 1))._replace(count=state.count)
+
+    def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
+        """Each chain's latents start at a draw from p(z_i | x_0); the client's step from its own curvature;
+        U_i and its gradients at (x_0, z_0); grad_x U_i goes up (with the curvature share for the server's step)."""
+        z0, gamma, share = self._client_start(key, x0, client, MALA_STEP_SCALE)
+        u, gx, gz = self._eval(x0, z0, client)
+        draws = jnp.zeros((self.num_kept,) + z0.shape, z0.dtype)
+        state = MALAClientState(z0, u, gz, z0, u, gz, gamma, draws, jnp.zeros((), jnp.int32))
+        return state, (gx, share)
+
+    def _step_from(self, curvatures: Any) -> jax.Array:
+        if self.cfg.step_size is not None:
+            return jnp.asarray(self.cfg.step_size)
+        total = jnp.sum(curvatures, 0)
+        lam = jnp.max(jnp.abs(jnp.linalg.eigvalsh(total))) if self.dim <= DENSE_CURVATURE else total
+        return MALA_STEP_SCALE / lam
+
+    def _propose(self, key, x, g, gamma):
+        return x - gamma * g + jnp.sqrt(2 * gamma) * jax.random.normal(key, x.shape, x.dtype)
+
+    def _broadcast(self, accepted, proposal) -> Message:
+        return dense_message((accepted, proposal))
+
+    def setup_server_step(self, stage: int, key: jax.Array, x0: jax.Array, uploads: Any):
+        gx, curvatures = uploads
+        gamma = self._step_from(curvatures)
+        g = jnp.sum(gx, 0)
+        proposal = self._propose(key, x0, g, gamma)
+        none = jnp.zeros(x0.shape[:1], x0.dtype)
+        state = MALAServerState(x0, g, proposal, none, gamma, (), ())
+        return state, self._broadcast(none, proposal)
+
+    def client_step(self, key, payload, state: MALAClientState, client: ClientData):
+        """Commit the last decision, propose z', evaluate at (x', z'), upload (c_i, grad_x U_i(x', z'))."""
+        accepted, x_prop = payload
+        state = self._commit(state, accepted)  # round 0: nothing pending (the flags are 0, the index -1 is not kept)
+        z_prop = self._propose(key, state.z, state.gz, state.gamma)
+        u_prop, gx_prop, gz_prop = self._eval(x_prop, z_prop, client)
+        c = (state.u - u_prop + _log_q(state.z, z_prop, gz_prop, state.gamma)
+             - _log_q(z_prop, state.z, state.gz, state.gamma))
+        ok = jnp.isfinite(c) & jnp.all(jnp.isfinite(gx_prop), -1)
+        c = jnp.where(ok, c, -1e30)  # a proposal where the density or a gradient is not finite is rejected
+        gx_prop = jnp.where(ok[:, None], gx_prop, 0.0)
+        new = state._replace(z_prop=z_prop, u_prop=u_prop, gz_prop=gz_prop, count=state.count + 1)
+        return new, dense_message((c, gx_prop))
+
+    def server_step(self, key, state: MALAServerState, uploads: Message, info):
+        """Metropolis-Hastings on the joint proposal, then the next proposal with the decision."""
+        c, g_prop = uploads.payload
+        c, g_prop = jnp.sum(c, 0), jnp.sum(g_prop, 0)
+        k_u, k_prop = jax.random.split(key)
+        log_alpha = c + _log_q(state.x, state.proposal, g_prop, state.gamma) - _log_q(state.proposal, state.x, state.g,
+                                                                                       state.gamma)
+        log_alpha = jnp.where(jnp.isnan(log_alpha), -jnp.inf, log_alpha)
+        accept = jnp.log(jax.random.uniform(k_u, c.shape, c.dtype)) < log_alpha
+        x = jnp.where(accept[:, None], state.proposal, state.x)
+        g = jnp.where(accept[:, None], g_prop, state.g)
+        proposal = self._propose(k_prop, x, g, state.gamma)
+        flags = accept.astype(x.dtype)
+        new = state._replace(x=x, g=g, proposal=proposal, accepted=flags)
+        diag = {"_sample": x, "acceptance": jnp.mean(jnp.exp(jnp.minimum(log_alpha, 0.0)))}
+        return new, self._broadcast(flags, proposal), diag
+
+    def final_message(self, key, server: MALAServerState) -> jax.Array:
+        """The last decision, so that every client takes its last state."""
+        return server.accepted
+
+    def final_client(self, key, accepted, state: MALAClientState, client: ClientData):
+        return super().final_client(key, accepted, self._commit(state, accepted), client)
+
+    def record_parts(self, key, server_state, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
+        parts = super().record_parts(key, server_state, problem, history)
+        rate = np.asarray(history["acceptance"])[self.warmup:]
+        parts.settings = {**parts.settings, "local_step_scale": MALA_STEP_SCALE,
+                          "acceptance": float(rate.mean()) if rate.size else float("nan")}
+        return parts
+
+
+__all__ = ["JointLMC", "JointMALA", "LOCAL_STEP_SCALE", "MALA_STEP_SCALE"]
