@@ -150,6 +150,9 @@ def test_joint_lmc_refuses_what_it_cannot_sample():
         fb.fed_fit(hierarchical, data, fb.JointLMC(init="map"), **kw)
     with pytest.raises(fb.ConfigError, match="needs exact messages"):
         fb.fed_fit(hierarchical, data, fb.JointMALA(uplink=fb.compress.top_k(1)), **kw)
+    # a client's upload lost to a fault: its state rolls back while the globals move, so the draws are refused
+    with pytest.raises(fb.FedbayesError, match="upload was lost at round"):
+        fb.fed_fit(hierarchical, data, fb.JointMALA(), faults=fb.Faults(drop=0.3), **kw)
 
 
 @pytest.mark.slow

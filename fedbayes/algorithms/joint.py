@@ -35,7 +35,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..engine import final_exchange, stack_clients
-from ..errors import ConfigError, ModelError
+from ..errors import ConfigError, FedbayesError, ModelError
 from ..introspect import FedModel
 from ..kernels import curvature
 from ..protocol import ClientData, FitParts, Message, Problem, dense_message, with_final_parts
@@ -68,7 +68,9 @@ class JointLMC(LangevinSampler):
     * ``init``: None or ``"prior"`` (the globals' prior centres, jittered per chain by U(-0.5, 0.5)),
       or a dict / ``Result`` of constrained global values (jittered likewise); the local latents of
       each chain start at a draw from p(z_i | x_0). There is no search for the joint mode yet.
-    * every client in every round (each moves its own latents every round); minibatches
+    * every client in every round (each moves its own latents every round); a client's upload lost to a
+      fault (dropped, or screened out) is an error when the fit ends (``fb.FedbayesError``): the client's
+      state was rolled back while the globals moved, so the draws no longer form one chain; minibatches
       (``batch_size``) are not supported yet.
 
     Compression, as the ELF family's (the clients' gradients in the globals and the server's broadcast
@@ -218,7 +220,17 @@ class JointLangevinRun(LangevinRun):
         return parts
 
     def record_parts(self, key, server_state, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
-        """The globals' draws from the server's records (:meth:`LangevinRun.finalize`)."""
+        """The globals' draws from the server's records (:meth:`LangevinRun.finalize`). A round in which a client's
+        upload was lost (dropped, or screened out as non-finite or too large) is an error: that client's state
+        was rolled back while the globals moved, so the joint chain is no longer one chain."""
+        lost = sum(np.asarray(history[k]) for k in ("dropped", "nonfinite", "too_large") if k in history)
+        if np.any(np.asarray(lost) > 0):
+            first = int(np.flatnonzero(np.asarray(lost) > 0)[0])
+            raise FedbayesError(
+                f"{self.name}: a client's upload was lost at round {first} (res.faults-style counts in the "
+                "history: dropped / nonfinite / too_large); the joint samplers need every client's answer in "
+                "every round (a client's latents and the globals form one chain), so these draws are not valid. "
+                "Find why the client failed, or use fb.FedSOUL, which tolerates faults.")
         parts = LangevinRun.finalize(self, key, (server_state, None, None), problem, history)
         parts.settings = {**(parts.settings or {}), "local_step_scale": LOCAL_STEP_SCALE}
         return parts
@@ -281,8 +293,9 @@ class JointMALA(JointLMC):
     then keeps z_i' or z_i. The proposal's densities factor over the blocks (the preconditioner is block
     diagonal), so no client needs another's latents.
 
-    Communication per round and chain: d + 1 floats up per client, and d + 1 floats down (the proposal
-    and the decision). Every gradient the next proposal needs has been computed by the time of the
+    Communication per round and chain: d + 2 floats up per client (the gradient, c_i and a flag that is 0
+    where the client's proposal is not finite: any 0 rejects), and d + 1 floats down (the proposal and the
+    decision). Every gradient the next proposal needs has been computed by the time of the
     decision, so a round costs one gradient evaluation per client, as ULA's does.
 
     ``step_size``: the step of every block; None (default) gives MALA_STEP_SCALE (0.5) / the largest
@@ -359,20 +372,23 @@ class JointMALARun(JointLangevinRun):
         u_prop, gx_prop, gz_prop = self._eval(x_prop, z_prop, client)
         c = (state.u - u_prop + _log_q(state.z, z_prop, gz_prop, state.gamma)
              - _log_q(z_prop, state.z, state.gz, state.gamma))
+        # a proposal where the density or a gradient is not finite is rejected: its flag is 0 (and c, grad 0, so
+        # that the upload stays an ordinary one for the engine's screening)
         ok = jnp.isfinite(c) & jnp.all(jnp.isfinite(gx_prop), -1)
-        c = jnp.where(ok, c, -1e30)  # a proposal where the density or a gradient is not finite is rejected
-        gx_prop = jnp.where(ok[:, None], gx_prop, 0.0)
+        c, gx_prop = jnp.where(ok, c, 0.0), jnp.where(ok[:, None], gx_prop, 0.0)
         new = state._replace(z_prop=z_prop, u_prop=u_prop, gz_prop=gz_prop, count=state.count + 1)
-        return new, dense_message((c, gx_prop))
+        return new, dense_message((c, ok.astype(c.dtype), gx_prop))
 
     def server_step(self, key, state: MALAServerState, uploads: Message, info):
         """Metropolis-Hastings on the joint proposal, then the next proposal with the decision."""
-        c, g_prop = uploads.payload
-        c, g_prop = jnp.sum(c, 0), jnp.sum(g_prop, 0)
+        c, ok, g_prop = uploads.payload
+        # every client's flag must be 1: a client whose upload is missing (its upload arrives zeroed) or whose
+        # proposal is not finite forces a rejection
+        c, ok, g_prop = jnp.sum(c, 0), jnp.min(ok, 0) > 0, jnp.sum(g_prop, 0)
         k_u, k_prop = jax.random.split(key)
         log_alpha = c + _log_q(state.x, state.proposal, g_prop, state.gamma) - _log_q(state.proposal, state.x, state.g,
                                                                                        state.gamma)
-        log_alpha = jnp.where(jnp.isnan(log_alpha), -jnp.inf, log_alpha)
+        log_alpha = jnp.where(jnp.isnan(log_alpha) | ~ok, -jnp.inf, log_alpha)
         accept = jnp.log(jax.random.uniform(k_u, c.shape, c.dtype)) < log_alpha
         x = jnp.where(accept[:, None], state.proposal, state.x)
         g = jnp.where(accept[:, None], g_prop, state.g)
