@@ -149,11 +149,7 @@ class LangevinSampler:
     def build(self, problem: Problem) -> "LangevinRun":
         fm: FedModel = problem.model
         fm.require(self.name, minibatch=True)
-        if fm.local_names:
-            raise ModelError(
-                f"{self.name} samples the global sites only, but the model has local latents "
-                f"{list(fm.local_names)}; use fb.FedSOUL for personalised models"
-            )
+        self._check_latents(fm)
         params = [n for n in fm.global_names if fm.sites[n].role == "param"]
         if params:
             raise ModelError(
@@ -170,6 +166,15 @@ class LangevinSampler:
         if self.warmup is not None and self.warmup >= problem.num_rounds:
             raise ConfigError(f"{self.name} warmup={self.warmup} leaves no draws from {problem.num_rounds} rounds")
         return self._make_run(fm, problem)
+
+    def _check_latents(self, fm: FedModel) -> None:
+        """The model's local latents (and what goes with them) refused or required."""
+        if fm.local_names:
+            raise ModelError(
+                f"{self.name} samples the global sites only, but the model has local latents "
+                f"{list(fm.local_names)}; use fb.FedSOUL for personalised models (or fb.JointLMC for their joint "
+                "posterior)"
+            )
 
     def _make_run(self, fm: FedModel, problem: Problem) -> "LangevinRun":
         return LangevinRun(self, fm, problem)
@@ -291,6 +296,8 @@ class LangevinRun(FederatedRun):
     Flower messages follow one rule."""
 
     resyncs = True
+    step_scale = 0.1
+    """The automatic step's gamma * lambda_max."""
 
     def __init__(self, cfg: LangevinSampler, fm: FedModel, problem: Problem):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
@@ -386,14 +393,14 @@ class LangevinRun(FederatedRun):
         return curvature(lambda y: -self.client_potential(y, client), self._x0, jnp.ones_like(self._x0), 100)[0]
 
     def _step_from(self, curvatures: Any) -> jax.Array:
-        """gamma: the configured step, or 0.1 / lambda_max(Hessian of U at the initial point)."""
+        """gamma: the configured step, or ``step_scale`` (0.1) / lambda_max(Hessian of U at the initial point)."""
         if self.cfg.step_size is not None:
             return jnp.asarray(self.cfg.step_size)
         total = jnp.sum(curvatures, 0)
         if self._precond is not None:  # the Hessian in the preconditioned coordinates y = S^-1 x: S' H S
             total = self._precond.T @ total @ self._precond
         lam = jnp.max(jnp.abs(jnp.linalg.eigvalsh(total))) if self.dim <= DENSE_CURVATURE else total
-        return 0.1 / lam
+        return self.step_scale / lam
 
     def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
         """The channels' client states (w_0 = x_0 for EF21-P) and the client's curvature share; with an

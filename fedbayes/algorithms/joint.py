@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from .. import minibatch
 from ..engine import final_exchange, stack_clients
 from ..errors import ConfigError, FedbayesError, ModelError
 from ..introspect import FedModel
@@ -44,9 +45,9 @@ from .channels import DirectUplink, EF21PDownlink, EF21Uplink, FullDownlink
 from .elf import DENSE_CURVATURE, LangevinRun, LangevinSampler, _ef_compressor
 from .warmstart import resolve_init
 
-LOCAL_STEP_SCALE = 0.1
-"""gamma_i = LOCAL_STEP_SCALE / lambda_max(-grad_z^2 log p(D_i, z | x)) at the chain's start (the server's
-step uses the same 0.1 on the globals' block)."""
+LOCAL_STEP_SCALE = LangevinRun.step_scale
+"""JointLMC's automatic steps: gamma_i = 0.1 / lambda_max(-grad_z^2 log p(D_i, z | x)) at the chain's start,
+and the same scale on the globals' block (:meth:`LangevinRun._step_from`)."""
 
 
 class JointClientState(NamedTuple):
@@ -94,26 +95,18 @@ class JointLMC(LangevinSampler):
                 else EF21PDownlink(_ef_compressor(self.downlink, self.rescale, self.name)))
         return up, down
 
-    def build(self, problem: Problem) -> "JointLangevinRun":
-        fm: FedModel = problem.model
-        fm.require(self.name)
+    def _check_latents(self, fm: FedModel) -> None:
+        """Local latents required; minibatches and a search for the mode refused (not built yet)."""
         if not fm.local_names:
             raise ModelError(f"{self.name} samples models with local latents (fb.local()); this model has none: "
                              "use fb.LMC")
-        params = [n for n in fm.global_names if fm.sites[n].role == "param"]
-        if params:
-            raise ModelError(f"{self.name} samples a posterior, but {params} are numpyro.param sites without a "
-                             "prior; give them priors with numpyro.sample")
-        if self.batch_size is not None:
-            raise ConfigError(f"{self.name} takes full-batch steps only (batch_size=None)")
+        if self.batch_size is not None or fm.subsample_size:
+            raise ConfigError(f"{self.name} takes full-batch steps only (batch_size=None, no subsample_size in the "
+                              "model)")
         if isinstance(self.init, str) and self.init == "map":
             raise ConfigError(f"{self.name} has no search for the joint mode: init=None / 'prior', or given values")
-        C = problem.data.num_clients
-        if problem.cohort_size not in (None, C):
-            raise ConfigError(f"{self.name} needs every client in every round (each moves its own latents), got "
-                              f"clients_per_round={problem.cohort_size} of {C}")
-        if self.warmup is not None and self.warmup >= problem.num_rounds:
-            raise ConfigError(f"{self.name} warmup={self.warmup} leaves no draws from {problem.num_rounds} rounds")
+
+    def _make_run(self, fm: FedModel, problem: Problem) -> "JointLangevinRun":
         return JointLangevinRun(self, fm, problem)
 
 
@@ -124,8 +117,6 @@ class JointLangevinRun(LangevinRun):
     final_exchange = True
 
     def __init__(self, cfg: JointLMC, fm: FedModel, problem: Problem):
-        from .. import minibatch
-
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
         self._b = problem.data.num_clients
         self._batches = minibatch.resolve(None, fm, problem.data.mask.shape[1], cfg.name)
@@ -137,8 +128,7 @@ class JointLangevinRun(LangevinRun):
         flat, self._unravel = ravel_pytree(fm.init_globals(None, values))
         self._x0, self.dim = flat, flat.size
         self.up, self.down = cfg._channels(int(flat.size))
-        z_flat, self._unravel_z = ravel_pytree(fm.zeros_local())
-        self.local_dim = int(z_flat.size)
+        self._unravel_z = ravel_pytree(fm.zeros_local())[1]
         self.num_kept = len(range(self.warmup, problem.num_rounds, cfg.thinning))
 
     # ------------------------------------------------------------------ potentials
@@ -152,8 +142,10 @@ class JointLangevinRun(LangevinRun):
         """(grad_x U_i, grad_z U_i) at each chain's (x, z) (rows)."""
         return jax.vmap(jax.grad(self.joint_potential, argnums=(0, 1)), in_axes=(0, 0, None))(x, z, client)
 
-    def _move_z(self, key, z, gz, gamma):
-        return z - gamma * gz + jnp.sqrt(2 * gamma) * jax.random.normal(key, z.shape, z.dtype)
+    @staticmethod
+    def _langevin(key, z, grad, gamma):
+        """z - gamma grad U(z) + sqrt(2 gamma) N(0, I): a Langevin move, or a proposal."""
+        return z - gamma * grad + jnp.sqrt(2 * gamma) * jax.random.normal(key, z.shape, z.dtype)
 
     def _record(self, state: JointClientState) -> JointClientState:
         """Keep the current state if its round is a kept one (after warm-up, every ``thinning``-th)."""
@@ -164,9 +156,9 @@ class JointLangevinRun(LangevinRun):
         return state._replace(draws=draws)
 
     # ------------------------------------------------------------------ set-up
-    def _client_start(self, key, x0: jax.Array, client: ClientData, scale: float) -> tuple[jax.Array, jax.Array, Any]:
+    def _client_start(self, key, x0: jax.Array, client: ClientData) -> tuple[jax.Array, jax.Array, Any]:
         """``(z_0, gamma_i, share)``: each chain's latents drawn from p(z_i | x_0), the client's step (the given
-        ``step_size``, or ``scale`` / lambda_max of -grad_z^2 log p(D_i, z | x) at chain 0's start), and its share
+        ``step_size``, or ``step_scale`` / lambda_max of -grad_z^2 log p(D_i, z | x) at chain 0's start), and its share
         of the globals' curvature for the server's step (the Hessian of U_i in x up to ``DENSE_CURVATURE``
         coordinates, else its largest eigenvalue; none with a given step)."""
         z0 = jax.vmap(lambda k, x: ravel_pytree(self._fm.sample_local_prior(k, self._unravel(x), client.data,
@@ -178,16 +170,16 @@ class JointLangevinRun(LangevinRun):
         pot_x = lambda x: self.joint_potential(x, z0[0], client)  # noqa: E731
         share = (jax.hessian(pot_x)(x0[0]) if self.dim <= DENSE_CURVATURE
                  else curvature(lambda x: -pot_x(x), x0[0], jnp.ones_like(x0[0]), 100)[0])
-        return z0, scale / jnp.maximum(lam, 1e-12), share
+        return z0, self.step_scale / jnp.maximum(lam, 1e-12), share
 
     def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
         """Each chain's latents start at a draw from p(z_i | x_0); the client's step from its own curvature
         at chain 0's start; the first joint move from (x_0, z_0): z moves here, grad_x goes up (with the
         client's share of the globals' curvature for the server's step)."""
         k_z, k_move = jax.random.split(key)
-        starts, gamma, share = self._client_start(k_z, x0, client, LOCAL_STEP_SCALE)
+        starts, gamma, share = self._client_start(k_z, x0, client)
         gx, gz = self._grads(x0, starts, client)
-        z1 = self._move_z(k_move, starts, gz, gamma)
+        z1 = self._langevin(k_move, starts, gz, gamma)
         draws = jnp.zeros((self.num_kept,) + starts.shape, starts.dtype)
         state = JointClientState(self.down.client_start(x0), self.up.client_start(gx), z1, gamma, draws,
                                  jnp.zeros((), jnp.int32))
@@ -200,7 +192,7 @@ class JointLangevinRun(LangevinRun):
         state = self._record(state)
         k_move, k_up = jax.random.split(key)
         gx, gz = self._grads(w, state.z, client)
-        z = self._move_z(k_move, state.z, gz, state.gamma)
+        z = self._langevin(k_move, state.z, gz, state.gamma)
         up, message = self.up.send(k_up, gx, state.up)
         return state._replace(down=down, up=up, z=z, count=state.count + 1), message
 
@@ -232,7 +224,7 @@ class JointLangevinRun(LangevinRun):
                 "every round (a client's latents and the globals form one chain), so these draws are not valid. "
                 "Find why the client failed, or use fb.FedSOUL, which tolerates faults.")
         parts = LangevinRun.finalize(self, key, (server_state, None, None), problem, history)
-        parts.settings = {**(parts.settings or {}), "local_step_scale": LOCAL_STEP_SCALE}
+        parts.settings = {**(parts.settings or {}), "local_step_scale": self.step_scale}
         return parts
 
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
@@ -240,8 +232,6 @@ class JointLangevinRun(LangevinRun):
         server, states, _ = carry
         return with_final_parts(self.record_parts(key, server, problem, history),
                                 final_exchange(self, key, server, states, stack_clients(problem.data)))
-
-
 
 
 MALA_STEP_SCALE = 0.5
@@ -254,8 +244,6 @@ class MALAServerState(NamedTuple):
     proposal: jax.Array  # (chains, d) the globals proposed to the clients this round
     accepted: jax.Array  # (chains,) float 0 / 1: the last decision (sent with the next proposal)
     gamma: jax.Array  # () the globals' step
-    down: Any  # FullDownlink's state (none)
-    up: Any  # DirectUplink's state (none)
 
 
 class MALAClientState(NamedTuple):
@@ -307,18 +295,21 @@ class JointMALA(JointLMC):
 
     name = "JointMALA"
 
-    def build(self, problem: Problem) -> "JointMALARun":
+    def __post_init__(self):
+        super().__post_init__()
         if self.uplink is not None or self.downlink is not None:
             raise ConfigError(f"{self.name} needs exact messages (its Metropolis test uses the gradients sent): "
                               "no uplink / downlink compressor")
-        super().build(problem)  # the model and option checks
-        return JointMALARun(self, problem.model, problem)
+
+    def _make_run(self, fm: FedModel, problem: Problem) -> "JointMALARun":
+        return JointMALARun(self, fm, problem)
 
 
 class JointMALARun(JointLangevinRun):
     """:class:`JointMALA` bound to a model."""
 
     resyncs = False
+    step_scale = MALA_STEP_SCALE
 
     def _eval(self, x, z, client):
         """(U_i, grad_x U_i, grad_z U_i) at each chain's (x, z), with a non-finite U_i as +inf."""
@@ -336,21 +327,11 @@ class JointMALARun(JointLangevinRun):
     def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
         """Each chain's latents start at a draw from p(z_i | x_0); the client's step from its own curvature;
         U_i and its gradients at (x_0, z_0); grad_x U_i goes up (with the curvature share for the server's step)."""
-        z0, gamma, share = self._client_start(key, x0, client, MALA_STEP_SCALE)
+        z0, gamma, share = self._client_start(key, x0, client)
         u, gx, gz = self._eval(x0, z0, client)
         draws = jnp.zeros((self.num_kept,) + z0.shape, z0.dtype)
         state = MALAClientState(z0, u, gz, z0, u, gz, gamma, draws, jnp.zeros((), jnp.int32))
         return state, (gx, share)
-
-    def _step_from(self, curvatures: Any) -> jax.Array:
-        if self.cfg.step_size is not None:
-            return jnp.asarray(self.cfg.step_size)
-        total = jnp.sum(curvatures, 0)
-        lam = jnp.max(jnp.abs(jnp.linalg.eigvalsh(total))) if self.dim <= DENSE_CURVATURE else total
-        return MALA_STEP_SCALE / lam
-
-    def _propose(self, key, x, g, gamma):
-        return x - gamma * g + jnp.sqrt(2 * gamma) * jax.random.normal(key, x.shape, x.dtype)
 
     def _broadcast(self, accepted, proposal) -> Message:
         return dense_message((accepted, proposal))
@@ -359,16 +340,16 @@ class JointMALARun(JointLangevinRun):
         gx, curvatures = uploads
         gamma = self._step_from(curvatures)
         g = jnp.sum(gx, 0)
-        proposal = self._propose(key, x0, g, gamma)
+        proposal = self._langevin(key, x0, g, gamma)
         none = jnp.zeros(x0.shape[:1], x0.dtype)
-        state = MALAServerState(x0, g, proposal, none, gamma, (), ())
+        state = MALAServerState(x0, g, proposal, none, gamma)
         return state, self._broadcast(none, proposal)
 
     def client_step(self, key, payload, state: MALAClientState, client: ClientData):
         """Commit the last decision, propose z', evaluate at (x', z'), upload (c_i, grad_x U_i(x', z'))."""
         accepted, x_prop = payload
         state = self._commit(state, accepted)  # round 0: nothing pending (the flags are 0, the index -1 is not kept)
-        z_prop = self._propose(key, state.z, state.gz, state.gamma)
+        z_prop = self._langevin(key, state.z, state.gz, state.gamma)
         u_prop, gx_prop, gz_prop = self._eval(x_prop, z_prop, client)
         c = (state.u - u_prop + _log_q(state.z, z_prop, gz_prop, state.gamma)
              - _log_q(z_prop, state.z, state.gz, state.gamma))
@@ -392,7 +373,7 @@ class JointMALARun(JointLangevinRun):
         accept = jnp.log(jax.random.uniform(k_u, c.shape, c.dtype)) < log_alpha
         x = jnp.where(accept[:, None], state.proposal, state.x)
         g = jnp.where(accept[:, None], g_prop, state.g)
-        proposal = self._propose(k_prop, x, g, state.gamma)
+        proposal = self._langevin(k_prop, x, g, state.gamma)
         flags = accept.astype(x.dtype)
         new = state._replace(x=x, g=g, proposal=proposal, accepted=flags)
         diag = {"_sample": x, "acceptance": jnp.mean(jnp.exp(jnp.minimum(log_alpha, 0.0)))}
@@ -408,7 +389,7 @@ class JointMALARun(JointLangevinRun):
     def record_parts(self, key, server_state, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
         parts = super().record_parts(key, server_state, problem, history)
         rate = np.asarray(history["acceptance"])[self.warmup:]
-        parts.settings = {**parts.settings, "local_step_scale": MALA_STEP_SCALE,
+        parts.settings = {**parts.settings,
                           "acceptance": float(rate.mean()) if rate.size else float("nan")}
         return parts
 
