@@ -95,14 +95,18 @@ def run_setting(S: int, seed: int, rounds: int, small_fraction: float = 0.0, nam
     return out
 
 
+def _mean_sd(v: np.ndarray) -> str:
+    """``mean (sd)`` over seeds (sd 0 for one seed)."""
+    return f"{v.mean():.3f} ({v.std(ddof=1) if len(v) > 1 else 0.0:.3f})"
+
+
 def table(results: list[dict], metrics=("accuracy", "ece", "brier", "nll")) -> str:
     names = [k for k in results[0] if not k.startswith("_")]
     lines = ["| algorithm | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
     for name in names:
         cells = []
         for m in metrics:
-            v = np.array([r[name][m] for r in results])
-            cells.append(f"{v.mean():.3f} ({v.std(ddof=1) if len(v) > 1 else 0.0:.3f})")
+            cells.append(_mean_sd(np.array([r[name][m] for r in results])))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -154,8 +158,7 @@ def main() -> None:
         res = [found[(5, s, frac)] for s in seeds]
         cells = []
         for name in small_names:
-            v = np.array([r[name]["small_accuracy"] for r in res])
-            cells.append(f"{v.mean():.3f} ({v.std(ddof=1) if len(v) > 1 else 0.0:.3f})")
+            cells.append(_mean_sd(np.array([r[name]["small_accuracy"] for r in res])))
         print(f"| {frac:.0%} | " + " | ".join(cells) + " |", flush=True)
 
 
