@@ -36,7 +36,7 @@ from jax.flatten_util import ravel_pytree
 
 from .. import minibatch
 from ..engine import final_exchange, stack_clients
-from ..errors import ConfigError, FedbayesError, ModelError
+from ..errors import ConfigError, FedbayesError, ModelError, require_choice
 from ..introspect import FedModel
 from ..kernels import curvature
 from ..protocol import ClientData, FitParts, Message, Problem, dense_message, with_final_parts
@@ -128,7 +128,8 @@ class JointLangevinRun(LangevinRun):
         flat, self._unravel = ravel_pytree(fm.init_globals(None, values))
         self._x0, self.dim = flat, flat.size
         self.up, self.down = cfg._channels(int(flat.size))
-        self._unravel_z = ravel_pytree(fm.zeros_local())[1]
+        flat_z, self._unravel_z = ravel_pytree(fm.zeros_local())
+        self._q = int(flat_z.size)  # 0 for a model without local latents (JointMALA)
         self.num_kept = len(range(self.warmup, problem.num_rounds, cfg.thinning))
 
     # ------------------------------------------------------------------ potentials
@@ -163,10 +164,11 @@ class JointLangevinRun(LangevinRun):
         coordinates, else its largest eigenvalue; none with a given step)."""
         z0 = jax.vmap(lambda k, x: ravel_pytree(self._fm.sample_local_prior(k, self._unravel(x), client.data,
                                                                             client.mask))[0])(
-            jax.random.split(key, x0.shape[0]), x0)
+            jax.random.split(key, x0.shape[0]), x0).astype(x0.dtype)  # (chains, 0) without latents
         if self.cfg.step_size is not None:
             return z0, jnp.asarray(self.cfg.step_size, z0.dtype), ()
-        lam, _ = curvature(lambda z: -self.joint_potential(x0[0], z, client), z0[0], jnp.ones_like(z0[0]), 50)
+        lam = (curvature(lambda z: -self.joint_potential(x0[0], z, client), z0[0], jnp.ones_like(z0[0]), 50)[0]
+               if self._q else jnp.ones((), x0.dtype))  # no latents: the client's step is never used
         pot_x = lambda x: self.joint_potential(x, z0[0], client)  # noqa: E731
         share = (jax.hessian(pot_x)(x0[0]) if self.dim <= DENSE_CURVATURE
                  else curvature(lambda x: -pot_x(x), x0[0], jnp.ones_like(x0[0]), 100)[0])
@@ -206,7 +208,7 @@ class JointLangevinRun(LangevinRun):
     def final_server(self, key, server_state, payload, uploads, locals_) -> FitParts:
         """The clients' own draws where collected (a simulation); the globals' come from :meth:`record_parts`."""
         parts = FitParts(params={}, params_last={})
-        if locals_ is not None:
+        if locals_ is not None and self._q:
             parts.local_samples = locals_["local_samples"]
             parts.client_info = {"step_size": locals_["step_size"]}
         return parts
@@ -243,7 +245,37 @@ class MALAServerState(NamedTuple):
     g: jax.Array  # (chains, d) sum_i grad_x U_i at (x, z)
     proposal: jax.Array  # (chains, d) the globals proposed to the clients this round
     accepted: jax.Array  # (chains,) float 0 / 1: the last decision (sent with the next proposal)
-    gamma: jax.Array  # () the globals' step
+    gamma: jax.Array  # () the globals' base step
+    log_mult: jax.Array  # (chains,) log of the step multiplier the pending proposal was made with
+    da: "DualAveraging"  # the warm-up's step adaptation, one per chain
+
+
+class DualAveraging(NamedTuple):
+    """Nesterov's dual averaging of the log step multiplier, as Hoffman & Gelman (2014, section 3.2) adapt
+    NUTS's step and NumPyro its samplers': after t decisions with acceptance probabilities alpha_s,
+
+        H_t = (1 - 1 / (t + t0)) H_{t-1} + (delta - alpha_t) / (t + t0),
+        log eps_t = mu - sqrt(t) / g H_t,
+        log epsbar_t = t^-kappa log eps_t + (1 - t^-kappa) log epsbar_{t-1},
+
+    with mu = log 10 (ten times the starting multiplier 1), g = 0.05, t0 = 10, kappa = 0.75. The warm-up
+    proposes with eps_t; after it the multiplier is frozen at epsbar."""
+
+    h: jax.Array  # (chains,)
+    log_bar: jax.Array  # (chains,)
+    t: jax.Array  # () float: decisions so far
+
+
+_DA_MU, _DA_G, _DA_T0, _DA_KAPPA = float(np.log(10.0)), 0.05, 10.0, 0.75
+
+
+def _dual_averaging(da: DualAveraging, alpha: jax.Array, target: float) -> tuple[DualAveraging, jax.Array]:
+    """One dual-averaging update from the acceptance probabilities ``alpha`` (chains,): (new state, log eps_t)."""
+    t = da.t + 1
+    h = (1 - 1 / (t + _DA_T0)) * da.h + (target - alpha) / (t + _DA_T0)
+    log_eps = _DA_MU - jnp.sqrt(t) / _DA_G * h
+    eta = t ** -_DA_KAPPA
+    return DualAveraging(h, eta * log_eps + (1 - eta) * da.log_bar, t), log_eps
 
 
 class MALAClientState(NamedTuple):
@@ -260,19 +292,22 @@ class MALAClientState(NamedTuple):
 
 def _log_q(to: jax.Array, frm: jax.Array, grad_at_frm: jax.Array, gamma: jax.Array) -> jax.Array:
     """log of the Langevin proposal density q(to | frm), up to its constant: -|to - frm + gamma grad U(frm)|^2 / (4 gamma)
-    (summed over the last axis: one value per chain)."""
-    return -jnp.sum((to - frm + gamma * grad_at_frm) ** 2, -1) / (4 * gamma)
+    (summed over the last axis: one value per chain; ``gamma`` a scalar or one per chain, shape (chains, 1))."""
+    return -jnp.sum((to - frm + gamma * grad_at_frm) ** 2 / (4 * gamma), -1)
 
 
 @dataclass(frozen=True)
 class JointMALA(JointLMC):
-    """Exact joint federated sampling for hierarchical models: :class:`JointLMC`'s joint Langevin proposal,
-    accepted or rejected by Metropolis-Hastings, so that the chains' stationary law is the posterior
-    p(theta, z_1..z_b | D) exactly, at any step.
+    """Exact federated sampling (the Metropolis-adjusted Langevin algorithm): :class:`JointLMC`'s joint
+    Langevin proposal, accepted or rejected by Metropolis-Hastings, so that the chains' stationary law is the
+    posterior p(theta, z_1..z_b | D) exactly, at any step. For models with ``fb.local()`` latents (their
+    joint posterior with the globals) and without (the posterior of the globals, as :class:`LMC` samples it
+    but without its bias).
 
-    Each round the server broadcasts the proposal x' of the globals (with the last decision). Client i
-    proposes z_i' from its current state, evaluates U_i at (x', z_i'), and uploads two things: the
-    gradient of U_i in x there, and one scalar per chain, its share of the log acceptance ratio
+    Each round the server broadcasts the proposal x' of the globals (with the last decision and each
+    chain's step multiplier). Client i proposes z_i' from its current state, evaluates U_i at (x', z_i'),
+    and uploads two things: the gradient of U_i in x there, and one scalar per chain, its share of the log
+    acceptance ratio
 
         c_i = U_i(x, z_i) - U_i(x', z_i') + log q_i(z_i | z_i', x') - log q_i(z_i' | z_i, x).
 
@@ -282,17 +317,25 @@ class JointMALA(JointLMC):
     diagonal), so no client needs another's latents.
 
     Communication per round and chain: d + 2 floats up per client (the gradient, c_i and a flag that is 0
-    where the client's proposal is not finite: any 0 rejects), and d + 1 floats down (the proposal and the
-    decision). Every gradient the next proposal needs has been computed by the time of the
-    decision, so a round costs one gradient evaluation per client, as ULA's does.
+    where the client's proposal is not finite: any 0 rejects), and d + 2 floats down (the proposal, the
+    decision and the step multiplier). Every gradient the next proposal needs has been computed by the time
+    of the decision, so a round costs one gradient evaluation per client, as ULA's does. The ledger's
+    bits per accepted draw after warm-up are in ``res.settings["bits_per_accepted_draw"]``.
 
-    ``step_size``: the step of every block; None (default) gives MALA_STEP_SCALE (0.5) / the largest
-    curvature of each block at the start. The mean acceptance probability after warm-up is in
-    ``res.settings["acceptance"]``, and per round in ``res.history["acceptance"]``. No compression
-    (``uplink`` / ``downlink``: the test needs exact gradients). The options are otherwise
-    :class:`JointLMC`'s.
+    ``step_size``: the base step of every block; None (default) gives MALA_STEP_SCALE (0.5) / the largest
+    curvature of each block at the start. ``adapt_step`` (default True): during the ``warmup`` rounds each
+    chain multiplies the base steps by a factor adapted by dual averaging (:class:`DualAveraging`, as
+    NumPyro adapts its samplers' steps) so that the mean acceptance probability reaches ``target_accept``
+    (default 0.574, the optimal rate of MALA in high dimension: Roberts & Rosenthal 1998); after it the
+    factor is frozen (``res.settings["step_multiplier"]``, one per chain, and ``adaptation_rounds``). Only
+    the draws after the warm-up are kept, so the adaptation leaves the stationary law exact. The mean
+    acceptance probability after warm-up is in ``res.settings["acceptance"]``, and per round in
+    ``res.history["acceptance"]``. No compression (``uplink`` / ``downlink``: the test needs exact
+    gradients). The options are otherwise :class:`JointLMC`'s.
     """
 
+    target_accept: float = 0.574
+    adapt_step: bool = True
     name = "JointMALA"
 
     def __post_init__(self):
@@ -300,6 +343,16 @@ class JointMALA(JointLMC):
         if self.uplink is not None or self.downlink is not None:
             raise ConfigError(f"{self.name} needs exact messages (its Metropolis test uses the gradients sent): "
                               "no uplink / downlink compressor")
+        if not 0.0 < self.target_accept < 1.0:
+            raise ConfigError(f"target_accept must lie in (0, 1), got {self.target_accept!r}")
+        require_choice(self.adapt_step, "adapt_step", (True, False))
+
+    def _check_latents(self, fm: FedModel) -> None:
+        """Models with or without local latents; minibatches and a search for the mode refused (not built)."""
+        if fm.local_names:
+            super()._check_latents(fm)
+        elif self.batch_size is not None or fm.subsample_size or (isinstance(self.init, str) and self.init == "map"):
+            raise ConfigError(f"{self.name} takes full-batch steps from init=None / 'prior' or given values")
 
     def _make_run(self, fm: FedModel, problem: Problem) -> "JointMALARun":
         return JointMALARun(self, fm, problem)
@@ -333,26 +386,35 @@ class JointMALARun(JointLangevinRun):
         state = MALAClientState(z0, u, gz, z0, u, gz, gamma, draws, jnp.zeros((), jnp.int32))
         return state, (gx, share)
 
-    def _broadcast(self, accepted, proposal) -> Message:
-        return dense_message((accepted, proposal))
+    @staticmethod
+    def _multiplier(log_mult: jax.Array) -> jax.Array:
+        """exp(log_mult) rounded to float32, as the wire carries it: the server's half of the proposal density and
+        the clients' halves then use the same step, in a simulation and over Flower alike."""
+        return jnp.exp(log_mult).astype(jnp.float32).astype(log_mult.dtype)
+
+    def _broadcast(self, accepted, proposal, log_mult) -> Message:
+        return dense_message((accepted, proposal, self._multiplier(log_mult)))
 
     def setup_server_step(self, stage: int, key: jax.Array, x0: jax.Array, uploads: Any):
         gx, curvatures = uploads
         gamma = self._step_from(curvatures)
         g = jnp.sum(gx, 0)
-        proposal = self._langevin(key, x0, g, gamma)
         none = jnp.zeros(x0.shape[:1], x0.dtype)
-        state = MALAServerState(x0, g, proposal, none, gamma)
-        return state, self._broadcast(none, proposal)
+        # the dual averaging's first proposals use its own first multiplier, mu = log 10; without adaptation, 1
+        log_mult = none + (_DA_MU if self.cfg.adapt_step and self.warmup > 0 else 0.0)
+        proposal = self._langevin(key, x0, g, gamma * self._multiplier(log_mult)[:, None])
+        da = DualAveraging(none, none, jnp.zeros((), x0.dtype))
+        state = MALAServerState(x0, g, proposal, none, gamma, log_mult, da)
+        return state, self._broadcast(none, proposal, log_mult)
 
     def client_step(self, key, payload, state: MALAClientState, client: ClientData):
         """Commit the last decision, propose z', evaluate at (x', z'), upload (c_i, grad_x U_i(x', z'))."""
-        accepted, x_prop = payload
+        accepted, x_prop, mult = payload
         state = self._commit(state, accepted)  # round 0: nothing pending (the flags are 0, the index -1 is not kept)
-        z_prop = self._langevin(key, state.z, state.gz, state.gamma)
+        gamma = state.gamma * mult[:, None]  # (chains, 1): this round's step of each chain
+        z_prop = self._langevin(key, state.z, state.gz, gamma)
         u_prop, gx_prop, gz_prop = self._eval(x_prop, z_prop, client)
-        c = (state.u - u_prop + _log_q(state.z, z_prop, gz_prop, state.gamma)
-             - _log_q(z_prop, state.z, state.gz, state.gamma))
+        c = state.u - u_prop + _log_q(state.z, z_prop, gz_prop, gamma) - _log_q(z_prop, state.z, state.gz, gamma)
         # a proposal where the density or a gradient is not finite is rejected: its flag is 0 (and c, grad 0, so
         # that the upload stays an ordinary one for the engine's screening)
         ok = jnp.isfinite(c) & jnp.all(jnp.isfinite(gx_prop), -1)
@@ -361,23 +423,33 @@ class JointMALARun(JointLangevinRun):
         return new, dense_message((c, ok.astype(c.dtype), gx_prop))
 
     def server_step(self, key, state: MALAServerState, uploads: Message, info):
-        """Metropolis-Hastings on the joint proposal, then the next proposal with the decision."""
+        """Metropolis-Hastings on the joint proposal; in warm-up, the step multipliers' dual averaging; then the
+        next proposal with the decision and the multipliers."""
         c, ok, g_prop = uploads.payload
         # every client's flag must be 1: a client whose upload is missing (its upload arrives zeroed) or whose
         # proposal is not finite forces a rejection
         c, ok, g_prop = jnp.sum(c, 0), jnp.min(ok, 0) > 0, jnp.sum(g_prop, 0)
         k_u, k_prop = jax.random.split(key)
-        log_alpha = c + _log_q(state.x, state.proposal, g_prop, state.gamma) - _log_q(state.proposal, state.x, state.g,
-                                                                                       state.gamma)
+        gamma = state.gamma * self._multiplier(state.log_mult)[:, None]
+        log_alpha = c + _log_q(state.x, state.proposal, g_prop, gamma) - _log_q(state.proposal, state.x, state.g, gamma)
         log_alpha = jnp.where(jnp.isnan(log_alpha) | ~ok, -jnp.inf, log_alpha)
+        alpha = jnp.exp(jnp.minimum(log_alpha, 0.0))
         accept = jnp.log(jax.random.uniform(k_u, c.shape, c.dtype)) < log_alpha
         x = jnp.where(accept[:, None], state.proposal, state.x)
         g = jnp.where(accept[:, None], g_prop, state.g)
-        proposal = self._langevin(k_prop, x, g, state.gamma)
+        da, log_mult = state.da, state.log_mult
+        if self.cfg.adapt_step and self.warmup > 0:
+            adapting = state.da.t < self.warmup  # this decision is one of the warm-up's
+            new_da, log_eps = _dual_averaging(state.da, alpha, self.cfg.target_accept)
+            da = jax.tree_util.tree_map(lambda n, o: jnp.where(adapting, n, o), new_da, state.da)
+            # within the warm-up the next proposal uses eps_t; from its last decision on, the frozen epsbar
+            log_mult = jnp.where(da.t < self.warmup, log_eps, da.log_bar)
+        proposal = self._langevin(k_prop, x, g, state.gamma * self._multiplier(log_mult)[:, None])
         flags = accept.astype(x.dtype)
-        new = state._replace(x=x, g=g, proposal=proposal, accepted=flags)
-        diag = {"_sample": x, "acceptance": jnp.mean(jnp.exp(jnp.minimum(log_alpha, 0.0)))}
-        return new, self._broadcast(flags, proposal), diag
+        new = state._replace(x=x, g=g, proposal=proposal, accepted=flags, log_mult=log_mult, da=da)
+        diag = {"_sample": x, "acceptance": jnp.mean(alpha), "accepted": jnp.mean(flags),
+                "step_multiplier": jnp.mean(self._multiplier(log_mult))}
+        return new, self._broadcast(flags, proposal, log_mult), diag
 
     def final_message(self, key, server: MALAServerState) -> jax.Array:
         """The last decision, so that every client takes its last state."""
@@ -389,8 +461,17 @@ class JointMALARun(JointLangevinRun):
     def record_parts(self, key, server_state, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
         parts = super().record_parts(key, server_state, problem, history)
         rate = np.asarray(history["acceptance"])[self.warmup:]
-        parts.settings = {**parts.settings,
-                          "acceptance": float(rate.mean()) if rate.size else float("nan")}
+        kept = slice(self.warmup, None)
+        bits = sum(float(np.sum(np.asarray(history[k])[kept])) for k in ("bits_up", "bits_down") if k in history)
+        accepted = float(np.sum(np.asarray(history["accepted"])[kept])) * server_state.x.shape[0]  # over the chains
+        parts.settings = {
+            **parts.settings,
+            "acceptance": float(rate.mean()) if rate.size else float("nan"),
+            "target_accept": self.cfg.target_accept if self.cfg.adapt_step else None,
+            "adaptation_rounds": self.warmup if self.cfg.adapt_step else 0,
+            "step_multiplier": np.exp(np.asarray(server_state.log_mult, np.float64)).tolist(),
+            "bits_per_accepted_draw": bits / accepted if accepted > 0 else float("inf"),
+        }
         return parts
 
 
