@@ -153,7 +153,8 @@ class JointLangevinRun(LangevinRun):
         k = state.count - self.warmup
         keep = (k >= 0) & (k % self.cfg.thinning == 0)
         slot = jnp.clip(k // self.cfg.thinning, 0, self.num_kept - 1)
-        draws = jnp.where(keep, state.draws.at[slot].set(state.z), state.draws)
+        # one slot written (in place inside the rounds' loop), not a select over the whole buffer each round
+        draws = state.draws.at[slot].set(jnp.where(keep, state.z, state.draws[slot]))
         return state._replace(draws=draws)
 
     # ------------------------------------------------------------------ set-up
@@ -248,6 +249,9 @@ class MALAServerState(NamedTuple):
     gamma: jax.Array  # () the globals' base step
     log_mult: jax.Array  # (chains,) log of the step multiplier the pending proposal was made with
     da: "DualAveraging"  # the warm-up's step adaptation, one per chain
+    scale: jax.Array  # (chains, d) each coordinate's step before the multiplier: gamma, then the window variances
+    acc: "Welford"  # the current window's statistics
+    n: jax.Array  # () int32: decisions made
 
 
 class DualAveraging(NamedTuple):
@@ -263,7 +267,12 @@ class DualAveraging(NamedTuple):
 
     h: jax.Array  # (chains,)
     log_bar: jax.Array  # (chains,)
-    t: jax.Array  # () float: decisions so far
+    t: jax.Array  # () float: decisions since the (re)start
+
+    @classmethod
+    def start(cls, x: jax.Array) -> "DualAveraging":
+        none = jnp.zeros(x.shape[:1], x.dtype)
+        return cls(none, none, jnp.zeros((), x.dtype))
 
 
 _DA_MU, _DA_G, _DA_T0, _DA_KAPPA = float(np.log(10.0)), 0.05, 10.0, 0.75
@@ -285,9 +294,71 @@ class MALAClientState(NamedTuple):
     z_prop: jax.Array  # (chains, q) the pending proposal
     u_prop: jax.Array  # (chains,) U_i at (x', z')
     gz_prop: jax.Array  # (chains, q) grad_z U_i at (x', z')
-    gamma: jax.Array  # () the client's own step
+    gamma: jax.Array  # () the client's own base step
     draws: jax.Array  # (kept draws, chains, q)
-    count: jax.Array  # () int32: rounds this client has answered
+    count: jax.Array  # () int32: rounds this client has answered (= decisions it has received)
+    scale: jax.Array  # (chains, q) each coordinate's step before the multiplier: gamma, then the window variances
+    acc: Welford  # the current window's statistics
+
+
+def mass_windows(warmup: int) -> tuple[int, tuple[int, ...]]:
+    """The warm-up's slow windows for the diagonal scale adaptation, Stan's schedule: after an initial buffer
+    (75 decisions) windows of 25, 50, 100, ... decisions (the last one stretched to the terminal buffer of 50),
+    buffers scaled to 15% / 10% of a warm-up shorter than 150. Returns ``(start, ends)``: the decisions
+    ``start < n <= ends[-1]`` are accumulated, and the scales are re-estimated after each decision in ``ends``.
+    A warm-up under 20 decisions has no window: ``(0, ())``."""
+    if warmup < 20:
+        return 0, ()
+    first, last, size = 75, 50, 25
+    if first + last + size > warmup:
+        first, last = int(0.15 * warmup), int(0.1 * warmup)
+        size = warmup - first - last
+    stop, ends, begin = warmup - last, [], first
+    while begin < stop:
+        end = begin + size
+        if stop - end < 2 * size:  # the next window would not fit twice: this one runs to the terminal buffer
+            end = stop
+        ends.append(end)
+        begin, size = end, 2 * size
+    return first, tuple(ends)
+
+
+class Welford(NamedTuple):
+    """Running mean and sum of squared deviations of each chain's states within a window."""
+
+    n: jax.Array  # () float
+    mean: jax.Array  # (chains, dim)
+    m2: jax.Array  # (chains, dim)
+
+    @classmethod
+    def empty(cls, like: jax.Array) -> "Welford":
+        return cls(jnp.zeros((), like.dtype), jnp.zeros_like(like), jnp.zeros_like(like))
+
+    def add(self, x: jax.Array, on: jax.Array) -> "Welford":
+        """Add ``x`` where ``on`` (a scalar flag)."""
+        n = self.n + 1
+        delta = x - self.mean
+        mean = self.mean + delta / n
+        new = Welford(n, mean, self.m2 + delta * (x - mean))
+        return jax.tree_util.tree_map(lambda a, b: jnp.where(on, a, b), new, self)
+
+    def scale(self) -> jax.Array:
+        """The window's variances, regularised towards 1e-3 as Stan does: n / (n + 5) var + 1e-3 * 5 / (n + 5)."""
+        n = self.n
+        return n / (n + 5) * self.m2 / jnp.maximum(n - 1, 1) + 1e-3 * 5 / (n + 5)
+
+
+def _adapt_scale(scale: jax.Array, acc: Welford, x: jax.Array, n: jax.Array, windows) -> tuple[jax.Array, Welford, jax.Array]:
+    """After decision ``n`` (the chain's state ``x``): accumulate it in a slow window, and at a window's end replace
+    the per-coordinate scales by the window's variances. Returns ``(scale, acc, ended)``."""
+    start, ends = windows
+    if not ends:
+        return scale, acc, jnp.zeros((), bool)
+    acc = acc.add(x, (n > start) & (n <= ends[-1]))
+    ended = jnp.any(n == jnp.asarray(ends))
+    scale = jnp.where(ended, acc.scale(), scale)
+    acc = jax.tree_util.tree_map(lambda e, a: jnp.where(ended, e, a), Welford.empty(x), acc)
+    return scale, acc, ended
 
 
 def _log_q(to: jax.Array, frm: jax.Array, grad_at_frm: jax.Array, gamma: jax.Array) -> jax.Array:
@@ -327,7 +398,12 @@ class JointMALA(JointLMC):
     chain multiplies the base steps by a factor adapted by dual averaging (:class:`DualAveraging`, as
     NumPyro adapts its samplers' steps) so that the mean acceptance probability reaches ``target_accept``
     (default 0.574, the optimal rate of MALA in high dimension: Roberts & Rosenthal 1998); after it the
-    factor is frozen (``res.settings["step_multiplier"]``, one per chain, and ``adaptation_rounds``). Only
+    factor is frozen (``res.settings["step_multiplier"]``, one per chain, and ``adaptation_rounds``).
+    ``adapt_mass_matrix`` (default True): a diagonal preconditioner adapted in the same warm-up, as NumPyro's
+    and Stan's diagonal mass matrix, in windows (:func:`mass_windows`): at each window's end each party
+    (the server for the globals, each client for its own latents) sets its coordinates' steps before the
+    multiplier to the variances of its own states in the window, and the dual averaging restarts. Nothing
+    more travels: each party estimates the variances of the coordinates it moves. Only
     the draws after the warm-up are kept, so the adaptation leaves the stationary law exact. The mean
     acceptance probability after warm-up is in ``res.settings["acceptance"]``, and per round in
     ``res.history["acceptance"]``. No compression (``uplink`` / ``downlink``: the test needs exact
@@ -336,6 +412,7 @@ class JointMALA(JointLMC):
 
     target_accept: float = 0.574
     adapt_step: bool = True
+    adapt_mass_matrix: bool = True
     name = "JointMALA"
 
     def __post_init__(self):
@@ -346,6 +423,7 @@ class JointMALA(JointLMC):
         if not 0.0 < self.target_accept < 1.0:
             raise ConfigError(f"target_accept must lie in (0, 1), got {self.target_accept!r}")
         require_choice(self.adapt_step, "adapt_step", (True, False))
+        require_choice(self.adapt_mass_matrix, "adapt_mass_matrix", (True, False))
 
     def _check_latents(self, fm: FedModel) -> None:
         """Models with or without local latents; minibatches and a search for the mode refused (not built)."""
@@ -363,6 +441,10 @@ class JointMALARun(JointLangevinRun):
 
     resyncs = False
     step_scale = MALA_STEP_SCALE
+
+    def __init__(self, cfg: JointMALA, fm: FedModel, problem: Problem):
+        super().__init__(cfg, fm, problem)
+        self.windows = mass_windows(self.warmup) if cfg.adapt_mass_matrix else (0, ())
 
     def _eval(self, x, z, client):
         """(U_i, grad_x U_i, grad_z U_i) at each chain's (x, z), with a non-finite U_i as +inf."""
@@ -383,7 +465,8 @@ class JointMALARun(JointLangevinRun):
         z0, gamma, share = self._client_start(key, x0, client)
         u, gx, gz = self._eval(x0, z0, client)
         draws = jnp.zeros((self.num_kept,) + z0.shape, z0.dtype)
-        state = MALAClientState(z0, u, gz, z0, u, gz, gamma, draws, jnp.zeros((), jnp.int32))
+        state = MALAClientState(z0, u, gz, z0, u, gz, gamma, draws, jnp.zeros((), jnp.int32),
+                                jnp.broadcast_to(gamma, z0.shape).astype(z0.dtype), Welford.empty(z0))
         return state, (gx, share)
 
     @staticmethod
@@ -402,16 +485,20 @@ class JointMALARun(JointLangevinRun):
         none = jnp.zeros(x0.shape[:1], x0.dtype)
         # the dual averaging's first proposals use its own first multiplier, mu = log 10; without adaptation, 1
         log_mult = none + (_DA_MU if self.cfg.adapt_step and self.warmup > 0 else 0.0)
-        proposal = self._langevin(key, x0, g, gamma * self._multiplier(log_mult)[:, None])
-        da = DualAveraging(none, none, jnp.zeros((), x0.dtype))
-        state = MALAServerState(x0, g, proposal, none, gamma, log_mult, da)
+        scale = jnp.broadcast_to(gamma, x0.shape).astype(x0.dtype)
+        proposal = self._langevin(key, x0, g, scale * self._multiplier(log_mult)[:, None])
+        state = MALAServerState(x0, g, proposal, none, gamma, log_mult, DualAveraging.start(x0), scale,
+                                Welford.empty(x0), jnp.zeros((), jnp.int32))
         return state, self._broadcast(none, proposal, log_mult)
 
     def client_step(self, key, payload, state: MALAClientState, client: ClientData):
         """Commit the last decision, propose z', evaluate at (x', z'), upload (c_i, grad_x U_i(x', z'))."""
         accepted, x_prop, mult = payload
         state = self._commit(state, accepted)  # round 0: nothing pending (the flags are 0, the index -1 is not kept)
-        gamma = state.gamma * mult[:, None]  # (chains, 1): this round's step of each chain
+        if self.cfg.adapt_mass_matrix:  # decision number `count` is in: the same schedule as the server's
+            scale, acc, _ = _adapt_scale(state.scale, state.acc, state.z, state.count, self.windows)
+            state = state._replace(scale=scale, acc=acc)
+        gamma = state.scale * mult[:, None]  # (chains, q): this round's step of each coordinate
         z_prop = self._langevin(key, state.z, state.gz, gamma)
         u_prop, gx_prop, gz_prop = self._eval(x_prop, z_prop, client)
         c = state.u - u_prop + _log_q(state.z, z_prop, gz_prop, gamma) - _log_q(z_prop, state.z, state.gz, gamma)
@@ -430,23 +517,30 @@ class JointMALARun(JointLangevinRun):
         # proposal is not finite forces a rejection
         c, ok, g_prop = jnp.sum(c, 0), jnp.min(ok, 0) > 0, jnp.sum(g_prop, 0)
         k_u, k_prop = jax.random.split(key)
-        gamma = state.gamma * self._multiplier(state.log_mult)[:, None]
+        gamma = state.scale * self._multiplier(state.log_mult)[:, None]
         log_alpha = c + _log_q(state.x, state.proposal, g_prop, gamma) - _log_q(state.proposal, state.x, state.g, gamma)
         log_alpha = jnp.where(jnp.isnan(log_alpha) | ~ok, -jnp.inf, log_alpha)
         alpha = jnp.exp(jnp.minimum(log_alpha, 0.0))
         accept = jnp.log(jax.random.uniform(k_u, c.shape, c.dtype)) < log_alpha
         x = jnp.where(accept[:, None], state.proposal, state.x)
         g = jnp.where(accept[:, None], g_prop, state.g)
-        da, log_mult = state.da, state.log_mult
+        n = state.n + 1  # this decision's number
+        da, log_mult, scale, acc = state.da, state.log_mult, state.scale, state.acc
+        if self.cfg.adapt_mass_matrix:
+            scale, acc, ended = _adapt_scale(scale, acc, x, n, self.windows)
         if self.cfg.adapt_step and self.warmup > 0:
-            adapting = state.da.t < self.warmup  # this decision is one of the warm-up's
+            adapting = n <= self.warmup  # this decision is one of the warm-up's
             new_da, log_eps = _dual_averaging(state.da, alpha, self.cfg.target_accept)
-            da = jax.tree_util.tree_map(lambda n, o: jnp.where(adapting, n, o), new_da, state.da)
+            da = jax.tree_util.tree_map(lambda a, b: jnp.where(adapting, a, b), new_da, state.da)
             # within the warm-up the next proposal uses eps_t; from its last decision on, the frozen epsbar
-            log_mult = jnp.where(da.t < self.warmup, log_eps, da.log_bar)
-        proposal = self._langevin(k_prop, x, g, state.gamma * self._multiplier(log_mult)[:, None])
+            log_mult = jnp.where(n < self.warmup, log_eps, da.log_bar)
+            if self.cfg.adapt_mass_matrix:  # new scales: the dual averaging starts again from multiplier 1
+                da = jax.tree_util.tree_map(lambda a, b: jnp.where(ended, a, b), DualAveraging.start(x), da)
+                log_mult = jnp.where(ended, 0.0, log_mult)
+        proposal = self._langevin(k_prop, x, g, scale * self._multiplier(log_mult)[:, None])
         flags = accept.astype(x.dtype)
-        new = state._replace(x=x, g=g, proposal=proposal, accepted=flags, log_mult=log_mult, da=da)
+        new = state._replace(x=x, g=g, proposal=proposal, accepted=flags, log_mult=log_mult, da=da, scale=scale,
+                             acc=acc, n=n)
         diag = {"_sample": x, "acceptance": jnp.mean(alpha), "accepted": jnp.mean(flags),
                 "step_multiplier": jnp.mean(self._multiplier(log_mult))}
         return new, self._broadcast(flags, proposal, log_mult), diag
