@@ -375,6 +375,7 @@ class Result:
         theta* repeated (point estimates).
         """
         fm = self._fm
+        joint = None  # the draw indices of a joint sampler's paired draws (theta_s, z_s)
         if clients is None or not fm.local_names or self._at_mean:
             # a point estimate and no locals (or the locals at their population mean): one draw
             point = (not fm.local_names or self._at_mean) and not self.global_samples
@@ -385,12 +386,21 @@ class Result:
                 raise DataError("this fit has no per-client local samples; pass client=None")
             local = {k: v[clients] for k, v in self.local_samples.items()}
             S = next(iter(local.values())).shape[1]
+            joint = np.arange(S)
             if num_samples is not None:
                 idx = np.random.default_rng(seed).choice(S, num_samples, replace=num_samples > S)
-                local, S = {k: v[:, idx] for k, v in local.items()}, num_samples
+                local, S, joint = {k: v[:, idx] for k, v in local.items()}, num_samples, idx
         if self.global_samples:  # sampled globals: average over their posterior draws
             pooled = {k: v.reshape((-1,) + v.shape[2:]) for k, v in self.global_samples.items()}
-            idx = np.random.default_rng(seed).choice(len(next(iter(pooled.values()))), S)
+            total = len(next(iter(pooled.values())))
+            if joint is not None:
+                # a joint sampler (fb.JointLMC / JointMALA): client i's s-th local draw was drawn with the globals'
+                # s-th (both flattened chain-major), so p(y | x, D) averages p(y | x, theta_s, z_s) over the pairs
+                if total != len(self.local_samples[next(iter(self.local_samples))][0]):
+                    raise DataError("the fit's global and local draws are not paired (their numbers differ)")
+                idx = joint
+            else:
+                idx = np.random.default_rng(seed).choice(total, S)
             glob = {k: v[idx] for k, v in pooled.items()}
         else:
             glob = {k: np.broadcast_to(v, (S,) + v.shape) for k, v in self.params.items()}

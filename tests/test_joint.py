@@ -257,3 +257,37 @@ def test_error_feedback_with_top_k_keeps_the_exact_joint_mean(link):
         assert np.sum(res.history["bits_up"]) < full / 2
     else:
         assert np.sum(res.history["bits_up"]) == full
+
+
+def slope_and_intercepts(x, y=None):
+    """y_ij ~ N(w x_ij + z_i, 1): a global slope and each client's intercept, s = w + z_i recorded."""
+    w = numpyro.sample("w", dist.Normal(0.0, 10.0))
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with fb.local():
+        z = numpyro.sample("z", dist.Normal(mu, 1.0))
+    numpyro.deterministic("s", w + z)
+    with numpyro.plate("obs", x.shape[0]):
+        numpyro.sample("y", dist.Normal(w * x + z, 1.0), obs=y)
+
+
+def test_predictions_for_a_known_client_use_the_joint_draws_in_pairs():
+    """res.predict for a known client averages p(y | x, theta_s, z_s) over the joint sampler's pairs (theta_s, z_s),
+    not over independently drawn globals and locals: the deterministic w + z_i is the paired draws' sum, draw
+    by draw, with and without a subsample; a new client's draws come from the population prior."""
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=n) for n in SIZES]
+    data = fb.FederatedData({"x": xs, "y": [2 * x + rng.normal() for x in xs]})
+    res = fb.fed_fit(slope_and_intercepts, data, fb.JointMALA(num_chains=2), num_rounds=400, seed=0, progress=False)
+    w = np.asarray(res.global_samples["w"]).reshape(-1)
+    z = np.asarray(res.local_samples["z"])  # (clients, chains x draws)
+    assert z.shape == (len(SIZES), w.size)
+    # the same pairing in the posterior group: chain c, draw d of w goes with chain c, draw d of z
+    post = group(res.idata, "posterior")
+    np.testing.assert_array_equal(np.asarray(post["z"])[..., 2].reshape(-1), z[2])
+    pred = res.predict({"x": np.zeros(3)}, client=2)
+    np.testing.assert_allclose(pred["s"], w + z[2], rtol=1e-12)
+    sub = res.predict({"x": np.zeros(3)}, client=2, num_samples=50, seed=4)
+    idx = np.random.default_rng(4).choice(w.size, 50, replace=False)
+    np.testing.assert_allclose(sub["s"], w[idx] + z[2, idx], rtol=1e-12)
+    new = res.predict({"x": np.zeros(3)})
+    assert new["s"].shape == (1000,) and not np.isin(new["s"], w + z).any()
