@@ -81,6 +81,9 @@ SECOND_TIER: dict[str, object] = {
     "tests/test_joint.py": (  # 25 s: the 20 000-round fit both share; the refusals stay in the first tier
         "test_joint_lmc_has_the_ula_law_of_the_joint_target",
         "test_joint_draws_are_one_posterior_in_idata_with_converged_chains",
+        "test_predictions_for_a_known_client_use_the_joint_draws_in_pairs",  # 16 s
+        # the split over 1 and 50 clients stays in the first tier (about 6 s each)
+        "test_mala_without_latents_samples_the_exact_posterior_however_the_data_are_split[2]",
     ),
     "tests/test_minibatch.py": (  # the batches' own checks (rows, unbiasedness) stay in the first tier
         "test_a_batch_of_every_row_is_the_full_batch_bit_for_bit",
