@@ -1,7 +1,7 @@
 """fedbayes: Bayesian federated inference for NumPyro models."""
 
 from . import checkpoint, compress, diagnostics, faults, flower, models, protocol, reference, wire
-from .algorithms import BELF, DELF, GD, LMC, PELF, QLSD, TAMUNA, FedAvg, FedEM, FedMM, FedRep, FedSOUL, FineTune, JointLMC, JointMALA, LocalOnly, ParamAveragingEM, Scaffnew
+from .algorithms import BELF, DELF, GD, LMC, PELF, QLSD, TAMUNA, FedAvg, FedEM, FedMM, FedRep, FedSOUL, FineTune, JointLMC, JointMALA, JointHMC, LocalOnly, ParamAveragingEM, Scaffnew
 from .algorithms import elf, tamuna
 from .algorithms.expfam import CustomStatistics
 from .api import fed_fit, resume
@@ -23,7 +23,7 @@ __all__ = [  # sorted: classes, then functions and modules
     "Aggregation", "BELF", "CallbackError", "CheckpointError", "CheckpointWarning", "ClientIndexError",
     "ConfigError", "ConvergenceWarning", "CustomStatistics", "DataError", "DELF", "DivergenceError",
     "FaultPolicy", "Faults", "FedAvg", "FedbayesError", "FedEM", "FederatedData", "FederatedRun", "FedMM",
-    "FedModel", "FedRep", "FedSOUL", "FineTune", "FitParts", "GD", "JointLMC", "JointMALA", "LMC", "LocalOnly", "ModelError",
+    "FedModel", "FedRep", "FedSOUL", "FineTune", "FitParts", "GD", "JointLMC", "JointMALA", "JointHMC", "LMC", "LocalOnly", "ModelError",
     "ParamAveragingEM", "PELF", "PrecisionWarning", "QLSD",
     "Result", "Scaffnew", "StalledError", "TAMUNA", "TooFewClientsError", "ULA", "WireError", "checkpoint",
     "compress", "diagnostics", "elf", "faults", "fed_fit", "flower", "load", "local",

@@ -14,6 +14,7 @@ several thousand.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
@@ -116,7 +117,7 @@ def test_joint_mala_samples_the_exact_posterior_where_ula_is_biased(step):
     posterior's 0.339), held fixed, and with its defaults (automatic per-block steps, adapted in warm-up to
     the target acceptance rate): the exact joint posterior N(m, P^-1)."""
     data, ys = _data()
-    algo = fb.JointMALA(step_size=0.05, adapt_step=False) if step else fb.JointMALA()
+    algo = fb.JointMALA(step_size=0.05, adapt_step=False, adapt_mass_matrix=False) if step else fb.JointMALA()
     res = fb.fed_fit(hierarchical, data, algo, num_rounds=20000, seed=0, progress=False)
     P, m = _precision(ys)
     _check_law(_draws(res), m, np.sqrt(np.diag(np.linalg.inv(P))))
@@ -134,19 +135,44 @@ def test_joint_mala_samples_the_exact_posterior_where_ula_is_biased(step):
     assert np.isfinite(res.settings["bits_per_accepted_draw"]) and res.settings["bits_per_accepted_draw"] > 0
 
 
+@pytest.mark.parametrize("fixed", [True, False])
+def test_joint_hmc_samples_the_exact_posterior(fixed):
+    """JointHMC, one leapfrog step a round: with a fixed step (0.3, 4 steps, no adaptation; the step of
+    every coordinate 0.3, where ULA's law is off by more than the tolerance) and with its defaults (8 steps,
+    the inverse mass and the step adapted in warm-up, the step jittered per trajectory): the exact joint
+    posterior N(m, P^-1) within 4 Monte Carlo standard errors from the draws' ESS."""
+    data, ys = _data()
+    algo = (fb.JointHMC(step_size=0.3, num_steps=4, adapt_step=False, adapt_mass_matrix=False) if fixed
+            else fb.JointHMC())
+    res = fb.fed_fit(hierarchical, data, algo, num_rounds=16000, seed=0, progress=False)
+    P, m = _precision(ys)
+    n_eff = _check_law(_draws(res), m, np.sqrt(np.diag(np.linalg.inv(P))))
+    L = 4 if fixed else 8
+    assert res.settings["num_steps"] == L and res.global_samples["mu"].shape == (4, 16000 // L // 2)
+    assert res.diagnostics["ok"].all() and np.all(n_eff > 1000)
+    assert 0.6 < res.settings["acceptance"] < 0.99
+    if fixed:
+        # ULA's law with a step giving the same per-step drift (gamma = 0.3^2 / 2): z_3's sd visibly too large
+        ula = _ula_sd(P, [0.045] * (len(ys) + 1))
+        post = np.sqrt(np.diag(np.linalg.inv(P)))
+        assert np.abs(post[3] / ula[3] - 1) > 4 / np.sqrt(2 * n_eff[3])
+
+
 def linreg(x, y):
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
     with numpyro.plate("obs", x.shape[0]):
         numpyro.sample("y", dist.Normal(x @ w, 0.5), obs=y)
 
 
-@pytest.mark.filterwarnings("ignore:JointMALA has not converged")  # one kept draw per chain, by design
+@pytest.mark.filterwarnings("ignore:Joint(MALA|HMC) has not converged")  # one kept draw per chain, by design
+@pytest.mark.parametrize("sampler", ["JointMALA", "JointHMC"])
 @pytest.mark.parametrize("splits", [1, 2, 50])
-def test_mala_without_latents_samples_the_exact_posterior_however_the_data_are_split(splits):
+def test_exact_samplers_without_latents_sample_the_posterior_however_the_data_are_split(splits, sampler):
     """A model without local latents (Bayesian linear regression, posterior N(mu, P^-1) with
-    P = I + X'X / 0.25): JointMALA at a step where LMC's law (P - gamma P^2 / 2)^-1 is visibly wider samples
-    the posterior itself, whether the 60 rows sit on 1, 2 or 50 clients (a potential mis-scaled by the
-    number of clients would change the law with the split).
+    P = I + X'X / 0.25): JointMALA (and JointHMC, 3 leapfrog steps of eps = sqrt(2 gamma), the same drift
+    per step) at a step where LMC's law (P - gamma P^2 / 2)^-1 is visibly wider samples the posterior
+    itself, whether the 60 rows sit on 1, 2 or 50 clients (a potential mis-scaled by the number of clients
+    would change the law with the split).
 
     Tolerances: the last draws of 2000 independent chains (after 300 rounds, tens of autocorrelation times):
     a mean within 5 standard errors sd / sqrt(2000), a variance within 5 sqrt(2 / 2000) relative."""
@@ -157,8 +183,13 @@ def test_mala_without_latents_samples_the_exact_posterior_however_the_data_are_s
     P = np.eye(3) + X.T @ X / 0.25
     mu, cov = np.linalg.solve(P, X.T @ y / 0.25), np.linalg.inv(P)
     gamma, n = 0.9 / np.linalg.eigvalsh(P).max(), 2000
-    res = fb.fed_fit(linreg, data, fb.JointMALA(step_size=gamma, adapt_step=False, num_chains=n, warmup=299),
-                     num_rounds=300, seed=2, progress=False)
+    if sampler == "JointMALA":
+        algo, rounds = fb.JointMALA(step_size=gamma, adapt_step=False, num_chains=n, warmup=299), 300
+    else:
+        algo = fb.JointHMC(step_size=np.sqrt(2 * gamma), num_steps=3, adapt_step=False, adapt_mass_matrix=False,
+                           num_chains=n, warmup=897)
+        rounds = 900
+    res = fb.fed_fit(linreg, data, algo, num_rounds=rounds, seed=2, progress=False)
     w = np.asarray(res.global_samples["w"], np.float64)[:, -1]
     tol = 5 * np.sqrt(2 / n)
     np.testing.assert_array_less(np.abs(w.mean(0) - mu), 5 * np.sqrt(np.diag(cov) / n))
@@ -196,6 +227,10 @@ def test_joint_lmc_refuses_what_it_cannot_sample():
         fb.fed_fit(hierarchical, data, fb.JointLMC(init="map"), **kw)
     with pytest.raises(fb.ConfigError, match="target_accept must lie in"):
         fb.JointMALA(target_accept=1.0)
+    with pytest.raises(fb.ConfigError, match="step_jitter must lie in"):
+        fb.JointHMC(step_jitter=1.0)
+    with pytest.raises(fb.ConfigError, match="not a multiple of num_steps=8"):
+        fb.fed_fit(hierarchical, data, fb.JointHMC(), **kw)
     with pytest.raises(fb.ConfigError, match="needs exact messages"):
         fb.fed_fit(hierarchical, data, fb.JointMALA(uplink=fb.compress.top_k(1)), **kw)
     # a client's upload lost to a fault: its state rolls back while the globals move, so the draws are refused
@@ -204,21 +239,24 @@ def test_joint_lmc_refuses_what_it_cannot_sample():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampler", ["JointLMC", "JointMALA"])
+@pytest.mark.parametrize("sampler", ["JointLMC", "JointMALA", "JointHMC"])
 def test_joint_samplers_on_flower_and_resumed_from_a_checkpoint_are_the_same_fit(tmp_path, sampler):
     """Through Flower's messages (every client a node, its latents and draws kept there) and interrupted
-    and resumed from a checkpoint, the fit is fed_fit's: the same draws, locals included, and ledger."""
+    and resumed from a checkpoint (JointHMC: in the middle of a trajectory), the fit is fed_fit's: the same
+    draws, locals included, and ledger."""
     data, _ = _data()
-    algo = getattr(fb, sampler)(num_chains=2, warmup=20)
+    algo = getattr(fb, sampler)(num_chains=2, warmup=20, **({"num_steps": 4} if sampler == "JointHMC" else {}))
     kw = dict(num_rounds=60, seed=3, progress=False)
-    direct = fb.fed_fit(hierarchical, data, algo, **kw)
-    flower = fb.flower.simulate(hierarchical, data, algo, backend="local", **kw)
-    # Flower's wire carries float32 (these tests run in float64): a proposal's rounding (relative 6e-8) moves a
-    # state by about 1e-7 per round, and 60 rounds of it leave differences of a few 1e-6 (measured: up to 6e-6)
-    np.testing.assert_allclose(flower.global_samples["mu"], direct.global_samples["mu"], rtol=1e-5, atol=2e-5)
-    np.testing.assert_allclose(flower.local_samples["z"], direct.local_samples["z"], rtol=1e-5, atol=2e-5)
+    # in float32, the wire's precision (these tests otherwise run in float64, and a float32 wire's rounding of
+    # the proposals would then part the two fits by a few 1e-5 over 60 rounds of accept / reject)
+    with jax.enable_x64(False):
+        direct = fb.fed_fit(hierarchical, data, algo, **kw)
+        flower = fb.flower.simulate(hierarchical, data, algo, backend="local", **kw)
+    np.testing.assert_allclose(flower.global_samples["mu"], direct.global_samples["mu"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(flower.local_samples["z"], direct.local_samples["z"], rtol=1e-5, atol=1e-6)
     assert int(np.sum(flower.history["bits_up"])) == int(np.sum(direct.history["bits_up"]))
 
+    direct = fb.fed_fit(hierarchical, data, algo, **kw)
     resumed = interrupted_and_resumed(hierarchical, data, algo, tmp_path / "joint.ckpt", 30, **kw)
     np.testing.assert_array_equal(resumed.global_samples["mu"], direct.global_samples["mu"])
     np.testing.assert_array_equal(resumed.local_samples["z"], direct.local_samples["z"])

@@ -82,8 +82,12 @@ SECOND_TIER: dict[str, object] = {
         "test_joint_lmc_has_the_ula_law_of_the_joint_target",
         "test_joint_draws_are_one_posterior_in_idata_with_converged_chains",
         "test_predictions_for_a_known_client_use_the_joint_draws_in_pairs",  # 16 s
-        # the split over 1 and 50 clients stays in the first tier (about 6 s each)
-        "test_mala_without_latents_samples_the_exact_posterior_however_the_data_are_split[2]",
+        # MALA over 1 client and HMC over 50 stay in the first tier (about 6 s each)
+        "test_exact_samplers_without_latents_sample_the_posterior_however_the_data_are_split[1-JointHMC]",
+        "test_exact_samplers_without_latents_sample_the_posterior_however_the_data_are_split[2-JointMALA]",
+        "test_exact_samplers_without_latents_sample_the_posterior_however_the_data_are_split[2-JointHMC]",
+        "test_exact_samplers_without_latents_sample_the_posterior_however_the_data_are_split[50-JointMALA]",
+        "test_joint_hmc_samples_the_exact_posterior",  # 10 s each
     ),
     "tests/test_minibatch.py": (  # the batches' own checks (rows, unbiasedness) stay in the first tier
         "test_a_batch_of_every_row_is_the_full_batch_bit_for_bit",
