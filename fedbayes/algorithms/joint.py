@@ -22,6 +22,12 @@ vanishes as the steps go to 0).
 The local draws never leave the clients during the rounds: each keeps its own draws (after ``warmup``,
 every ``thinning``-th round, paired with the server's draws of the same rounds) and hands them to its
 own result in the final exchange, as FedSOUL's personal posteriors; nothing is uploaded there.
+
+:class:`JointMALA` (Metropolis-adjusted Langevin) and :class:`JointHMC` (Hamiltonian Monte Carlo, one leapfrog
+step a round trip) make the same exchange exact: the clients upload their shares of the log acceptance ratio
+with their gradients, the server decides, and the stationary law is the posterior at any step. Both adapt a
+step multiplier (dual averaging) and a diagonal preconditioner (each party from its own states) in warm-up.
+They also sample models without local latents.
 """
 
 from __future__ import annotations
