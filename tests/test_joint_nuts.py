@@ -2,7 +2,7 @@
 globals and every client's random effects.
 
 Eight schools (Rubin 1981; the SAT coaching effects y_j with standard errors sigma_j), non-centred, one school
-per client:
+per client (``fedbayes.models.eight_schools``):
 
     mu ~ N(0, 5^2), tau ~ HalfCauchy(5), eta_j ~ N(0, 1) (the school's local latent),
     y_j ~ N(mu + tau eta_j, sigma_j^2).
@@ -20,36 +20,15 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 import pytest
 from numpyro.infer import MCMC, NUTS
 
 import fedbayes as fb
+import fedbayes.models as fbm
 from fedbayes.arviz_adapter import group
 from fedbayes.chain_stats import ess_bulk, rhat
 
-Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
-
-
-def school(y, sigma):
-    """One school's model: the globals mu, tau and the school's own eta."""
-    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-    with fb.local():
-        eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
-    with numpyro.plate("obs", y.shape[0]):
-        numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
-
-
-def eight_schools(y, sigma):
-    """The same model on the pooled data, for NUTS."""
-    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
-    with numpyro.plate("school", y.shape[0]):
-        eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
-        numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
+Y, SIGMA = fbm.EIGHT_SCHOOLS_Y, fbm.EIGHT_SCHOOLS_SIGMA
 
 
 def _columns(draws: dict) -> dict[str, np.ndarray]:
@@ -78,7 +57,7 @@ def check_against_nuts(ours: dict[str, np.ndarray], ref: dict[str, np.ndarray]) 
 @pytest.fixture(scope="module")
 def nuts_eight_schools() -> dict[str, np.ndarray]:
     # NUTS: 4 chains x 4000 draws (bulk ESS about 10 000 for every coordinate here)
-    mcmc = MCMC(NUTS(eight_schools, target_accept_prob=0.9), num_warmup=1000, num_samples=4000, num_chains=4,
+    mcmc = MCMC(NUTS(fbm.eight_schools_pooled, target_accept_prob=0.9), num_warmup=1000, num_samples=4000, num_chains=4,
                 chain_method="sequential", progress_bar=False)
     mcmc.run(jax.random.PRNGKey(0), Y, SIGMA)
     return _columns(mcmc.get_samples(group_by_chain=True))
@@ -87,10 +66,10 @@ def nuts_eight_schools() -> dict[str, np.ndarray]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sampler", ["JointMALA", "JointHMC"])
 def test_exact_joint_samplers_match_nuts_on_eight_schools_with_a_school_per_client(sampler, nuts_eight_schools):
-    data = fb.FederatedData({"y": [Y[j:j + 1] for j in range(8)], "sigma": [SIGMA[j:j + 1] for j in range(8)]})
+    data = fbm.eight_schools_data()
     # the defaults: automatic per-block steps, then the warm-up's diagonal scales and step adaptation (the same
     # 24 000 rounds: 12 000 draws per chain for MALA, 1 500 of 8 leapfrog steps each for HMC)
-    res = fb.fed_fit(school, data, getattr(fb, sampler)(), num_rounds=24000, seed=0, progress=False)
+    res = fb.fed_fit(fbm.eight_schools, data, getattr(fb, sampler)(), num_rounds=24000, seed=0, progress=False)
     post = group(res.idata, "posterior")
     assert post["eta"].dims == ("chain", "draw", "client") and post["mu"].dims == ("chain", "draw")
     check_against_nuts(_columns({k: post[k] for k in ("mu", "tau", "eta")}), nuts_eight_schools)

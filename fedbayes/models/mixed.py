@@ -78,3 +78,42 @@ def personalized_logistic(features, y=None, *, num_classes: int = 2, hidden: int
     w, b = head[: hidden * num_classes].reshape(hidden, num_classes), head[hidden * num_classes:]
     with numpyro.plate("obs", features.shape[0]):
         numpyro.sample("y", dist.Categorical(logits=h @ w + b), obs=y)
+
+
+EIGHT_SCHOOLS_Y = np.array([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+"""Eight schools (Rubin 1981): the estimated effects of SAT coaching programmes in eight high schools..."""
+EIGHT_SCHOOLS_SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+"""... and their standard errors."""
+
+
+def eight_schools(y, sigma):
+    """One school's model of the non-centred eight-schools hierarchy (a school per client):
+
+        mu ~ N(0, 5^2),  tau ~ HalfCauchy(5)   (globals),
+        eta_j ~ N(0, 1)                        (the school's own latent, ``fb.local()``),
+        y_j ~ N(mu + tau eta_j, sigma_j^2)     (its estimate, with known standard error sigma_j).
+
+    The joint posterior of (mu, tau, eta_1..eta_8) is what :class:`fedbayes.JointMALA` / ``JointHMC`` sample;
+    :func:`eight_schools_pooled` is the same model on the pooled data, for NUTS."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+    with local():
+        eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
+
+
+def eight_schools_pooled(y, sigma):
+    """:func:`eight_schools` on the pooled data (``y``, ``sigma`` of all schools), with a plate over schools."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = numpyro.sample("tau", dist.HalfCauchy(5.0))
+    with numpyro.plate("school", y.shape[0]):
+        eta = numpyro.sample("eta", dist.Normal(0.0, 1.0))
+        numpyro.sample("y", dist.Normal(mu + tau * eta, sigma), obs=y)
+
+
+def eight_schools_data() -> FederatedData:
+    """The eight schools as eight clients, each with its one estimate ``y`` and standard error ``sigma``."""
+    return FederatedData({"y": [EIGHT_SCHOOLS_Y[j:j + 1] for j in range(8)],
+                          "sigma": [EIGHT_SCHOOLS_SIGMA[j:j + 1] for j in range(8)]},
+                         client_names=[f"school {chr(ord('A') + j)}" for j in range(8)])
