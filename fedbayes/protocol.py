@@ -221,8 +221,12 @@ def dense_message(tree: PyTree) -> Message:
 
 def with_final_parts(parts: FitParts, final: FitParts | Mapping[str, Any]) -> FitParts:
     """``parts`` (from the round records, :meth:`FederatedRun.record_parts`) with the final exchange's set fields
-    added; the final exchange's ``params`` / ``params_last`` are placeholders there and are left out."""
-    return parts.update({k: v for k, v in FitParts.of(final).items() if k not in ("params", "params_last")})
+    added; the final exchange's ``params`` / ``params_last`` are placeholders there and are left out, and its
+    ``settings`` are added to the records' (not put in their place)."""
+    extra = {k: v for k, v in FitParts.of(final).items() if k not in ("params", "params_last")}
+    if "settings" in extra and parts.settings:
+        extra["settings"] = {**parts.settings, **extra["settings"]}
+    return parts.update(extra)
 
 
 class FederatedRun(abc.ABC):

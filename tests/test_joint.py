@@ -103,11 +103,31 @@ def test_each_client_s_own_step_gives_the_block_diagonal_ula_law():
     """Automatic steps: gamma = 0.1 / L for the globals' block and gamma_i = 0.1 / L_i for each client's, a
     block-diagonal preconditioner; the draws have its Lyapunov law with the resolved steps."""
     data, ys = _data()
-    res = fb.fed_fit(hierarchical, data, fb.JointLMC(), num_rounds=20000, seed=1, progress=False)
+    res = fb.fed_fit(hierarchical, data, fb.JointLMC(adapt_mass_matrix=False), num_rounds=20000, seed=1,
+                     progress=False)
     steps = [res.settings["step_size"], *np.asarray(res.client_info["step_size"], np.float64)]
     assert len(set(np.round(steps, 8))) > 2  # the clients' steps differ (their data sizes do)
     P, m = _precision(ys)
     _check_law(_draws(res), m, _ula_sd(P, steps))
+
+
+@pytest.mark.slow
+def test_adapted_steps_give_each_chain_the_ula_law_of_its_own_preconditioner():
+    """The defaults: each party's steps adapted in warm-up to 0.1 x the variance of its own states. After it
+    chain c is ULA with its own diagonal steps M_c (the server's for mu, each client's for its z), so the pooled
+    draws have the exact mean and, per coordinate, the average over the chains of the Lyapunov variances."""
+    data, ys = _data()
+    res = fb.fed_fit(hierarchical, data, fb.JointLMC(), num_rounds=20000, seed=2, progress=False)
+    server = np.asarray(res.settings["steps"], np.float64)  # (chains, 1)
+    clients = np.asarray(res.settings["client_steps"], np.float64)  # (clients, chains, 1)
+    P, m = _precision(ys)
+    var = np.mean([_ula_sd(P, [server[c, 0], *clients[:, c, 0]]) ** 2 for c in range(server.shape[0])], 0)
+    _check_law(_draws(res), m, np.sqrt(var))
+    # the adapted steps are about 0.1 x the posterior variances (each window's variance estimate of a few
+    # hundred to a few thousand correlated states: within 30%)
+    post = np.diag(np.linalg.inv(P))
+    np.testing.assert_allclose(server[:, 0], 0.1 * post[0], rtol=0.3)
+    np.testing.assert_allclose(clients[:, :, 0], 0.1 * post[1:, None] * np.ones_like(clients[:, :, 0]), rtol=0.3)
 
 
 @pytest.mark.slow

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import numpyro
+import numpyro.distributions as dist
 import pytest
 from numpyro.infer import MCMC, NUTS
 
@@ -73,4 +75,55 @@ def test_exact_joint_samplers_match_nuts_on_eight_schools_with_a_school_per_clie
     post = group(res.idata, "posterior")
     assert post["eta"].dims == ("chain", "draw", "client") and post["mu"].dims == ("chain", "draw")
     check_against_nuts(_columns({k: post[k] for k in ("mu", "tau", "eta")}), nuts_eight_schools)
+    assert res.diagnostics["ok"].all()
+
+
+# --------------------------------------------------------------------------------------------- Contraception
+def district(x, y):
+    """One district's women: use ~ Bernoulli(logit^-1(x beta + b)), b ~ N(0, tau^2) the district's intercept
+    (its local latent), beta ~ N(0, 5^2 I), tau ~ HalfNormal(1): the Bayesian random-intercept model."""
+    beta = numpyro.sample("beta", dist.Normal(0.0, 5.0).expand([x.shape[-1]]).to_event(1))
+    tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+    with fb.local():
+        b = numpyro.sample("b", dist.Normal(0.0, tau))
+    with numpyro.plate("obs", x.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=x @ beta + b), obs=y)
+
+
+def districts_pooled(x, y, group, groups: int):
+    """:func:`district` on the pooled data, a plate over districts, for NUTS."""
+    beta = numpyro.sample("beta", dist.Normal(0.0, 5.0).expand([x.shape[-1]]).to_event(1))
+    tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+    with numpyro.plate("district", groups):
+        b = numpyro.sample("b", dist.Normal(0.0, tau))
+    numpyro.sample("y", dist.Bernoulli(logits=x @ beta + b[group]), obs=y)
+
+
+@pytest.mark.slow
+def test_joint_hmc_matches_nuts_on_contraception_with_a_district_per_client():
+    """mlmRev's Contraception as it comes (1 934 women, raw age in years), one client per district (60, of 2
+    to 118 women): JointHMC's defaults against NUTS on the pooled data, on the 6 coefficients, tau and the 60
+    districts' intercepts, at the same bar and Monte Carlo checks as eight schools."""
+    import real_data as rd
+
+    df = rd.contraception()
+    data = rd.contraception_data(df)
+    codes, which = np.unique(df["district"].to_numpy(), return_inverse=True)
+    assert list(codes) == list(data.client_names)  # the pooled model's district j is the fit's client j
+    mcmc = MCMC(NUTS(districts_pooled), num_warmup=1000, num_samples=4000, num_chains=4, chain_method="sequential",
+                progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(0), df[rd.CONTRACEPTION_COLUMNS].to_numpy(float), df["use01"].to_numpy(float),
+             which, len(codes))
+    ref = mcmc.get_samples(group_by_chain=True)
+
+    res = fb.fed_fit(district, data, fb.JointHMC(), num_rounds=32000, seed=0, progress=False)
+    post = group(res.idata, "posterior")
+    ours = {}
+    refs = {}
+    for name in ("beta", "b"):
+        a, r = np.asarray(post[name], np.float64), np.asarray(ref[name], np.float64)
+        ours.update({f"{name}[{j}]": a[..., j] for j in range(a.shape[-1])})
+        refs.update({f"{name}[{j}]": r[..., j] for j in range(r.shape[-1])})
+    ours["tau"], refs["tau"] = np.asarray(post["tau"], np.float64), np.asarray(ref["tau"], np.float64)
+    check_against_nuts(ours, refs)
     assert res.diagnostics["ok"].all()

@@ -60,9 +60,24 @@ class JointClientState(NamedTuple):
     down: Any  # the downlink channel's state
     up: Any  # the uplink channel's state
     z: jax.Array  # (chains, q) the client's latents, unconstrained and flat
-    gamma: jax.Array  # () the client's own step
+    gamma: jax.Array  # (chains, q) the client's own step of each coordinate
     draws: jax.Array  # (kept draws, chains, q) the client's kept states
     count: jax.Array  # () int32: rounds this client has moved in (its next state's round)
+    gamma0: jax.Array  # () the client's starting step
+    acc: Any  # the current adaptation window's statistics (Welford)
+
+
+class JointServerState(NamedTuple):
+    """:class:`~fedbayes.algorithms.elf.ServerState`'s fields (so that LangevinRun's server step runs on it), with
+    ``gamma`` one step per chain and coordinate, and the adaptation's."""
+
+    x: jax.Array  # (chains, d)
+    gamma: jax.Array  # (chains, d) the step of each coordinate
+    down: Any
+    up: Any
+    gamma0: jax.Array  # () the starting step
+    acc: Any  # Welford
+    n: jax.Array  # () int32: moves made
 
 
 @dataclass(frozen=True)
@@ -85,15 +100,30 @@ class JointLMC(LangevinSampler):
     gradients, ``downlink`` one for P-ELF's (EF21-P) on the broadcast (each client then moves at its
     copy w of the globals), ``rescale`` as theirs. None (default): sent in full.
 
-    Exact: on a Gaussian hierarchical model its draws have the ULA law of the joint target (tested); it
-    carries ULA's O(step) bias. With error feedback and an odd compressor (top-k) the stationary mean
+    ``adapt_mass_matrix`` (default: True with automatic steps, False with a given ``step_size``): a diagonal
+    preconditioner adapted in warm-up, in Stan's windows (:func:`mass_windows`): at each window's end each
+    party (the server for the globals, each client for its latents) sets each of its coordinates' steps to
+    ``step_scale`` (0.1) times the variance of its own states in the window (in whitened coordinates the
+    curvature is about 1, so 0.1 is the automatic step's own rule). After the warm-up the steps are fixed, and
+    the chain is ULA with that block-diagonal preconditioner. Nothing more travels. Without it the automatic
+    step is 0.1 / the largest curvature at the start, which on a model whose coordinates differ in scale (eight
+    schools: mu, tau and the etas) barely moves the widest ones (``benchmarks/README.md``).
+
+    Exact: on a Gaussian hierarchical model its draws have the ULA law of the joint target (tested, with
+    given, automatic and adapted steps); it carries ULA's O(step) bias. With error feedback and an odd compressor (top-k) the stationary mean
     stays exact (tested), as for D-/P-ELF.
     """
 
     uplink: Compressor | None = None
     downlink: Compressor | None = None
     rescale: bool = False
+    adapt_mass_matrix: bool | None = None
     name = "JointLMC"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.adapt_mass_matrix is not None:
+            require_choice(self.adapt_mass_matrix, "adapt_mass_matrix", (True, False))
 
     def _channels(self, dim):
         up = DirectUplink() if self.uplink is None else EF21Uplink(_ef_compressor(self.uplink, self.rescale, self.name))
@@ -137,6 +167,8 @@ class JointLangevinRun(LangevinRun):
         flat_z, self._unravel_z = ravel_pytree(fm.zeros_local())
         self._q = int(flat_z.size)  # 0 for a model without local latents (JointMALA)
         self.num_kept = len(range(self.warmup, problem.num_rounds, cfg.thinning))
+        self.adapt = cfg.adapt_mass_matrix if cfg.adapt_mass_matrix is not None else cfg.step_size is None
+        self.windows = mass_windows(self.warmup) if self.adapt else (0, ())
 
     # ------------------------------------------------------------------ potentials
     def joint_potential(self, x: jax.Array, z: jax.Array, client: ClientData) -> jax.Array:
@@ -190,9 +222,25 @@ class JointLangevinRun(LangevinRun):
         gx, gz = self._grads(x0, starts, client)
         z1 = self._langevin(k_move, starts, gz, gamma)
         draws = jnp.zeros((self.num_kept,) + starts.shape, starts.dtype)
-        state = JointClientState(self.down.client_start(x0), self.up.client_start(gx), z1, gamma, draws,
-                                 jnp.zeros((), jnp.int32))
+        state = JointClientState(self.down.client_start(x0), self.up.client_start(gx), z1,
+                                 jnp.broadcast_to(gamma, starts.shape).astype(starts.dtype), draws,
+                                 jnp.zeros((), jnp.int32), gamma, Welford.empty(starts))
         return state, (gx, share)
+
+    def setup_server_step(self, stage: int, key: jax.Array, x0: jax.Array, uploads: Any):
+        """LangevinRun's first move, its state carried with one step per chain and coordinate."""
+        base, message = super().setup_server_step(stage, key, x0, uploads)
+        gamma = jnp.broadcast_to(base.gamma, x0.shape).astype(x0.dtype)
+        return JointServerState(base.x, gamma, base.down, base.up, base.gamma, Welford.empty(x0),
+                                jnp.zeros((), jnp.int32)), message
+
+    def server_step(self, key, state: JointServerState, uploads: Message, info):
+        """LangevinRun's step; in warm-up, the globals' steps adapted from the server's own states."""
+        new, message, diag = super().server_step(key, state, uploads, info)
+        if self.adapt:
+            gamma, acc, _ = _adapt_scale(new.gamma, new.acc, new.x, new.n + 1, self.windows, self.step_scale)
+            new = new._replace(gamma=gamma, acc=acc)
+        return new._replace(n=new.n + 1), message, diag
 
     # ------------------------------------------------------------------ rounds
     def client_step(self, key, payload, state: JointClientState, client: ClientData):
@@ -203,14 +251,20 @@ class JointLangevinRun(LangevinRun):
         gx, gz = self._grads(w, state.z, client)
         z = self._langevin(k_move, state.z, gz, state.gamma)
         up, message = self.up.send(k_up, gx, state.up)
-        return state._replace(down=down, up=up, z=z, count=state.count + 1), message
+        state = state._replace(down=down, up=up, z=z, count=state.count + 1)
+        if self.adapt:  # the same moves' count as the server's: both adapt at the same rounds
+            gamma, acc, _ = _adapt_scale(state.gamma, state.acc, z, state.count, self.windows, self.step_scale)
+            state = state._replace(gamma=gamma, acc=acc)
+        return state, message
 
     # ------------------------------------------------------------------ the end
     def final_client(self, key, payload, state: JointClientState, client: ClientData):
         """The client's kept draws, constrained-site layout (chains, draws, ...), kept by the client; nothing up."""
         draws = jnp.swapaxes(state.draws, 0, 1)  # (chains, draws, q)
         local = jax.vmap(jax.vmap(self._unravel_z))(draws)
-        return {"local_samples": local, "step_size": state.gamma}, ()
+        # JointLMC: its steps per chain and coordinate; JointMALA / HMC: their scales before the step multiplier
+        steps = state.scale if hasattr(state, "scale") else state.gamma
+        return {"local_samples": local, "step_size": getattr(state, "gamma0", state.gamma), "steps": steps}, ()
 
     def final_server(self, key, server_state, payload, uploads, locals_) -> FitParts:
         """The clients' own draws where collected (a simulation); the globals' come from :meth:`record_parts`."""
@@ -218,6 +272,8 @@ class JointLangevinRun(LangevinRun):
         if locals_ is not None and self._q:
             parts.local_samples = locals_["local_samples"]
             parts.client_info = {"step_size": locals_["step_size"]}
+            # each client's final steps per chain and coordinate (adapted in warm-up): (clients, chains, q)
+            parts.settings = {"client_steps": np.asarray(locals_["steps"]).tolist()}
         return parts
 
     def record_parts(self, key, server_state, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
@@ -232,8 +288,11 @@ class JointLangevinRun(LangevinRun):
                 "history: dropped / nonfinite / too_large); the joint samplers need every client's answer in "
                 "every round (a client's latents and the globals form one chain), so these draws are not valid. "
                 "Find why the client failed, or use fb.FedSOUL, which tolerates faults.")
-        parts = LangevinRun.finalize(self, key, (server_state, None, None), problem, history)
-        parts.settings = {**(parts.settings or {}), "local_step_scale": self.step_scale}
+        steps = server_state.gamma
+        report = server_state._replace(gamma=server_state.gamma0) if hasattr(server_state, "gamma0") else server_state
+        parts = LangevinRun.finalize(self, key, (report, None, None), problem, history)
+        parts.settings = {**(parts.settings or {}), "local_step_scale": self.step_scale,
+                          "mass_matrix_adapted": bool(self.adapt), "steps": np.asarray(steps).tolist()}
         return parts
 
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
@@ -364,15 +423,16 @@ class Welford(NamedTuple):
         return n / (n + 5) * self.m2 / jnp.maximum(n - 1, 1) + 1e-3 * 5 / (n + 5)
 
 
-def _adapt_scale(scale: jax.Array, acc: Welford, x: jax.Array, n: jax.Array, windows) -> tuple[jax.Array, Welford, jax.Array]:
-    """After decision ``n`` (the chain's state ``x``): accumulate it in a slow window, and at a window's end replace
-    the per-coordinate scales by the window's variances. Returns ``(scale, acc, ended)``."""
+def _adapt_scale(scale: jax.Array, acc: Welford, x: jax.Array, n: jax.Array, windows,
+                 factor: float = 1.0) -> tuple[jax.Array, Welford, jax.Array]:
+    """After decision (or move) ``n`` (the chain's state ``x``): accumulate it in a slow window, and at a window's
+    end replace the per-coordinate scales by ``factor`` times the window's variances. Returns ``(scale, acc, ended)``."""
     start, ends = windows
     if not ends:
         return scale, acc, jnp.zeros((), bool)
     acc = acc.add(x, (n > start) & (n <= ends[-1]))
     ended = jnp.any(n == jnp.asarray(ends))
-    scale = jnp.where(ended, acc.scale(), scale)
+    scale = jnp.where(ended, factor * acc.scale(), scale)
     acc = jax.tree_util.tree_map(lambda e, a: jnp.where(ended, e, a), Welford.empty(x), acc)
     return scale, acc, ended
 
@@ -460,7 +520,6 @@ class JointMALARun(JointLangevinRun):
 
     def __init__(self, cfg: JointMALA, fm: FedModel, problem: Problem):
         super().__init__(cfg, fm, problem)
-        self.windows = mass_windows(self.warmup) if cfg.adapt_mass_matrix else (0, ())
 
     def _eval(self, x, z, client):
         """(U_i, grad_x U_i, grad_z U_i) at each chain's (x, z), with a non-finite U_i as +inf."""
