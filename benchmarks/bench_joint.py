@@ -66,7 +66,8 @@ def error(draws: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> tuple[flo
 
 
 def samplers() -> dict[str, fb.LangevinSampler]:
-    return {"JointLMC": fb.JointLMC(), "JointLMC, top-1 uplink": fb.JointLMC(uplink=fb.compress.top_k(1)),
+    return {"JointLMC": fb.JointLMC(), "JointLMC, adapted steps": fb.JointLMC(adapt_mass_matrix=True),
+            "JointLMC, adapted, top-1 uplink": fb.JointLMC(adapt_mass_matrix=True, uplink=fb.compress.top_k(1)),
             "JointMALA": fb.JointMALA(), "JointHMC (8 steps)": fb.JointHMC()}
 
 

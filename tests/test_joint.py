@@ -103,8 +103,7 @@ def test_each_client_s_own_step_gives_the_block_diagonal_ula_law():
     """Automatic steps: gamma = 0.1 / L for the globals' block and gamma_i = 0.1 / L_i for each client's, a
     block-diagonal preconditioner; the draws have its Lyapunov law with the resolved steps."""
     data, ys = _data()
-    res = fb.fed_fit(hierarchical, data, fb.JointLMC(adapt_mass_matrix=False), num_rounds=20000, seed=1,
-                     progress=False)
+    res = fb.fed_fit(hierarchical, data, fb.JointLMC(), num_rounds=20000, seed=1, progress=False)
     steps = [res.settings["step_size"], *np.asarray(res.client_info["step_size"], np.float64)]
     assert len(set(np.round(steps, 8))) > 2  # the clients' steps differ (their data sizes do)
     P, m = _precision(ys)
@@ -113,11 +112,12 @@ def test_each_client_s_own_step_gives_the_block_diagonal_ula_law():
 
 @pytest.mark.slow
 def test_adapted_steps_give_each_chain_the_ula_law_of_its_own_preconditioner():
-    """The defaults: each party's steps adapted in warm-up to 0.1 x the variance of its own states. After it
+    """adapt_mass_matrix=True: each party's steps adapted in warm-up to 0.1 x the variance of its own states. After it
     chain c is ULA with its own diagonal steps M_c (the server's for mu, each client's for its z), so the pooled
     draws have the exact mean and, per coordinate, the average over the chains of the Lyapunov variances."""
     data, ys = _data()
-    res = fb.fed_fit(hierarchical, data, fb.JointLMC(), num_rounds=20000, seed=2, progress=False)
+    res = fb.fed_fit(hierarchical, data, fb.JointLMC(adapt_mass_matrix=True), num_rounds=20000, seed=2,
+                     progress=False)
     server = np.asarray(res.settings["steps"], np.float64)  # (chains, 1)
     clients = np.asarray(res.settings["client_steps"], np.float64)  # (clients, chains, 1)
     P, m = _precision(ys)

@@ -128,6 +128,8 @@ SECOND_TIER: dict[str, object] = {
 }
 
 THIRD_TIER: dict[str, object] = {
+    # the joint samplers against NUTS on real data (Contraception, 60 districts: ~60 s); eight schools stays in CI
+    "tests/test_joint_nuts.py": ("test_joint_hmc_matches_nuts_on_contraception_with_a_district_per_client",),
     # 2026-11-26: ~900 s of the second tier moved here (measured with --durations=0), so that .ci/run, at
     # 2 714 s on CI with the then second tier, stays under its 40 minutes with the minibatch, pytree and
     # FedRep tests added; each family keeps its Flower, fault and save/load coverage in CI through the

@@ -100,14 +100,18 @@ class JointLMC(LangevinSampler):
     gradients, ``downlink`` one for P-ELF's (EF21-P) on the broadcast (each client then moves at its
     copy w of the globals), ``rescale`` as theirs. None (default): sent in full.
 
-    ``adapt_mass_matrix`` (default: True with automatic steps, False with a given ``step_size``): a diagonal
+    ``adapt_mass_matrix`` (default False; it replaces the automatic or given steps): a diagonal
     preconditioner adapted in warm-up, in Stan's windows (:func:`mass_windows`): at each window's end each
     party (the server for the globals, each client for its latents) sets each of its coordinates' steps to
     ``step_scale`` (0.1) times the variance of its own states in the window (in whitened coordinates the
     curvature is about 1, so 0.1 is the automatic step's own rule). After the warm-up the steps are fixed, and
     the chain is ULA with that block-diagonal preconditioner. Nothing more travels. Without it the automatic
     step is 0.1 / the largest curvature at the start, which on a model whose coordinates differ in scale (eight
-    schools: mu, tau and the etas) barely moves the widest ones (``benchmarks/README.md``).
+    schools: mu, tau and the etas) barely moves the widest ones (``benchmarks/README.md``). It is not the
+    default: with no Metropolis correction a chain that wanders during a window (eight schools' long left tail
+    of log tau) gets a step from that window's spread that can be far too large, and then does not recover
+    (measured: one chain of four in one of the benchmark's runs; its R-hat warns). JointMALA / JointHMC
+    adapt the same way safely.
 
     Exact: on a Gaussian hierarchical model its draws have the ULA law of the joint target (tested, with
     given, automatic and adapted steps); it carries ULA's O(step) bias. With error feedback and an odd compressor (top-k) the stationary mean
@@ -117,13 +121,12 @@ class JointLMC(LangevinSampler):
     uplink: Compressor | None = None
     downlink: Compressor | None = None
     rescale: bool = False
-    adapt_mass_matrix: bool | None = None
+    adapt_mass_matrix: bool = False
     name = "JointLMC"
 
     def __post_init__(self):
         super().__post_init__()
-        if self.adapt_mass_matrix is not None:
-            require_choice(self.adapt_mass_matrix, "adapt_mass_matrix", (True, False))
+        require_choice(self.adapt_mass_matrix, "adapt_mass_matrix", (True, False))
 
     def _channels(self, dim):
         up = DirectUplink() if self.uplink is None else EF21Uplink(_ef_compressor(self.uplink, self.rescale, self.name))
@@ -167,7 +170,7 @@ class JointLangevinRun(LangevinRun):
         flat_z, self._unravel_z = ravel_pytree(fm.zeros_local())
         self._q = int(flat_z.size)  # 0 for a model without local latents (JointMALA)
         self.num_kept = len(range(self.warmup, problem.num_rounds, cfg.thinning))
-        self.adapt = cfg.adapt_mass_matrix if cfg.adapt_mass_matrix is not None else cfg.step_size is None
+        self.adapt = cfg.adapt_mass_matrix
         self.windows = mass_windows(self.warmup) if self.adapt else (0, ())
 
     # ------------------------------------------------------------------ potentials
