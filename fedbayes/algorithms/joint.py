@@ -556,13 +556,33 @@ class JointMALARun(JointLangevinRun):
     def _broadcast(self, accepted, proposal, log_mult) -> Message:
         return dense_message((accepted, proposal, self._multiplier(log_mult)))
 
-    def setup_server_step(self, stage: int, key: jax.Array, x0: jax.Array, uploads: Any):
+    def _server_start(self, x0: jax.Array, uploads: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        """``(gamma, g, zeros per chain, log_mult)`` at the set-up: the globals' base step, the summed gradient, and
+        the first multiplier (the dual averaging's own first, mu = log 10; without adaptation, 1)."""
         gx, curvatures = uploads
-        gamma = self._step_from(curvatures)
-        g = jnp.sum(gx, 0)
         none = jnp.zeros(x0.shape[:1], x0.dtype)
-        # the dual averaging's first proposals use its own first multiplier, mu = log 10; without adaptation, 1
         log_mult = none + (_DA_MU if self.cfg.adapt_step and self.warmup > 0 else 0.0)
+        return self._step_from(curvatures), jnp.sum(gx, 0), none, log_mult
+
+    def _adapt(self, state, x: jax.Array, alpha: jax.Array, n: jax.Array):
+        """After decision ``n`` (the chain's state ``x``, acceptance probabilities ``alpha``): the warm-up's
+        adaptation. Returns ``(da, log_mult, scale, acc)`` for the next proposal: within the warm-up the dual
+        averaging's eps_t, from its last decision on the frozen epsbar; at a window's end new scales and the dual
+        averaging started again from multiplier 1."""
+        da, log_mult, scale, acc = state.da, state.log_mult, state.scale, state.acc
+        if self.cfg.adapt_mass_matrix:
+            scale, acc, ended = _adapt_scale(scale, acc, x, n, self.windows)
+        if self.cfg.adapt_step and self.warmup > 0:
+            new_da, log_eps = _dual_averaging(state.da, alpha, self.cfg.target_accept)
+            da = jax.tree_util.tree_map(lambda a, b: jnp.where(n <= self.warmup, a, b), new_da, state.da)
+            log_mult = jnp.where(n < self.warmup, log_eps, da.log_bar)
+            if self.cfg.adapt_mass_matrix:
+                da = jax.tree_util.tree_map(lambda a, b: jnp.where(ended, a, b), DualAveraging.start(x), da)
+                log_mult = jnp.where(ended, 0.0, log_mult)
+        return da, log_mult, scale, acc
+
+    def setup_server_step(self, stage: int, key: jax.Array, x0: jax.Array, uploads: Any):
+        gamma, g, none, log_mult = self._server_start(x0, uploads)
         scale = jnp.broadcast_to(gamma, x0.shape).astype(x0.dtype)
         proposal = self._langevin(key, x0, g, scale * self._multiplier(log_mult)[:, None])
         state = MALAServerState(x0, g, proposal, none, gamma, log_mult, DualAveraging.start(x0), scale,
@@ -603,18 +623,7 @@ class JointMALARun(JointLangevinRun):
         x = jnp.where(accept[:, None], state.proposal, state.x)
         g = jnp.where(accept[:, None], g_prop, state.g)
         n = state.n + 1  # this decision's number
-        da, log_mult, scale, acc = state.da, state.log_mult, state.scale, state.acc
-        if self.cfg.adapt_mass_matrix:
-            scale, acc, ended = _adapt_scale(scale, acc, x, n, self.windows)
-        if self.cfg.adapt_step and self.warmup > 0:
-            adapting = n <= self.warmup  # this decision is one of the warm-up's
-            new_da, log_eps = _dual_averaging(state.da, alpha, self.cfg.target_accept)
-            da = jax.tree_util.tree_map(lambda a, b: jnp.where(adapting, a, b), new_da, state.da)
-            # within the warm-up the next proposal uses eps_t; from its last decision on, the frozen epsbar
-            log_mult = jnp.where(n < self.warmup, log_eps, da.log_bar)
-            if self.cfg.adapt_mass_matrix:  # new scales: the dual averaging starts again from multiplier 1
-                da = jax.tree_util.tree_map(lambda a, b: jnp.where(ended, a, b), DualAveraging.start(x), da)
-                log_mult = jnp.where(ended, 0.0, log_mult)
+        da, log_mult, scale, acc = self._adapt(state, x, alpha, n)
         proposal = self._langevin(k_prop, x, g, scale * self._multiplier(log_mult)[:, None])
         flags = accept.astype(x.dtype)
         new = state._replace(x=x, g=g, proposal=proposal, accepted=flags, log_mult=log_mult, da=da, scale=scale,
@@ -789,11 +798,7 @@ class JointHMCRun(JointMALARun):
         return x + eps[:, None] * root * rho, rho, k0, eps
 
     def setup_server_step(self, stage: int, key: jax.Array, x0: jax.Array, uploads: Any):
-        gx, curvatures = uploads
-        gamma = self._step_from(curvatures)
-        g = jnp.sum(gx, 0)
-        none = jnp.zeros(x0.shape[:1], x0.dtype)
-        log_mult = none + (_DA_MU if self.cfg.adapt_step and self.warmup > 0 else 0.0)
+        gamma, g, none, log_mult = self._server_start(x0, uploads)
         scale = self._inverse_mass(gamma, x0)
         pos, rho, k0, eps = self._start_trajectory(key, x0, g, scale, log_mult)
         zero = jnp.zeros((), jnp.int32)
@@ -859,16 +864,7 @@ class JointHMCRun(JointMALARun):
             x = jnp.where(accept[:, None], state.pos, state.x)
             g = jnp.where(accept[:, None], g_pos, state.g)
             n = state.n + 1
-            da, log_mult, scale, acc = state.da, state.log_mult, state.scale, state.acc
-            if self.cfg.adapt_mass_matrix:
-                scale, acc, ended = _adapt_scale(scale, acc, x, n, self.windows)
-            if self.cfg.adapt_step and self.warmup > 0:
-                new_da, log_eps = _dual_averaging(state.da, alpha, self.cfg.target_accept)
-                da = jax.tree_util.tree_map(lambda a, b: jnp.where(n <= self.warmup, a, b), new_da, state.da)
-                log_mult = jnp.where(n < self.warmup, log_eps, da.log_bar)
-                if self.cfg.adapt_mass_matrix:
-                    da = jax.tree_util.tree_map(lambda a, b: jnp.where(ended, a, b), DualAveraging.start(x), da)
-                    log_mult = jnp.where(ended, 0.0, log_mult)
+            da, log_mult, scale, acc = self._adapt(state, x, alpha, n)
             pos, rho_new, k0, eps_new = self._start_trajectory(k_rho, x, g, scale, log_mult)
             return state._replace(x=x, g=g, pos=pos, rho=rho_new, k0=k0, ok=jnp.ones_like(ok), log_mult=log_mult, eps=eps_new,
                                   da=da, scale=scale, acc=acc, n=n, accepted=accept.astype(x.dtype))
