@@ -489,7 +489,8 @@ class Result:
         All three have one ``obs`` dimension over every client's real observations (client-major, the
         order of ``data.pooled()``) and a ``client`` coordinate along it, so ``az.loo(res.idata)`` works on
         the pooled data and per client (:func:`fb.diagnostics.loo_per_client`). Draws are those of the
-        ``posterior`` group: client i's local draws with theta* (personalised fits), or the globals'
+        ``posterior`` group: client i's local draws with theta* (personalised fits), with the globals' draws
+        of the same chain and draw (the joint samplers), or the globals'
         draws (samplers; EM fits' normal approximation). The log-likelihood is log p(y_ij | theta, z_i),
         the observed sites summed per observation. Returns the extended ``res.idata``.
         """
@@ -539,11 +540,14 @@ class Result:
             if not self._local_chains:
                 raise FedbayesError(f"{self.algorithm} keeps no samples of the local latents "
                                     f"{list(fm.local_names)}, so there are no draws to evaluate the data at")
-            if self.global_samples:
-                raise FedbayesError("fits with both sampled globals and sampled locals are not supported here")
             C, chains, draws = next(iter(self._local_chains.values())).shape[:3]
             local = {k: v.reshape((C, chains * draws) + v.shape[3:]) for k, v in self._local_chains.items()}
-            glob = {k: np.broadcast_to(v, (chains * draws,) + v.shape) for k, v in self.params.items()}
+            if self.global_samples:  # a joint sampler: draw (c, d) of the globals goes with draw (c, d) of each client
+                if next(iter(self.global_samples.values())).shape[:2] != (chains, draws):
+                    raise FedbayesError("the fit's global and local draws are not paired (their shapes differ)")
+                glob = {k: v.reshape((chains * draws,) + v.shape[2:]) for k, v in self.global_samples.items()}
+            else:
+                glob = {k: np.broadcast_to(v, (chains * draws,) + v.shape) for k, v in self.params.items()}
             return local, glob, chains, draws
         src = self.global_samples or self.global_approx
         if not src:

@@ -349,3 +349,9 @@ def test_predictions_for_a_known_client_use_the_joint_draws_in_pairs():
     np.testing.assert_allclose(sub["s"], w[idx] + z[2, idx], rtol=1e-12)
     new = res.predict({"x": np.zeros(3)})
     assert new["s"].shape == (1000,) and not np.isin(new["s"], w + z).any()
+    # the model-checking groups evaluate the data at the same pairs: log N(y_2j | w_s x_2j + z_2,s, 1)
+    ll = np.asarray(group(res.extend_idata(), "log_likelihood")["y"])  # (chain, draw, obs), clients in order
+    first = sum(SIZES[:2])  # client 2's first observation
+    x2, y2 = xs[2][0], np.asarray(data.client(2)["y"])[0]
+    expected = -0.5 * (y2 - w * x2 - z[2]) ** 2 - 0.5 * np.log(2 * np.pi)
+    np.testing.assert_allclose(ll[..., first].reshape(-1), expected, rtol=1e-10)
