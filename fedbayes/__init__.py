@@ -23,7 +23,7 @@ __all__ = [  # sorted: classes, then functions and modules
     "Aggregation", "BELF", "CallbackError", "CheckpointError", "CheckpointWarning", "ClientIndexError",
     "ConfigError", "ConvergenceWarning", "CustomStatistics", "DataError", "DELF", "DivergenceError",
     "FaultPolicy", "Faults", "FedAvg", "FedbayesError", "FedEM", "FederatedData", "FederatedRun", "FedMM",
-    "FedModel", "FedRep", "FedSOUL", "FineTune", "FitParts", "GD", "JointLMC", "JointMALA", "JointHMC", "LMC", "LocalOnly", "ModelError",
+    "FedModel", "FedRep", "FedSOUL", "FineTune", "FitParts", "GD", "JointHMC", "JointLMC", "JointMALA", "LMC", "LocalOnly", "ModelError",
     "ParamAveragingEM", "PELF", "PrecisionWarning", "QLSD",
     "Result", "Scaffnew", "StalledError", "TAMUNA", "TooFewClientsError", "ULA", "WireError", "checkpoint",
     "compress", "diagnostics", "elf", "faults", "fed_fit", "flower", "load", "local",
