@@ -138,7 +138,7 @@ class JointLMC(LangevinSampler):
         """Local latents required; minibatches and a search for the mode refused (not built yet)."""
         if not fm.local_names:
             raise ModelError(f"{self.name} samples models with local latents (fb.local()); this model has none: "
-                             "use fb.LMC")
+                             "use fb.LMC (or fb.JointMALA / fb.JointHMC, exact at any step)")
         if self.batch_size is not None or fm.subsample_size:
             raise ConfigError(f"{self.name} takes full-batch steps only (batch_size=None, no subsample_size in the "
                               "model)")
