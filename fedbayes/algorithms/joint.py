@@ -46,7 +46,7 @@ from ..errors import ConfigError, FedbayesError, ModelError, require_choice, req
 from ..introspect import FedModel
 from ..kernels import curvature
 from ..protocol import ClientData, FitParts, Message, Problem, dense_message, with_final_parts
-from ..compress import Compressor
+from ..compress import Compressor, identity
 from .channels import DirectUplink, EF21PDownlink, EF21Uplink, FullDownlink
 from .elf import DENSE_CURVATURE, LangevinRun, LangevinSampler, _ef_compressor
 from .warmstart import resolve_init
@@ -90,10 +90,16 @@ class JointLMC(LangevinSampler):
     * ``init``: None or ``"prior"`` (the globals' prior centres, jittered per chain by U(-0.5, 0.5)),
       or a dict / ``Result`` of constrained global values (jittered likewise); the local latents of
       each chain start at a draw from p(z_i | x_0). There is no search for the joint mode yet.
-    * every client in every round (each moves its own latents every round); a client's upload lost to a
-      fault (dropped, or screened out) is an error when the fit ends (``fb.FedbayesError``): the client's
-      state was rolled back while the globals moved, so the draws no longer form one chain; minibatches
-      (``batch_size``) are not supported yet.
+    * partial participation (``clients_per_round``): a client outside the round's cohort keeps its latents,
+      and the server keeps its last gradient in x (EF21's memory: the uplink becomes EF21 with the identity
+      compressor unless ``uplink`` is given). The broadcast then carries the round's index (32 bits), so that
+      each client keeps its held latents as its draws of the rounds it sat out, paired with the globals' draws
+      of those rounds. The stale gradients bias the law further (exactly computed and tested on a Gaussian
+      model: with 2 of 4 clients, mu's sd 8% above full participation's ULA law; the mean stays exact there).
+    * a client's upload lost to a fault (dropped, or screened out) is an error when the fit ends
+      (``fb.FedbayesError``): the client's state was rolled back while the globals moved with its stale
+      gradient, unannounced, so the draws are not the scheme's; minibatches (``batch_size``) are not
+      supported yet.
 
     Compression, as the ELF family's (the clients' gradients in the globals and the server's broadcast
     are the only things that travel): ``uplink`` a compressor for D-ELF's error feedback (EF21) on the
@@ -123,6 +129,7 @@ class JointLMC(LangevinSampler):
     rescale: bool = False
     adapt_mass_matrix: bool = False
     name = "JointLMC"
+    partial_participation = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -167,6 +174,12 @@ class JointLangevinRun(LangevinRun):
         flat, self._unravel = ravel_pytree(fm.init_globals(None, values))
         self._x0, self.dim = flat, flat.size
         self.up, self.down = cfg._channels(int(flat.size))
+        # partial participation: each client's last gradient is kept on the server (EF21's memory, with the
+        # identity compressor unless one is given) and the broadcast carries the round, so that a client that
+        # sat rounds out keeps its frozen latents as its draws of those rounds
+        self._partial = problem.cohort_size not in (None, problem.data.num_clients)
+        if self._partial and isinstance(self.up, DirectUplink):
+            self.up = EF21Uplink(identity())
         flat_z, self._unravel_z = ravel_pytree(fm.zeros_local())
         self._q = int(flat_z.size)  # 0 for a model without local latents (JointMALA)
         self.num_kept = len(range(self.warmup, problem.num_rounds, cfg.thinning))
@@ -197,6 +210,13 @@ class JointLangevinRun(LangevinRun):
         # one slot written (in place inside the rounds' loop), not a select over the whole buffer each round
         draws = state.draws.at[slot].set(jnp.where(keep, state.z, state.draws[slot]))
         return state._replace(draws=draws)
+
+    def _record_through(self, state, last: jax.Array):
+        """Keep the current state as the draw of every kept round from ``state.count`` to ``last - 1`` (a client
+        that sat those rounds out held these latents all along)."""
+        rounds = self.warmup + self.cfg.thinning * jnp.arange(self.num_kept)
+        fill = (rounds >= state.count) & (rounds < last)
+        return state._replace(draws=jnp.where(fill.reshape((-1,) + (1,) * state.z.ndim), state.z[None], state.draws))
 
     # ------------------------------------------------------------------ set-up
     def _client_start(self, key, x0: jax.Array, client: ClientData) -> tuple[jax.Array, jax.Array, Any]:
@@ -234,8 +254,15 @@ class JointLangevinRun(LangevinRun):
         """LangevinRun's first move, its state carried with one step per chain and coordinate."""
         base, message = super().setup_server_step(stage, key, x0, uploads)
         gamma = jnp.broadcast_to(base.gamma, x0.shape).astype(x0.dtype)
-        return JointServerState(base.x, gamma, base.down, base.up, base.gamma, Welford.empty(x0),
-                                jnp.zeros((), jnp.int32)), message
+        zero = jnp.zeros((), jnp.int32)
+        return JointServerState(base.x, gamma, base.down, base.up, base.gamma, Welford.empty(x0), zero), \
+            self._with_round(message, zero)
+
+    def _with_round(self, message: Message, r: jax.Array) -> Message:
+        """Under partial participation the broadcast also carries the round's index (32 bits)."""
+        if not self._partial:
+            return message
+        return Message((message.payload, r), message.bits + 32)
 
     def server_step(self, key, state: JointServerState, uploads: Message, info):
         """LangevinRun's step; in warm-up, the globals' steps adapted from the server's own states."""
@@ -243,11 +270,14 @@ class JointLangevinRun(LangevinRun):
         if self.adapt:
             gamma, acc, _ = _adapt_scale(new.gamma, new.acc, new.x, new.n + 1, self.windows, self.step_scale)
             new = new._replace(gamma=gamma, acc=acc)
-        return new._replace(n=new.n + 1), message, diag
+        return new._replace(n=new.n + 1), self._with_round(message, new.n + 1), diag
 
     # ------------------------------------------------------------------ rounds
     def client_step(self, key, payload, state: JointClientState, client: ClientData):
         """Keep (x_k, z_k)'s z when the round is kept, then both gradients at (x_k, z_k): z moves, grad_x goes up."""
+        if self._partial:
+            payload, r = payload
+            state = self._record_through(state, r)._replace(count=r)  # the rounds it sat out: its frozen latents
         w, down = self.down.receive(payload, state.down)
         state = self._record(state)
         k_move, k_up = jax.random.split(key)
@@ -261,8 +291,14 @@ class JointLangevinRun(LangevinRun):
         return state, message
 
     # ------------------------------------------------------------------ the end
+    def final_message(self, key, server) -> Any:
+        """Under partial participation, the number of rounds (a client absent at the end fills its last draws)."""
+        return server.n if self._partial else ()
+
     def final_client(self, key, payload, state: JointClientState, client: ClientData):
         """The client's kept draws, constrained-site layout (chains, draws, ...), kept by the client; nothing up."""
+        if self._partial:
+            state = self._record_through(state, payload)
         draws = jnp.swapaxes(state.draws, 0, 1)  # (chains, draws, q)
         local = jax.vmap(jax.vmap(self._unravel_z))(draws)
         # JointLMC: its steps per chain and coordinate; JointMALA / HMC: their scales before the step multiplier
@@ -493,6 +529,7 @@ class JointMALA(JointLMC):
     adapt_step: bool = True
     adapt_mass_matrix: bool = True
     name = "JointMALA"
+    partial_participation = False  # the Metropolis test needs every client's share
 
     def __post_init__(self):
         super().__post_init__()
