@@ -98,8 +98,11 @@ class JointLMC(LangevinSampler):
       model: with 2 of 4 clients, mu's sd 8% above full participation's ULA law; the mean stays exact there).
     * a client's upload lost to a fault (dropped, or screened out) is an error when the fit ends
       (``fb.FedbayesError``): the client's state was rolled back while the globals moved with its stale
-      gradient, unannounced, so the draws are not the scheme's; minibatches (``batch_size``) are not
-      supported yet.
+      gradient, unannounced, so the draws are not the scheme's.
+    * minibatches (``batch_size``, or the model's ``subsample_size``): each round each chain's gradients on a
+      batch of B of the client's rows, the log-likelihood scaled by N_i / B (stochastic-gradient Langevin,
+      SGLD). The gradient noise widens the law further; on a Gaussian model it is additive and the law is
+      computed exactly (tested). The set-up's first move and curvature use all rows.
 
     Compression, as the ELF family's (the clients' gradients in the globals and the server's broadcast
     are the only things that travel): ``uplink`` a compressor for D-ELF's error feedback (EF21) on the
@@ -142,13 +145,10 @@ class JointLMC(LangevinSampler):
         return up, down
 
     def _check_latents(self, fm: FedModel) -> None:
-        """Local latents required; minibatches and a search for the mode refused (not built yet)."""
+        """Local latents required; a search for the mode refused (not built yet)."""
         if not fm.local_names:
             raise ModelError(f"{self.name} samples models with local latents (fb.local()); this model has none: "
                              "use fb.LMC (or fb.JointMALA / fb.JointHMC, exact at any step)")
-        if self.batch_size is not None or fm.subsample_size:
-            raise ConfigError(f"{self.name} takes full-batch steps only (batch_size=None, no subsample_size in the "
-                              "model)")
         if isinstance(self.init, str) and self.init == "map":
             raise ConfigError(f"{self.name} has no search for the joint mode: init=None / 'prior', or given values")
 
@@ -165,7 +165,7 @@ class JointLangevinRun(LangevinRun):
     def __init__(self, cfg: JointLMC, fm: FedModel, problem: Problem):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
         self._b = problem.data.num_clients
-        self._batches = minibatch.resolve(None, fm, problem.data.mask.shape[1], cfg.name)
+        self._batches = minibatch.resolve(cfg.batch_size, fm, problem.data.mask.shape[1], cfg.name)
         self.warmup = cfg.warmup if cfg.warmup is not None else problem.num_rounds // 2
         self._spread = self._precond = None
         self.map_bits, self.map_iterations = (0, 0), 0
@@ -193,9 +193,16 @@ class JointLangevinRun(LangevinRun):
         local = self._fm.client_log_joint(theta, self._unravel_z(z), client.data, client.mask)
         return -local - self._fm.log_prior(theta, jacobian=True) / self._b
 
-    def _grads(self, x: jax.Array, z: jax.Array, client: ClientData) -> tuple[jax.Array, jax.Array]:
-        """(grad_x U_i, grad_z U_i) at each chain's (x, z) (rows)."""
-        return jax.vmap(jax.grad(self.joint_potential, argnums=(0, 1)), in_axes=(0, 0, None))(x, z, client)
+    def _grads(self, x: jax.Array, z: jax.Array, client: ClientData,
+               key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """(grad_x U_i, grad_z U_i) at each chain's (x, z) (rows); with minibatches and a ``key``, each chain's on
+        its own batch of the client's rows, the log-likelihood scaled by N_i / B (:mod:`fedbayes.minibatch`):
+        unbiased estimates, SGLD's."""
+        grads = jax.grad(self.joint_potential, argnums=(0, 1))
+        if key is None or not self._batches.active:
+            return jax.vmap(grads, in_axes=(0, 0, None))(x, z, client)
+        keys = jax.random.split(minibatch.batch_key(key), x.shape[0])
+        return jax.vmap(lambda xc, zc, kc: grads(xc, zc, self._batches.draw(kc, client)))(x, z, keys)
 
     @staticmethod
     def _langevin(key, z, grad, gamma):
@@ -281,7 +288,7 @@ class JointLangevinRun(LangevinRun):
         w, down = self.down.receive(payload, state.down)
         state = self._record(state)
         k_move, k_up = jax.random.split(key)
-        gx, gz = self._grads(w, state.z, client)
+        gx, gz = self._grads(w, state.z, client, key)  # the batches from the round key's own stream
         z = self._langevin(k_move, state.z, gz, state.gamma)
         up, message = self.up.send(k_up, gx, state.up)
         state = state._replace(down=down, up=up, z=z, count=state.count + 1)
@@ -542,11 +549,15 @@ class JointMALA(JointLMC):
         require_choice(self.adapt_mass_matrix, "adapt_mass_matrix", (True, False))
 
     def _check_latents(self, fm: FedModel) -> None:
-        """Models with or without local latents; minibatches and a search for the mode refused (not built)."""
+        """Models with or without local latents; minibatches (the Metropolis test needs exact densities) and a
+        search for the mode (not built) refused."""
+        if self.batch_size is not None or fm.subsample_size:
+            raise ConfigError(f"{self.name} takes full-batch steps only (batch_size=None, no subsample_size in the "
+                              "model): its Metropolis test needs exact densities")
         if fm.local_names:
             super()._check_latents(fm)
-        elif self.batch_size is not None or fm.subsample_size or (isinstance(self.init, str) and self.init == "map"):
-            raise ConfigError(f"{self.name} takes full-batch steps from init=None / 'prior' or given values")
+        elif isinstance(self.init, str) and self.init == "map":
+            raise ConfigError(f"{self.name} has no search for the mode: init=None / 'prior', or given values")
 
     def _make_run(self, fm: FedModel, problem: Problem) -> "JointMALARun":
         return JointMALARun(self, fm, problem)
