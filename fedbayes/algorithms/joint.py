@@ -577,13 +577,17 @@ class JointMALARun(JointLangevinRun):
         u, (gx, gz) = jax.vmap(jax.value_and_grad(self.joint_potential, argnums=(0, 1)), in_axes=(0, 0, None))(x, z, client)
         return jnp.where(jnp.isfinite(u), u, jnp.inf), gx, gz
 
-    def _commit(self, state: MALAClientState, accepted: jax.Array) -> MALAClientState:
-        """Take the pending proposal where the server accepted it, and keep the state for round ``count - 1``."""
+    def _accept_into(self, state, accepted: jax.Array, z: jax.Array, u: jax.Array, gz: jax.Array):
+        """The chain's (z, U_i, grad_z U_i) replaced by the candidate's where the server accepted it, and the state
+        kept as the draw of decision ``count - 1`` (MALA's proposal, HMC's trajectory end)."""
         take = accepted.astype(bool)
         pick = lambda new, old: jnp.where(take.reshape(take.shape + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
-        state = state._replace(z=pick(state.z_prop, state.z), u=pick(state.u_prop, state.u),
-                               gz=pick(state.gz_prop, state.gz))
+        state = state._replace(z=pick(z, state.z), u=pick(u, state.u), gz=pick(gz, state.gz))
         return self._record(state._replace(count=state.count - 1))._replace(count=state.count)
+
+    def _commit(self, state: MALAClientState, accepted: jax.Array) -> MALAClientState:
+        """Take the pending proposal where the server accepted it, and keep the state for round ``count - 1``."""
+        return self._accept_into(state, accepted, state.z_prop, state.u_prop, state.gz_prop)
 
     def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
         """Each chain's latents start at a draw from p(z_i | x_0); the client's step from its own curvature;
@@ -687,17 +691,23 @@ class JointMALARun(JointLangevinRun):
     def final_client(self, key, accepted, state: MALAClientState, client: ClientData):
         return super().final_client(key, accepted, self._commit(state, accepted), client)
 
+    def _first_kept_round(self) -> int:
+        """The round of the first kept draw (MALA: a decision a round)."""
+        return self.warmup
+
     def record_parts(self, key, server_state, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
+        """MALA's settings: ``history``'s acceptance records one row per decision (HMC: subsampled to them) and its
+        bits one per round; the draws kept start at decision ``warmup``, round :meth:`_first_kept_round`."""
         parts = super().record_parts(key, server_state, problem, history)
         rate = np.asarray(history["acceptance"])[self.warmup:]
-        kept = slice(self.warmup, None)
-        bits = sum(float(np.sum(np.asarray(history[k])[kept])) for k in ("bits_up", "bits_down") if k in history)
-        accepted = float(np.sum(np.asarray(history["accepted"])[kept])) * server_state.x.shape[0]  # over the chains
+        first = self._first_kept_round()
+        bits = sum(float(np.sum(np.asarray(history[k])[first:])) for k in ("bits_up", "bits_down") if k in history)
+        accepted = float(np.sum(np.asarray(history["accepted"])[self.warmup:])) * server_state.x.shape[0]  # all chains
         parts.settings = {
             **parts.settings,
             "acceptance": float(rate.mean()) if rate.size else float("nan"),
             "target_accept": self.cfg.target_accept if self.cfg.adapt_step else None,
-            "adaptation_rounds": self.warmup if self.cfg.adapt_step else 0,
+            "adaptation_rounds": first if self.cfg.adapt_step else 0,
             "step_multiplier": np.exp(np.asarray(server_state.log_mult, np.float64)).tolist(),
             "bits_per_accepted_draw": bits / accepted if accepted > 0 else float("inf"),
         }
@@ -858,11 +868,7 @@ class JointHMCRun(JointMALARun):
     def _commit_decision(self, state: HMCClientState, accepted: jax.Array) -> HMCClientState:
         """At a trajectory's first round (after the first): take its end point where the server accepted it, count
         the decision and keep the chain's state as decision ``count``'s draw."""
-        take = accepted.astype(bool)
-        pick = lambda new, old: jnp.where(take.reshape(take.shape + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
-        state = state._replace(z=pick(state.pos, state.z), u=pick(state.u_pos, state.u), gz=pick(state.g_pos, state.gz),
-                               count=state.count + 1)
-        return self._record(state._replace(count=state.count - 1))._replace(count=state.count)
+        return self._accept_into(state._replace(count=state.count + 1), accepted, state.pos, state.u_pos, state.g_pos)
 
     def client_step(self, key, payload, state: HMCClientState, client: ClientData):
         """One leapfrog step of the client's latents at the broadcast position of the globals; at a trajectory's
@@ -936,13 +942,12 @@ class JointHMCRun(JointMALARun):
         at_decisions = {k: (np.asarray(v)[L - 1::L] if k in ("_sample", "acceptance", "accepted") else v)
                         for k, v in history.items()}
         parts = super().record_parts(key, server_state, problem, at_decisions)
-        kept = slice(self.warmup_rounds - self.warmup_rounds % L, None)
-        bits = sum(float(np.sum(np.asarray(history[k])[kept])) for k in ("bits_up", "bits_down") if k in history)
-        accepted = float(np.sum(at_decisions["accepted"][self.warmup:])) * server_state.x.shape[0]
-        parts.settings = {**parts.settings, "num_steps": L, "warmup": self.warmup, "warmup_rounds": self.warmup_rounds,
-                          "adaptation_rounds": self.warmup * L if self.cfg.adapt_step else 0,
-                          "bits_per_accepted_draw": bits / accepted if accepted > 0 else float("inf")}
+        parts.settings = {**parts.settings, "num_steps": L, "warmup": self.warmup, "warmup_rounds": self.warmup_rounds}
         return parts
+
+    def _first_kept_round(self) -> int:
+        """The round of the first kept draw: ``num_steps`` rounds a decision."""
+        return self.warmup * self.L
 
 
 __all__ = ["JointLMC", "JointMALA", "JointHMC", "LOCAL_STEP_SCALE", "MALA_STEP_SCALE", "HMC_STEP_SCALE", "MAX_DELTA_ENERGY"]
