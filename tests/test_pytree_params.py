@@ -85,7 +85,7 @@ def _linear_data(seed=0):
     return fb.FederatedData({"x": xs, "y": ys}), np.concatenate([np.c_[x, np.ones(len(x))] for x in xs]), np.concatenate(ys)
 
 
-def _samples_the_ridge_posterior(bayesian_linear, weight: str, bias: str) -> None:
+def assert_samples_the_ridge_posterior(bayesian_linear, weight: str, bias: str) -> None:
     """A Bayesian linear layer's weights are its two global sample sites, and LMC's posterior mean of this
     conjugate Gaussian model is the ridge solution with penalty 1 / 3^2."""
     data, X, Y = _linear_data()
@@ -168,7 +168,7 @@ def test_random_flax_module_is_its_sample_sites_and_mutable_state_is_refused():
         with numpyro.plate("obs", y.shape[0]):
             numpyro.sample("y", dist.Normal(net(x), 1.0), obs=y)
 
-    _samples_the_ridge_posterior(bayesian_linear, "net/Dense_0.kernel", "net/Dense_0.bias")
+    assert_samples_the_ridge_posterior(bayesian_linear, "net/Dense_0.kernel", "net/Dense_0.bias")
 
     class WithState(flax_linen.Module):
         @flax_linen.compact
@@ -199,4 +199,4 @@ def test_random_eqx_module_is_its_sample_sites():
         with numpyro.plate("obs", y.shape[0]):
             numpyro.sample("y", dist.Normal(eqx.filter_vmap(net)(x), 1.0), obs=y)
 
-    _samples_the_ridge_posterior(bayesian_linear, "net/weight", "net/bias")
+    assert_samples_the_ridge_posterior(bayesian_linear, "net/weight", "net/bias")
