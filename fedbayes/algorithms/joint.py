@@ -42,12 +42,12 @@ from jax.flatten_util import ravel_pytree
 
 from .. import minibatch
 from ..engine import final_exchange, stack_clients
-from ..errors import ConfigError, FedbayesError, ModelError, require_choice, require_int
+from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..introspect import FedModel
 from ..kernels import curvature
 from ..protocol import ClientData, FitParts, Message, Problem, dense_message, with_final_parts
 from ..compress import Compressor, identity
-from .channels import DirectUplink, EF21PDownlink, EF21Uplink, FullDownlink
+from .channels import EF21PDownlink, EF21Uplink, FullDownlink
 from .elf import DENSE_CURVATURE, LangevinRun, LangevinSampler, _ef_compressor
 from .warmstart import resolve_init
 
@@ -89,16 +89,20 @@ class JointLMC(LangevinSampler):
 
     * ``init``: None or ``"prior"`` (the globals' prior centres, jittered per chain by U(-0.5, 0.5)),
       or a dict / ``Result`` of constrained global values (jittered likewise); the local latents of
-      each chain start at a draw from p(z_i | x_0). There is no search for the joint mode yet.
-    * partial participation (``clients_per_round``): a client outside the round's cohort keeps its latents,
-      and the server keeps its last gradient in x (EF21's memory: the uplink becomes EF21 with the identity
-      compressor unless ``uplink`` is given). The broadcast then carries the round's index (32 bits), so that
-      each client keeps its held latents as its draws of the rounds it sat out, paired with the globals' draws
-      of those rounds. The stale gradients bias the law further (exactly computed and tested on a Gaussian
-      model: with 2 of 4 clients, mu's sd 8% above full participation's ULA law; the mean stays exact there).
-    * a client's upload lost to a fault (dropped, or screened out) is an error when the fit ends
-      (``fb.FedbayesError``): the client's state was rolled back while the globals moved with its stale
-      gradient, unannounced, so the draws are not the scheme's.
+      each chain start at a draw from p(z_i | x_0). There is no search for the joint mode, by choice: a
+      hierarchical model's joint density often has none worth starting at (in the centred form it grows without
+      bound as the group scale goes to 0 with every latent at the mean); as NumPyro's and Stan's, the chains
+      start dispersed and the warm-up brings them in, R-hat over the dispersed starts checking that it did.
+    * absences: partial participation (``clients_per_round``) and lost uploads (a fault: dropped, or screened out)
+      are the same event. A client that does not answer keeps its latents (its state rolls back), and the server
+      keeps its last gradient in x: the uplink is EF21 with the identity compressor by default, whose memory is
+      exactly that last gradient (with every client answering it is the direct uplink, the same bits). The
+      broadcast carries the round's index (32 bits), so that a client that missed rounds keeps its held latents
+      as its draws of those rounds, paired with the globals' draws of the same rounds, in a simulation and over
+      Flower alike (where a client may be down several rounds). The stale gradients bias the law further
+      (exactly computed and tested on a Gaussian model: with 2 of 4 clients a round, mu's sd 8% above full
+      participation's ULA law; with each upload lost with probability 0.5, 8.5%, tested likewise; the mean stays
+      exact there).
     * minibatches (``batch_size``, or the model's ``subsample_size``): each round each chain's gradients on a
       batch of B of the client's rows, the log-likelihood scaled by N_i / B (stochastic-gradient Langevin,
       SGLD). The gradient noise widens the law further; on a Gaussian model it is additive and the law is
@@ -139,7 +143,9 @@ class JointLMC(LangevinSampler):
         require_choice(self.adapt_mass_matrix, "adapt_mass_matrix", (True, False))
 
     def _channels(self, dim):
-        up = DirectUplink() if self.uplink is None else EF21Uplink(_ef_compressor(self.uplink, self.rescale, self.name))
+        # EF21's memory even uncompressed: an absent client's last gradient (with every client answering, the
+        # direct uplink's sum and bits)
+        up = EF21Uplink(identity() if self.uplink is None else _ef_compressor(self.uplink, self.rescale, self.name))
         down = (FullDownlink() if self.downlink is None
                 else EF21PDownlink(_ef_compressor(self.downlink, self.rescale, self.name)))
         return up, down
@@ -150,7 +156,9 @@ class JointLMC(LangevinSampler):
             raise ModelError(f"{self.name} samples models with local latents (fb.local()); this model has none: "
                              "use fb.LMC (or fb.JointMALA / fb.JointHMC, exact at any step)")
         if isinstance(self.init, str) and self.init == "map":
-            raise ConfigError(f"{self.name} has no search for the joint mode: init=None / 'prior', or given values")
+            raise ConfigError(f"{self.name} has no search for the joint mode (a hierarchical model's joint density "
+                              "often has none: the funnel's neck); init=None / 'prior' (dispersed starts, as NumPyro's), "
+                              "or given global values, e.g. a FedSOUL fit's theta*: init=res")
 
     def _make_run(self, fm: FedModel, problem: Problem) -> "JointLangevinRun":
         return JointLangevinRun(self, fm, problem)
@@ -174,12 +182,6 @@ class JointLangevinRun(LangevinRun):
         flat, self._unravel = ravel_pytree(fm.init_globals(None, values))
         self._x0, self.dim = flat, flat.size
         self.up, self.down = cfg._channels(int(flat.size))
-        # partial participation: each client's last gradient is kept on the server (EF21's memory, with the
-        # identity compressor unless one is given) and the broadcast carries the round, so that a client that
-        # sat rounds out keeps its frozen latents as its draws of those rounds
-        self._partial = problem.cohort_size not in (None, problem.data.num_clients)
-        if self._partial and isinstance(self.up, DirectUplink):
-            self.up = EF21Uplink(identity())
         flat_z, self._unravel_z = ravel_pytree(fm.zeros_local())
         self._q = int(flat_z.size)  # 0 for a model without local latents (JointMALA)
         self.num_kept = len(range(self.warmup, problem.num_rounds, cfg.thinning))
@@ -265,10 +267,10 @@ class JointLangevinRun(LangevinRun):
         return JointServerState(base.x, gamma, base.down, base.up, base.gamma, Welford.empty(x0), zero), \
             self._with_round(message, zero)
 
-    def _with_round(self, message: Message, r: jax.Array) -> Message:
-        """Under partial participation the broadcast also carries the round's index (32 bits)."""
-        if not self._partial:
-            return message
+    @staticmethod
+    def _with_round(message: Message, r: jax.Array) -> Message:
+        """The broadcast with the round's index (32 bits): a client that missed rounds (absent, or its upload lost)
+        fills its draws of them with its held latents."""
         return Message((message.payload, r), message.bits + 32)
 
     def server_step(self, key, state: JointServerState, uploads: Message, info):
@@ -282,9 +284,8 @@ class JointLangevinRun(LangevinRun):
     # ------------------------------------------------------------------ rounds
     def client_step(self, key, payload, state: JointClientState, client: ClientData):
         """Keep (x_k, z_k)'s z when the round is kept, then both gradients at (x_k, z_k): z moves, grad_x goes up."""
-        if self._partial:
-            payload, r = payload
-            state = self._record_through(state, r)._replace(count=r)  # the rounds it sat out: its frozen latents
+        payload, r = payload
+        state = self._record_through(state, r)._replace(count=r)  # the rounds it missed: its held latents
         w, down = self.down.receive(payload, state.down)
         state = self._record(state)
         k_move, k_up = jax.random.split(key)
@@ -299,13 +300,15 @@ class JointLangevinRun(LangevinRun):
 
     # ------------------------------------------------------------------ the end
     def final_message(self, key, server) -> Any:
-        """Under partial participation, the number of rounds (a client absent at the end fills its last draws)."""
-        return server.n if self._partial else ()
+        """The number of rounds (a client absent at the end fills its last draws)."""
+        return server.n
 
     def final_client(self, key, payload, state: JointClientState, client: ClientData):
         """The client's kept draws, constrained-site layout (chains, draws, ...), kept by the client; nothing up."""
-        if self._partial:
-            state = self._record_through(state, payload)
+        return self._final_draws(self._record_through(state, payload))
+
+    def _final_draws(self, state) -> tuple[dict[str, Any], tuple]:
+        """The final exchange's client half from a state whose draws are all recorded."""
         draws = jnp.swapaxes(state.draws, 0, 1)  # (chains, draws, q)
         local = jax.vmap(jax.vmap(self._unravel_z))(draws)
         # JointLMC: its steps per chain and coordinate; JointMALA / HMC: their scales before the step multiplier
@@ -323,17 +326,7 @@ class JointLangevinRun(LangevinRun):
         return parts
 
     def record_parts(self, key, server_state, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
-        """The globals' draws from the server's records (:meth:`LangevinRun.finalize`). A round in which a client's
-        upload was lost (dropped, or screened out as non-finite or too large) is an error: that client's state
-        was rolled back while the globals moved, so the joint chain is no longer one chain."""
-        lost = sum(np.asarray(history[k]) for k in ("dropped", "nonfinite", "too_large") if k in history)
-        if np.any(np.asarray(lost) > 0):
-            first = int(np.flatnonzero(np.asarray(lost) > 0)[0])
-            raise FedbayesError(
-                f"{self.name}: a client's upload was lost at round {first} (res.faults-style counts in the "
-                "history: dropped / nonfinite / too_large); the joint samplers need every client's answer in "
-                "every round (a client's latents and the globals form one chain), so these draws are not valid. "
-                "Find why the client failed, or use fb.FedSOUL, which tolerates faults.")
+        """The globals' draws from the server's records (:meth:`LangevinRun.finalize`), and the steps."""
         steps = server_state.gamma
         report = server_state._replace(gamma=server_state.gamma0) if hasattr(server_state, "gamma0") else server_state
         parts = LangevinRun.finalize(self, key, (report, None, None), problem, history)
@@ -363,7 +356,7 @@ class MALAServerState(NamedTuple):
     x: jax.Array  # (chains, d) the chains' current globals
     g: jax.Array  # (chains, d) sum_i grad_x U_i at (x, z)
     proposal: jax.Array  # (chains, d) the globals proposed to the clients this round
-    accepted: jax.Array  # (chains,) float 0 / 1: the last decision (sent with the next proposal)
+    last: jax.Array  # (chains,) int32: the index of the last accepted decision (-1: none), sent with each proposal
     gamma: jax.Array  # () the globals' base step
     log_mult: jax.Array  # (chains,) log of the step multiplier the pending proposal was made with
     da: "DualAveraging"  # the warm-up's step adaptation, one per chain
@@ -483,6 +476,11 @@ def _adapt_scale(scale: jax.Array, acc: Welford, x: jax.Array, n: jax.Array, win
     return scale, acc, ended
 
 
+def _any_lost(info) -> jax.Array:
+    """Whether a cohort member's upload was lost this round (dropped, or screened out)."""
+    return jnp.zeros((), bool) if info.faulty is None else jnp.any(info.faulty)
+
+
 def _log_q(to: jax.Array, frm: jax.Array, grad_at_frm: jax.Array, gamma: jax.Array) -> jax.Array:
     """log of the Langevin proposal density q(to | frm), up to its constant: -|to - frm + gamma grad U(frm)|^2 / (4 gamma)
     (summed over the last axis: one value per chain; ``gamma`` a scalar or one per chain, shape (chains, 1))."""
@@ -497,8 +495,8 @@ class JointMALA(JointLMC):
     joint posterior with the globals) and without (the posterior of the globals, as :class:`LMC` samples it
     but without its bias).
 
-    Each round the server broadcasts the proposal x' of the globals (with the last decision and each
-    chain's step multiplier). Client i proposes z_i' from its current state, evaluates U_i at (x', z_i'),
+    Each round the server broadcasts the proposal x' of the globals (with the decisions' news: each chain's
+    last accepted decision and the round's index; and each chain's step multiplier). Client i proposes z_i' from its current state, evaluates U_i at (x', z_i'),
     and uploads two things: the gradient of U_i in x there, and one scalar per chain, its share of the log
     acceptance ratio
 
@@ -510,8 +508,8 @@ class JointMALA(JointLMC):
     diagonal), so no client needs another's latents.
 
     Communication per round and chain: d + 2 floats up per client (the gradient, c_i and a flag that is 0
-    where the client's proposal is not finite: any 0 rejects), and d + 2 floats down (the proposal, the
-    decision and the step multiplier). Every gradient the next proposal needs has been computed by the time
+    where the client's proposal is not finite: any 0 rejects), and d + 2 values down (the proposal, the index
+    of the last accepted decision and the step multiplier) with the round's index. Every gradient the next proposal needs has been computed by the time
     of the decision, so a round costs one gradient evaluation per client, as ULA's does. The ledger's
     bits per accepted draw after warm-up are in ``res.settings["bits_per_accepted_draw"]``.
 
@@ -528,7 +526,14 @@ class JointMALA(JointLMC):
     more travels: each party estimates the variances of the coordinates it moves. Only
     the draws after the warm-up are kept, so the adaptation leaves the stationary law exact. The mean
     acceptance probability after warm-up is in ``res.settings["acceptance"]``, and per round in
-    ``res.history["acceptance"]``. No compression (``uplink`` / ``downlink``: the test needs exact
+    ``res.history["acceptance"]``.
+
+    Lost uploads (dropped, or screened out): a decision with a missing share is a rejection (HMC: the whole
+    trajectory's), ``res.settings["decisions_lost"]`` of them. A loss that does not depend on the chain's state
+    makes each decision's kernel a mixture of Metropolis-Hastings and staying put, so the draws stay exact
+    (tested). The client whose upload was lost rolls back and catches up from the next broadcast it gets
+    (:meth:`JointMALARun._commit_through`), in a simulation and over Flower alike; the dual averaging skips the
+    decisions a loss forced, and ``res.settings["acceptance"]`` is the others' rate. No compression (``uplink`` / ``downlink``: the test needs exact
     gradients). The options are otherwise :class:`JointLMC`'s.
     """
 
@@ -605,8 +610,39 @@ class JointMALARun(JointLangevinRun):
         the clients' halves then use the same step, in a simulation and over Flower alike."""
         return jnp.exp(log_mult).astype(jnp.float32).astype(log_mult.dtype)
 
-    def _broadcast(self, accepted, proposal, log_mult) -> Message:
-        return dense_message((accepted, proposal, self._multiplier(log_mult)))
+    def _broadcast(self, last, n, proposal, log_mult) -> Message:
+        """The decisions' news (each chain's last accepted decision, and the round's index: 32 bits each), the
+        proposal and the multipliers."""
+        return dense_message(((last, n), proposal, self._multiplier(log_mult)))
+
+    def _receive(self, state, j: jax.Array, accepted: jax.Array):
+        """Decision ``j``: the pending candidate taken where ``accepted``, the chain's state kept as that decision's
+        draw, and the warm-up's scale windows fed with it (MALA: decision j is round j's; HMC overrides)."""
+        state = self._commit(state._replace(count=j + 1), accepted)
+        if self.cfg.adapt_mass_matrix:  # decision number `count` is in: the same schedule as the server's
+            scale, acc, _ = _adapt_scale(state.scale, state.acc, state.z, state.count, self.windows)
+            state = state._replace(scale=scale, acc=acc)
+        return state
+
+    def _pending(self, state) -> tuple[jax.Array, jax.Array]:
+        """``(first, announced)``: the client's first uncommitted decision, and the number of decisions a broadcast
+        of round ``r`` announces, as a function of r (MALA: its last candidate's, round count - 1; one a round)."""
+        return jnp.maximum(state.count - 1, 0), lambda r: r
+
+    def _commit_through(self, state, news, r) -> Any:
+        """Every decision announced by round ``r``'s broadcast, whose ``news`` = (each chain's last accepted decision,
+        r).
+
+        A client that answered every round commits the last decision: its pending candidate is taken where that
+        decision is the chain's last accepted one. A client that missed rounds (its upload lost, its state rolled
+        back; or a node down, over Flower) also commits the decisions it missed, from its own last candidate's on:
+        every decision with a round it missed was a rejection (the server rejects when any upload is missing), so
+        its candidate was accepted exactly where the chain's last accepted decision is that candidate's, and it keeps
+        its state as the draw of the others. It then stands where a client that answered every round would, in a
+        simulation and over Flower alike, however many rounds it missed."""
+        last = news[0]
+        first, announced = self._pending(state)
+        return jax.lax.fori_loop(first, announced(r), lambda j, st: self._receive(st, j, last == j), state)
 
     def _server_start(self, x0: jax.Array, uploads: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """``(gamma, g, zeros per chain, log_mult)`` at the set-up: the globals' base step, the summed gradient, and
@@ -616,16 +652,20 @@ class JointMALARun(JointLangevinRun):
         log_mult = none + (_DA_MU if self.cfg.adapt_step and self.warmup > 0 else 0.0)
         return self._step_from(curvatures), jnp.sum(gx, 0), none, log_mult
 
-    def _adapt(self, state, x: jax.Array, alpha: jax.Array, n: jax.Array):
+    def _adapt(self, state, x: jax.Array, alpha: jax.Array, n: jax.Array, lost: jax.Array):
         """After decision ``n`` (the chain's state ``x``, acceptance probabilities ``alpha``): the warm-up's
         adaptation. Returns ``(da, log_mult, scale, acc)`` for the next proposal: within the warm-up the dual
         averaging's eps_t, from its last decision on the frozen epsbar; at a window's end new scales and the dual
-        averaging started again from multiplier 1."""
+        averaging started again from multiplier 1. A decision a lost upload forced (``lost``) says nothing of the
+        step: the dual averaging skips it (counted as a rejection, a fault rate f would drive the step towards the
+        one whose acceptance is target / (1 - f), and to 0 when f exceeds 1 - target)."""
         da, log_mult, scale, acc = state.da, state.log_mult, state.scale, state.acc
         if self.cfg.adapt_mass_matrix:
             scale, acc, ended = _adapt_scale(scale, acc, x, n, self.windows)
         if self.cfg.adapt_step and self.warmup > 0:
             new_da, log_eps = _dual_averaging(state.da, alpha, self.cfg.target_accept)
+            new_da = jax.tree_util.tree_map(lambda a, b: jnp.where(lost, b, a), new_da, state.da)
+            log_eps = jnp.where(lost, state.log_mult, log_eps)
             da = jax.tree_util.tree_map(lambda a, b: jnp.where(n <= self.warmup, a, b), new_da, state.da)
             log_mult = jnp.where(n < self.warmup, log_eps, da.log_bar)
             if self.cfg.adapt_mass_matrix:
@@ -637,17 +677,16 @@ class JointMALARun(JointLangevinRun):
         gamma, g, none, log_mult = self._server_start(x0, uploads)
         scale = jnp.broadcast_to(gamma, x0.shape).astype(x0.dtype)
         proposal = self._langevin(key, x0, g, scale * self._multiplier(log_mult)[:, None])
-        state = MALAServerState(x0, g, proposal, none, gamma, log_mult, DualAveraging.start(x0), scale,
-                                Welford.empty(x0), jnp.zeros((), jnp.int32))
-        return state, self._broadcast(none, proposal, log_mult)
+        last, zero = jnp.full(x0.shape[:1], -1, jnp.int32), jnp.zeros((), jnp.int32)
+        state = MALAServerState(x0, g, proposal, last, gamma, log_mult, DualAveraging.start(x0), scale,
+                                Welford.empty(x0), zero)
+        return state, self._broadcast(last, zero, proposal, log_mult)
 
     def client_step(self, key, payload, state: MALAClientState, client: ClientData):
-        """Commit the last decision, propose z', evaluate at (x', z'), upload (c_i, grad_x U_i(x', z'))."""
-        accepted, x_prop, mult = payload
-        state = self._commit(state, accepted)  # round 0: nothing pending (the flags are 0, the index -1 is not kept)
-        if self.cfg.adapt_mass_matrix:  # decision number `count` is in: the same schedule as the server's
-            scale, acc, _ = _adapt_scale(state.scale, state.acc, state.z, state.count, self.windows)
-            state = state._replace(scale=scale, acc=acc)
+        """Commit the decisions announced (:meth:`_commit_through`), propose z', evaluate at (x', z'), upload
+        (c_i, grad_x U_i(x', z'))."""
+        news, x_prop, mult = payload
+        state = self._commit_through(state, news, news[1])  # round 0: none announced
         gamma = state.scale * mult[:, None]  # (chains, q): this round's step of each coordinate
         z_prop = self._langevin(key, state.z, state.gz, gamma)
         u_prop, gx_prop, gz_prop = self._eval(x_prop, z_prop, client)
@@ -656,16 +695,18 @@ class JointMALARun(JointLangevinRun):
         # rejected: its flag is 0 (and c, grad 0, so that the upload stays an ordinary one for the engine's screening)
         ok = jnp.isfinite(c) & jnp.all(jnp.isfinite(gx_prop), -1) & (c > -MAX_DELTA_ENERGY)
         c, gx_prop = jnp.where(ok, c, 0.0), jnp.where(ok[:, None], gx_prop, 0.0)
-        new = state._replace(z_prop=z_prop, u_prop=u_prop, gz_prop=gz_prop, count=state.count + 1)
+        new = state._replace(z_prop=z_prop, u_prop=u_prop, gz_prop=gz_prop, count=news[1] + 1)
         return new, dense_message((c, ok.astype(c.dtype), gx_prop))
 
     def server_step(self, key, state: MALAServerState, uploads: Message, info):
         """Metropolis-Hastings on the joint proposal; in warm-up, the step multipliers' dual averaging; then the
-        next proposal with the decision and the multipliers."""
+        next proposal with the decisions' news and the multipliers."""
         c, ok, g_prop = uploads.payload
-        # every client's flag must be 1: a client whose upload is missing (its upload arrives zeroed) or whose
-        # proposal is not finite forces a rejection
+        # every client's flag must be 1: a client whose upload is missing (lost or screened out: it arrives zeroed)
+        # or whose proposal is not finite forces a rejection. A loss independent of the chain's state leaves the
+        # kernel a mixture of Metropolis-Hastings and staying put, both of which keep the posterior.
         c, ok, g_prop = jnp.sum(c, 0), jnp.min(ok, 0) > 0, jnp.sum(g_prop, 0)
+        lost = _any_lost(info)
         k_u, k_prop = jax.random.split(key)
         gamma = state.scale * self._multiplier(state.log_mult)[:, None]
         log_alpha = c + _log_q(state.x, state.proposal, g_prop, gamma) - _log_q(state.proposal, state.x, state.g, gamma)
@@ -675,21 +716,21 @@ class JointMALARun(JointLangevinRun):
         x = jnp.where(accept[:, None], state.proposal, state.x)
         g = jnp.where(accept[:, None], g_prop, state.g)
         n = state.n + 1  # this decision's number
-        da, log_mult, scale, acc = self._adapt(state, x, alpha, n)
+        da, log_mult, scale, acc = self._adapt(state, x, alpha, n, lost)
         proposal = self._langevin(k_prop, x, g, scale * self._multiplier(log_mult)[:, None])
-        flags = accept.astype(x.dtype)
-        new = state._replace(x=x, g=g, proposal=proposal, accepted=flags, log_mult=log_mult, da=da, scale=scale,
+        last = jnp.where(accept, state.n, state.last)
+        new = state._replace(x=x, g=g, proposal=proposal, last=last, log_mult=log_mult, da=da, scale=scale,
                              acc=acc, n=n)
-        diag = {"_sample": x, "acceptance": jnp.mean(alpha), "accepted": jnp.mean(flags),
-                "step_multiplier": jnp.mean(self._multiplier(log_mult))}
-        return new, self._broadcast(flags, proposal, log_mult), diag
+        diag = {"_sample": x, "acceptance": jnp.mean(alpha), "accepted": jnp.mean(accept.astype(x.dtype)),
+                "step_multiplier": jnp.mean(self._multiplier(log_mult)), "lost": lost}
+        return new, self._broadcast(last, n, proposal, log_mult), diag
 
-    def final_message(self, key, server: MALAServerState) -> jax.Array:
-        """The last decision, so that every client takes its last state."""
-        return server.accepted
+    def final_message(self, key, server) -> tuple[jax.Array, jax.Array]:
+        """The decisions' news after the last round, so that every client takes its last state."""
+        return server.last, server.n
 
-    def final_client(self, key, accepted, state: MALAClientState, client: ClientData):
-        return super().final_client(key, accepted, self._commit(state, accepted), client)
+    def final_client(self, key, news, state, client: ClientData):
+        return self._final_draws(self._commit_through(state, news, news[1]))
 
     def _first_kept_round(self) -> int:
         """The round of the first kept draw (MALA: a decision a round)."""
@@ -699,7 +740,8 @@ class JointMALARun(JointLangevinRun):
         """MALA's settings: ``history``'s acceptance records one row per decision (HMC: subsampled to them) and its
         bits one per round; the draws kept start at decision ``warmup``, round :meth:`_first_kept_round`."""
         parts = super().record_parts(key, server_state, problem, history)
-        rate = np.asarray(history["acceptance"])[self.warmup:]
+        lost = np.asarray(history["lost"], bool) if "lost" in history else np.zeros(len(history["acceptance"]), bool)
+        rate = np.asarray(history["acceptance"])[self.warmup:][~lost[self.warmup:]]  # decisions a loss did not force
         first = self._first_kept_round()
         bits = sum(float(np.sum(np.asarray(history[k])[first:])) for k in ("bits_up", "bits_down") if k in history)
         accepted = float(np.sum(np.asarray(history["accepted"])[self.warmup:])) * server_state.x.shape[0]  # all chains
@@ -710,6 +752,8 @@ class JointMALARun(JointLangevinRun):
             "adaptation_rounds": first if self.cfg.adapt_step else 0,
             "step_multiplier": np.exp(np.asarray(server_state.log_mult, np.float64)).tolist(),
             "bits_per_accepted_draw": bits / accepted if accepted > 0 else float("inf"),
+            # decisions a lost upload forced to be rejections (the chain stayed put: still exact)
+            "decisions_lost": int(np.sum(lost)),
         }
         return parts
 
@@ -726,7 +770,8 @@ class HMCServerState(NamedTuple):
     rho: jax.Array  # (chains, d) the trajectory's momentum (whitened: rho ~ N(0, I) at the start)
     k0: jax.Array  # (chains,) the starting kinetic energy |rho_0|^2 / 2
     ok: jax.Array  # (chains,) bool: every client's every evaluation in this trajectory was finite
-    accepted: jax.Array  # (chains,) float 0 / 1: the last decision (sent with the next trajectory's first position)
+    lost: jax.Array  # () bool: a client's upload was lost in this trajectory (it is rejected)
+    last: jax.Array  # (chains,) int32: the index of the last accepted trajectory (-1: none), sent every round
     gamma: jax.Array  # () the globals' base inverse mass
     log_mult: jax.Array  # (chains,) log of the adapted leapfrog step
     eps: jax.Array  # (chains,) the current trajectory's step: the adapted one, jittered, as the wire carries it
@@ -859,34 +904,41 @@ class JointHMCRun(JointMALARun):
         gamma, g, none, log_mult = self._server_start(x0, uploads)
         scale = self._inverse_mass(gamma, x0)
         pos, rho, k0, eps = self._start_trajectory(key, x0, g, scale, log_mult)
-        zero = jnp.zeros((), jnp.int32)
-        state = HMCServerState(x0, g, pos, rho, k0, jnp.ones(x0.shape[:1], bool), none, gamma, log_mult, eps,
-                               DualAveraging.start(x0), scale, Welford.empty(x0), zero, zero)
-        return state, dense_message((none, pos, eps))
+        zero, last = jnp.zeros((), jnp.int32), jnp.full(x0.shape[:1], -1, jnp.int32)
+        state = HMCServerState(x0, g, pos, rho, k0, jnp.ones(x0.shape[:1], bool), jnp.zeros((), bool), last, gamma,
+                               log_mult, eps, DualAveraging.start(x0), scale, Welford.empty(x0), zero, zero)
+        return state, dense_message(((last, zero), pos, eps))
 
     # ------------------------------------------------------------------ rounds
-    def _commit_decision(self, state: HMCClientState, accepted: jax.Array) -> HMCClientState:
-        """At a trajectory's first round (after the first): take its end point where the server accepted it, count
-        the decision and keep the chain's state as decision ``count``'s draw."""
-        return self._accept_into(state._replace(count=state.count + 1), accepted, state.pos, state.u_pos, state.g_pos)
+    def _receive(self, state: HMCClientState, j: jax.Array, accepted: jax.Array) -> HMCClientState:
+        """Trajectory ``j``'s decision (j = ``count``): its end point taken where ``accepted``, the decision counted,
+        the chain's state kept as its draw, and the scale windows fed with it."""
+        state = self._accept_into(state._replace(count=state.count + 1), accepted, state.pos, state.u_pos, state.g_pos)
+        if self.cfg.adapt_mass_matrix:
+            scale, acc, _ = _adapt_scale(state.scale, state.acc, state.z, state.count, self.windows)
+            state = state._replace(scale=scale, acc=acc)
+        return state
+
+    def _pending(self, state: HMCClientState):
+        """The first trajectory not committed; a broadcast of round r announces the r // num_steps ended by then."""
+        return state.count, lambda r: r // self.L
 
     def client_step(self, key, payload, state: HMCClientState, client: ClientData):
         """One leapfrog step of the client's latents at the broadcast position of the globals; at a trajectory's
-        start the last decision is committed and a momentum drawn; at its end the energy share goes up."""
-        accepted, x_pos, mult = payload
-        L = self.L
-        first, last = state.r % L == 0, state.r % L == L - 1
+        start the decisions announced are committed (:meth:`JointMALARun._commit_through`) and a momentum drawn; at
+        its end the energy share goes up. A client that missed rounds of the trajectory under way (whose decision
+        will be a rejection) answers it with flag 0."""
+        news, x_pos, mult = payload
+        L, r = self.L, news[1]
+        first, last = r % L == 0, r % L == L - 1
+        state = self._commit_through(state, news, r)._replace(ok=state.ok & (state.r == r))
 
         def begin(st):
-            st = jax.lax.cond(st.r > 0, lambda t: self._commit_decision(t, accepted), lambda t: t, st)
-            if self.cfg.adapt_mass_matrix:
-                scale, acc, _ = _adapt_scale(st.scale, st.acc, st.z, st.count, self.windows)
-                st = st._replace(scale=scale, acc=acc)
             rho = jax.random.normal(key, st.z.shape, st.z.dtype)
             return st._replace(pos=st.z, u_pos=st.u, g_pos=st.gz, rho=rho, h0=st.u + 0.5 * jnp.sum(rho ** 2, -1),
                                ok=jnp.ones_like(st.ok))
 
-        state = jax.lax.cond(first, begin, lambda st: st, state)
+        state = jax.lax.cond(first, begin, lambda st: st, state._replace(r=r))
         eps, root = mult[:, None], jnp.sqrt(state.scale)
         rho = state.rho - 0.5 * eps * root * state.g_pos
         pos = state.pos + eps * root * rho
@@ -905,6 +957,7 @@ class JointHMCRun(JointMALARun):
         adaptation); then the next half kick and drift, broadcast with the decision and the step."""
         c, ok, g_pos = uploads.payload
         c, ok, g_pos = jnp.sum(c, 0), state.ok & (jnp.min(ok, 0) > 0), jnp.sum(g_pos, 0)
+        lost = state.lost | _any_lost(info)  # a lost upload's flag arrives 0: the trajectory is rejected
         k_u, k_rho = jax.random.split(key)
         eps, root = state.eps[:, None], jnp.sqrt(state.scale)
         rho = state.rho - 0.5 * eps * root * g_pos
@@ -918,28 +971,28 @@ class JointHMCRun(JointMALARun):
             x = jnp.where(accept[:, None], state.pos, state.x)
             g = jnp.where(accept[:, None], g_pos, state.g)
             n = state.n + 1
-            da, log_mult, scale, acc = self._adapt(state, x, alpha, n)
+            da, log_mult, scale, acc = self._adapt(state, x, alpha, n, lost)
             pos, rho_new, k0, eps_new = self._start_trajectory(k_rho, x, g, scale, log_mult)
-            return state._replace(x=x, g=g, pos=pos, rho=rho_new, k0=k0, ok=jnp.ones_like(ok), log_mult=log_mult, eps=eps_new,
-                                  da=da, scale=scale, acc=acc, n=n, accepted=accept.astype(x.dtype))
+            return state._replace(x=x, g=g, pos=pos, rho=rho_new, k0=k0, ok=jnp.ones_like(ok), lost=jnp.zeros_like(lost),
+                                  log_mult=log_mult, eps=eps_new, da=da, scale=scale, acc=acc, n=n,
+                                  last=jnp.where(accept, state.n, state.last))
 
         def move(_):
             r = rho - 0.5 * eps * root * g_pos
-            return state._replace(pos=state.pos + eps * root * r, rho=r, ok=ok)
+            return state._replace(pos=state.pos + eps * root * r, rho=r, ok=ok, lost=lost)
 
         new = jax.lax.cond(last, decide, move, None)._replace(r=state.r + 1)
         diag = {"_sample": new.x, "acceptance": jnp.mean(alpha), "accepted": jnp.mean(accept.astype(c.dtype)),
-                "step_multiplier": jnp.mean(self._multiplier(new.log_mult))}
-        return new, dense_message((new.accepted, new.pos, new.eps)), diag
+                "step_multiplier": jnp.mean(self._multiplier(new.log_mult)), "lost": lost}
+        return new, dense_message(((new.last, new.r), new.pos, new.eps)), diag
 
-    # ------------------------------------------------------------------ the end
-    def final_client(self, key, accepted, state: HMCClientState, client: ClientData):
-        return JointLangevinRun.final_client(self, key, accepted, self._commit_decision(state, accepted), client)
+    def final_message(self, key, server: HMCServerState) -> tuple[jax.Array, jax.Array]:
+        return server.last, server.r
 
     def record_parts(self, key, server_state, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
         """The rounds' records at the decisions (every ``num_steps``-th round), then :class:`JointMALARun`'s."""
         L = self.L
-        at_decisions = {k: (np.asarray(v)[L - 1::L] if k in ("_sample", "acceptance", "accepted") else v)
+        at_decisions = {k: (np.asarray(v)[L - 1::L] if k in ("_sample", "acceptance", "accepted", "lost") else v)
                         for k, v in history.items()}
         parts = super().record_parts(key, server_state, problem, at_decisions)
         parts.settings = {**parts.settings, "num_steps": L, "warmup": self.warmup, "warmup_rounds": self.warmup_rounds}
