@@ -201,6 +201,17 @@ def _where_active(active: jax.Array, new: PyTree, old: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda n, o: jnp.where(jnp.reshape(active, (-1,) + (1,) * (n.ndim - 1)), n, o), new, old)
 
 
+def _roll_back(algorithm: FederatedRun, active: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+    """The cohort's states after a round: the new where ``active``, the old elsewhere, except the fields the
+    algorithm keeps from a faulty round (``kept_on_fault``), taken from the new states whole."""
+    names = algorithm.kept_on_fault
+    if not names:
+        return _where_active(active, new, old)
+    none = dict.fromkeys(names)
+    return _where_active(active, new._replace(**none), old._replace(**none))._replace(
+        **{n: getattr(new, n) for n in names})
+
+
 class Progress:
     """A one-line progress report on stderr, shown only on a terminal unless forced."""
 
@@ -291,7 +302,8 @@ def make_round(algorithm: FederatedRun, clients: ClientData, num_clients: int, c
         members = _take(clients, cohort)._replace(slot=jnp.arange(cohort_size), shared_key=k_shared,
                                                   settings=algorithm.client_settings(server_state))
         step = jax.vmap(algorithm.client_step, in_axes=(0, None, 0, _CLIENT_AXES))
-        old_states = _take(client_states, cohort)
+        full = cohort_size == num_clients  # every client, in order: no gather or scatter of the client states
+        old_states = client_states if full else _take(client_states, cohort)
         new_states, uploads = step(keys, decode_tree(broadcast.payload), old_states, members)
         payload = decode_tree(uploads.payload)  # what the server reconstructs from the messages
         injected = jnp.zeros((cohort_size,), jnp.int32)
@@ -308,14 +320,14 @@ def make_round(algorithm: FederatedRun, clients: ClientData, num_clients: int, c
             finish = jax.vmap(algorithm.client_finish, in_axes=(None, 0, _CLIENT_AXES, 0))
             new_states, reply_bits = finish(decode_tree(new_broadcast.payload), new_states, members, payload)
             replied = jnp.where(active, reply_bits, 0)
-        kept = _where_active(active, new_states, old_states)
+        kept = _roll_back(algorithm, active, new_states, old_states)
         if algorithm.resyncs:  # a faulty member's copy of server state is re-sent
             again = algorithm.resync_message(opening)
             resynced = jax.vmap(algorithm.resync, in_axes=(0, None), axis_size=cohort_size)(old_states,
                                                                                         decode_tree(again.payload))
             kept = _where_active(faulty, resynced, kept)
             resent = jnp.where(faulty, again.bits, 0)
-        client_states = _put(client_states, cohort, kept)
+        client_states = kept if full else _put(client_states, cohort, kept)
         record["bits_down"] = downlink_bits(broadcast.bits, expected, replied, resent)
         return (server_state, client_states, new_broadcast), record
 

@@ -247,6 +247,10 @@ class FederatedRun(abc.ABC):
     * ``participation`` (1.0): each cohort member takes part in a round independently with this
       probability (FedMM's Bernoulli participation).
     * ``setup_stages`` (1): the number of set-up exchanges.
+    * ``kept_on_fault`` (()): fields of a client's state (a NamedTuple) that a faulty member keeps from its
+      round instead of rolling them back: records the round made that its catch-up would make again, identical
+      (the joint exact samplers' buffers of kept draws, which a select with the old state would copy whole every
+      round).
 
     Runs are built by their configuration's ``build(problem)``. All stage functions are pure; the
     client's ``client`` argument is its own data only, and ``key`` arguments follow the engine's key
@@ -260,6 +264,7 @@ class FederatedRun(abc.ABC):
     final_exchange: bool = False
     replies: bool = False
     resyncs: bool = False
+    kept_on_fault: tuple[str, ...] = ()
     divergence_hint: str = ""
     """Likely fixes named in the error when the fit diverges (empty: a generic hint)."""
 

@@ -62,6 +62,7 @@ class JointClientState(NamedTuple):
     z: jax.Array  # (chains, q) the client's latents, unconstrained and flat
     gamma: jax.Array  # (chains, q) the client's own step of each coordinate
     draws: jax.Array  # (kept draws, chains, q) the client's kept states
+    filled: jax.Array  # (kept draws,) bool: the slot was written (the others take the slot before's, at the end)
     count: jax.Array  # () int32: rounds this client has moved in (its next state's round)
     gamma0: jax.Array  # () the client's starting step
     acc: Any  # the current adaptation window's statistics (Welford)
@@ -211,21 +212,29 @@ class JointLangevinRun(LangevinRun):
         """z - gamma grad U(z) + sqrt(2 gamma) N(0, I): a Langevin move, or a proposal."""
         return z - gamma * grad + jnp.sqrt(2 * gamma) * jax.random.normal(key, z.shape, z.dtype)
 
-    def _record(self, state: JointClientState) -> JointClientState:
-        """Keep the current state if its round is a kept one (after warm-up, every ``thinning``-th)."""
-        k = state.count - self.warmup
-        keep = (k >= 0) & (k % self.cfg.thinning == 0)
-        slot = jnp.clip(k // self.cfg.thinning, 0, self.num_kept - 1)
-        # one slot written (in place inside the rounds' loop), not a select over the whole buffer each round
-        draws = state.draws.at[slot].set(jnp.where(keep, state.z, state.draws[slot]))
-        return state._replace(draws=draws)
+    def _record(self, state, n: jax.Array, write: jax.Array | bool = True):
+        """Keep the chain's current state as the draw of round (MALA, HMC: decision) ``n``, the state's first:
+        written to the slot of the first kept round at or after n (after ``warmup``, every ``thinning``-th), unless
+        n is past the last kept one.
 
-    def _record_through(self, state, last: jax.Array):
-        """Keep the current state as the draw of every kept round from ``state.count`` to ``last - 1`` (a client
-        that sat those rounds out held these latents all along)."""
-        rounds = self.warmup + self.cfg.thinning * jnp.arange(self.num_kept)
-        fill = (rounds >= state.count) & (rounds < last)
-        return state._replace(draws=jnp.where(fill.reshape((-1,) + (1,) * state.z.ndim), state.z[None], state.draws))
+        The state changes only at such writes, so a slot's last write is the state at its round: a client that
+        missed rounds (absent, or its uploads lost) leaves the slots of the kept rounds it missed unwritten, and
+        the final exchange gives each unwritten slot the value of the slot before (:meth:`_filled_draws`), the
+        state it held. One slot is written a round (in place inside the rounds' loop), never the whole buffer."""
+        w, t = self.warmup, self.cfg.thinning
+        slot = jnp.clip(-((w - n) // t), 0, self.num_kept - 1)  # ceil((n - w) / t)
+        write = write & (n <= w + (self.num_kept - 1) * t)
+        draws = state.draws.at[slot].set(jnp.where(write, state.z, state.draws[slot]))
+        return state._replace(draws=draws, filled=state.filled.at[slot].set(state.filled[slot] | write))
+
+    @staticmethod
+    def _filled_draws(state) -> jax.Array:
+        """The draws, each slot never written given the value of the last one written before it (slot 0 always is)."""
+        k = jnp.arange(state.filled.shape[0])
+        return state.draws[jax.lax.cummax(jnp.where(state.filled, k, 0))]
+
+    def _empty_draws(self, z: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros((self.num_kept,) + z.shape, z.dtype), jnp.zeros((self.num_kept,), bool)
 
     # ------------------------------------------------------------------ set-up
     def _client_start(self, key, x0: jax.Array, client: ClientData) -> tuple[jax.Array, jax.Array, Any]:
@@ -253,11 +262,10 @@ class JointLangevinRun(LangevinRun):
         starts, gamma, share = self._client_start(k_z, x0, client)
         gx, gz = self._grads(x0, starts, client)
         z1 = self._langevin(k_move, starts, gz, gamma)
-        draws = jnp.zeros((self.num_kept,) + starts.shape, starts.dtype)
         state = JointClientState(self.down.client_start(x0), self.up.client_start(gx), z1,
-                                 jnp.broadcast_to(gamma, starts.shape).astype(starts.dtype), draws,
+                                 jnp.broadcast_to(gamma, starts.shape).astype(starts.dtype), *self._empty_draws(starts),
                                  jnp.zeros((), jnp.int32), gamma, Welford.empty(starts))
-        return state, (gx, share)
+        return self._record(state, 0), (gx, share)  # z1 is the latents at round 0's start
 
     def setup_server_step(self, stage: int, key: jax.Array, x0: jax.Array, uploads: Any):
         """LangevinRun's first move, its state carried with one step per chain and coordinate."""
@@ -283,33 +291,28 @@ class JointLangevinRun(LangevinRun):
 
     # ------------------------------------------------------------------ rounds
     def client_step(self, key, payload, state: JointClientState, client: ClientData):
-        """Keep (x_k, z_k)'s z when the round is kept, then both gradients at (x_k, z_k): z moves, grad_x goes up."""
+        """Both gradients at (x_k, z_k): z moves, grad_x goes up; z_{k+1} is kept as the draw of round k + 1 (paired
+        with x_{k+1}). A client that missed rounds has kept its held latents for them (:meth:`_record`)."""
         payload, r = payload
-        state = self._record_through(state, r)._replace(count=r)  # the rounds it missed: its held latents
         w, down = self.down.receive(payload, state.down)
-        state = self._record(state)
         k_move, k_up = jax.random.split(key)
         gx, gz = self._grads(w, state.z, client, key)  # the batches from the round key's own stream
         z = self._langevin(k_move, state.z, gz, state.gamma)
         up, message = self.up.send(k_up, gx, state.up)
-        state = state._replace(down=down, up=up, z=z, count=state.count + 1)
+        state = self._record(state._replace(down=down, up=up, z=z, count=r + 1), r + 1)
         if self.adapt:  # the same moves' count as the server's: both adapt at the same rounds
             gamma, acc, _ = _adapt_scale(state.gamma, state.acc, z, state.count, self.windows, self.step_scale)
             state = state._replace(gamma=gamma, acc=acc)
         return state, message
 
     # ------------------------------------------------------------------ the end
-    def final_message(self, key, server) -> Any:
-        """The number of rounds (a client absent at the end fills its last draws)."""
-        return server.n
-
     def final_client(self, key, payload, state: JointClientState, client: ClientData):
         """The client's kept draws, constrained-site layout (chains, draws, ...), kept by the client; nothing up."""
-        return self._final_draws(self._record_through(state, payload))
+        return self._final_draws(state)
 
     def _final_draws(self, state) -> tuple[dict[str, Any], tuple]:
-        """The final exchange's client half from a state whose draws are all recorded."""
-        draws = jnp.swapaxes(state.draws, 0, 1)  # (chains, draws, q)
+        """The final exchange's client half from a state whose last change is recorded."""
+        draws = jnp.swapaxes(self._filled_draws(state), 0, 1)  # (chains, draws, q)
         local = jax.vmap(jax.vmap(self._unravel_z))(draws)
         # JointLMC: its steps per chain and coordinate; JointMALA / HMC: their scales before the step multiplier
         steps = state.scale if hasattr(state, "scale") else state.gamma
@@ -407,6 +410,7 @@ class MALAClientState(NamedTuple):
     gz_prop: jax.Array  # (chains, q) grad_z U_i at (x', z')
     gamma: jax.Array  # () the client's own base step
     draws: jax.Array  # (kept draws, chains, q)
+    filled: jax.Array  # (kept draws,) bool
     count: jax.Array  # () int32: rounds this client has answered (= decisions it has received)
     scale: jax.Array  # (chains, q) each coordinate's step before the multiplier: gamma, then the window variances
     acc: Welford  # the current window's statistics
@@ -463,14 +467,15 @@ class Welford(NamedTuple):
 
 
 def _adapt_scale(scale: jax.Array, acc: Welford, x: jax.Array, n: jax.Array, windows,
-                 factor: float = 1.0) -> tuple[jax.Array, Welford, jax.Array]:
+                 factor: float = 1.0, on: jax.Array | bool = True) -> tuple[jax.Array, Welford, jax.Array]:
     """After decision (or move) ``n`` (the chain's state ``x``): accumulate it in a slow window, and at a window's
-    end replace the per-coordinate scales by ``factor`` times the window's variances. Returns ``(scale, acc, ended)``."""
+    end replace the per-coordinate scales by ``factor`` times the window's variances. Returns ``(scale, acc, ended)``;
+    nothing changes where ``on`` is False."""
     start, ends = windows
     if not ends:
         return scale, acc, jnp.zeros((), bool)
-    acc = acc.add(x, (n > start) & (n <= ends[-1]))
-    ended = jnp.any(n == jnp.asarray(ends))
+    acc = acc.add(x, on & (n > start) & (n <= ends[-1]))
+    ended = on & jnp.any(n == jnp.asarray(ends))
     scale = jnp.where(ended, factor * acc.scale(), scale)
     acc = jax.tree_util.tree_map(lambda e, a: jnp.where(ended, e, a), Welford.empty(x), acc)
     return scale, acc, ended
@@ -572,6 +577,9 @@ class JointMALARun(JointLangevinRun):
     """:class:`JointMALA` bound to a model."""
 
     resyncs = False
+    # a faulty round's only write to the draws is the commit of a decision the broadcast announced, which the
+    # client's catch-up makes again identically; rolled back, the buffer would be copied whole each round
+    kept_on_fault = ("draws", "filled")
     step_scale = MALA_STEP_SCALE
 
     def __init__(self, cfg: JointMALA, fm: FedModel, problem: Problem):
@@ -582,27 +590,32 @@ class JointMALARun(JointLangevinRun):
         u, (gx, gz) = jax.vmap(jax.value_and_grad(self.joint_potential, argnums=(0, 1)), in_axes=(0, 0, None))(x, z, client)
         return jnp.where(jnp.isfinite(u), u, jnp.inf), gx, gz
 
-    def _accept_into(self, state, accepted: jax.Array, z: jax.Array, u: jax.Array, gz: jax.Array):
-        """The chain's (z, U_i, grad_z U_i) replaced by the candidate's where the server accepted it, and the state
-        kept as the draw of decision ``count - 1`` (MALA's proposal, HMC's trajectory end)."""
-        take = accepted.astype(bool)
-        pick = lambda new, old: jnp.where(take.reshape(take.shape + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
-        state = state._replace(z=pick(z, state.z), u=pick(u, state.u), gz=pick(gz, state.gz))
-        return self._record(state._replace(count=state.count - 1))._replace(count=state.count)
+    @staticmethod
+    def _candidate(state: MALAClientState) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The pending candidate's (z, U_i, grad_z U_i): MALA's proposal (HMC: its trajectory's end)."""
+        return state.z_prop, state.u_prop, state.gz_prop
 
-    def _commit(self, state: MALAClientState, accepted: jax.Array) -> MALAClientState:
-        """Take the pending proposal where the server accepted it, and keep the state for round ``count - 1``."""
-        return self._accept_into(state, accepted, state.z_prop, state.u_prop, state.gz_prop)
+    def _receive(self, state, j: jax.Array, accepted: jax.Array, do: jax.Array):
+        """Decision ``j``, where ``do``: the pending candidate taken where ``accepted``, the chain's state kept as the
+        decision's draw, ``count`` set to j + 1, and the warm-up's scale windows fed with the state."""
+        take = (accepted & do).astype(bool)
+        pick = lambda new, old: jnp.where(take.reshape(take.shape + (1,) * (new.ndim - 1)), new, old)  # noqa: E731
+        z, u, gz = self._candidate(state)
+        state = state._replace(z=pick(z, state.z), u=pick(u, state.u), gz=pick(gz, state.gz))
+        state = self._record(state, j, do)._replace(count=jnp.where(do, j + 1, state.count))
+        if self.cfg.adapt_mass_matrix:  # decision number `count` is in: the same schedule as the server's
+            scale, acc, _ = _adapt_scale(state.scale, state.acc, state.z, state.count, self.windows, on=do)
+            state = state._replace(scale=scale, acc=acc)
+        return state
 
     def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
         """Each chain's latents start at a draw from p(z_i | x_0); the client's step from its own curvature;
         U_i and its gradients at (x_0, z_0); grad_x U_i goes up (with the curvature share for the server's step)."""
         z0, gamma, share = self._client_start(key, x0, client)
         u, gx, gz = self._eval(x0, z0, client)
-        draws = jnp.zeros((self.num_kept,) + z0.shape, z0.dtype)
-        state = MALAClientState(z0, u, gz, z0, u, gz, gamma, draws, jnp.zeros((), jnp.int32),
+        state = MALAClientState(z0, u, gz, z0, u, gz, gamma, *self._empty_draws(z0), jnp.zeros((), jnp.int32),
                                 jnp.broadcast_to(gamma, z0.shape).astype(z0.dtype), Welford.empty(z0))
-        return state, (gx, share)
+        return self._record(state, 0), (gx, share)  # decision 0's draw unless a commit replaces it
 
     @staticmethod
     def _multiplier(log_mult: jax.Array) -> jax.Array:
@@ -614,15 +627,6 @@ class JointMALARun(JointLangevinRun):
         """The decisions' news (each chain's last accepted decision, and the round's index: 32 bits each), the
         proposal and the multipliers."""
         return dense_message(((last, n), proposal, self._multiplier(log_mult)))
-
-    def _receive(self, state, j: jax.Array, accepted: jax.Array):
-        """Decision ``j``: the pending candidate taken where ``accepted``, the chain's state kept as that decision's
-        draw, and the warm-up's scale windows fed with it (MALA: decision j is round j's; HMC overrides)."""
-        state = self._commit(state._replace(count=j + 1), accepted)
-        if self.cfg.adapt_mass_matrix:  # decision number `count` is in: the same schedule as the server's
-            scale, acc, _ = _adapt_scale(state.scale, state.acc, state.z, state.count, self.windows)
-            state = state._replace(scale=scale, acc=acc)
-        return state
 
     def _pending(self, state) -> tuple[jax.Array, jax.Array]:
         """``(first, announced)``: the client's first uncommitted decision, and the number of decisions a broadcast
@@ -642,7 +646,16 @@ class JointMALARun(JointLangevinRun):
         simulation and over Flower alike, however many rounds it missed."""
         last = news[0]
         first, announced = self._pending(state)
-        return jax.lax.fori_loop(first, announced(r), lambda j, st: self._receive(st, j, last == j), state)
+        stop = announced(r)
+        # its own candidate's decision (none announced yet: round 0, or HMC within a trajectory)
+        state = self._receive(state, first, last == first, first < stop)
+        if self.cfg.adapt_mass_matrix:  # the missed decisions, rejections: the held state fed to the scale windows
+            def missed(j, c):
+                return _adapt_scale(*c, state.z, j + 1, self.windows)[:2]
+
+            scale, acc = jax.lax.fori_loop(first + 1, stop, missed, (state.scale, state.acc))  # a small carry
+            state = state._replace(scale=scale, acc=acc)
+        return state._replace(count=jnp.maximum(state.count, stop))
 
     def _server_start(self, x0: jax.Array, uploads: Any) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """``(gamma, g, zeros per chain, log_mult)`` at the set-up: the globals' base step, the summed gradient, and
@@ -794,6 +807,7 @@ class HMCClientState(NamedTuple):
     ok: jax.Array  # (chains,) bool: the trajectory has stayed finite and within MAX_DELTA_ENERGY so far
     gamma: jax.Array  # () the client's own base inverse mass
     draws: jax.Array  # (kept draws, chains, q)
+    filled: jax.Array  # (kept draws,) bool
     count: jax.Array  # () int32: decisions committed
     r: jax.Array  # () int32: rounds answered
     scale: jax.Array  # (chains, q) the inverse mass
@@ -882,13 +896,11 @@ class JointHMCRun(JointMALARun):
     def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
         z0, gamma, share = self._client_start(key, x0, client)
         u, gx, gz = self._eval(x0, z0, client)
-        draws = jnp.zeros((self.num_kept,) + z0.shape, z0.dtype)
         none = jnp.zeros(z0.shape[:1], z0.dtype)
         zero = jnp.zeros((), jnp.int32)
         state = HMCClientState(z0, u, gz, z0, u, gz, jnp.zeros_like(z0), none, jnp.ones(z0.shape[:1], bool), gamma,
-                               draws, zero, zero,
-                               self._inverse_mass(gamma, z0), Welford.empty(z0))
-        return state, (gx, share)
+                               *self._empty_draws(z0), zero, zero, self._inverse_mass(gamma, z0), Welford.empty(z0))
+        return self._record(state, 0), (gx, share)
 
     def _start_trajectory(self, key, x, g, scale, log_mult):
         """A new momentum and step, the first half kick and drift: (pos, rho, k0, eps)."""
@@ -910,14 +922,10 @@ class JointHMCRun(JointMALARun):
         return state, dense_message(((last, zero), pos, eps))
 
     # ------------------------------------------------------------------ rounds
-    def _receive(self, state: HMCClientState, j: jax.Array, accepted: jax.Array) -> HMCClientState:
-        """Trajectory ``j``'s decision (j = ``count``): its end point taken where ``accepted``, the decision counted,
-        the chain's state kept as its draw, and the scale windows fed with it."""
-        state = self._accept_into(state._replace(count=state.count + 1), accepted, state.pos, state.u_pos, state.g_pos)
-        if self.cfg.adapt_mass_matrix:
-            scale, acc, _ = _adapt_scale(state.scale, state.acc, state.z, state.count, self.windows)
-            state = state._replace(scale=scale, acc=acc)
-        return state
+    @staticmethod
+    def _candidate(state: HMCClientState) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The trajectory's end point, the candidate of its decision."""
+        return state.pos, state.u_pos, state.g_pos
 
     def _pending(self, state: HMCClientState):
         """The first trajectory not committed; a broadcast of round r announces the r // num_steps ended by then."""
