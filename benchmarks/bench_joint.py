@@ -14,6 +14,7 @@ federated, as each of JointHMC's steps is.
 
     python benchmarks/bench_joint.py            # the table
     python benchmarks/bench_joint.py --quick    # fewer settings
+    python benchmarks/bench_joint.py --buffer   # only the round's cost against the clients' buffers of draws
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import warnings
 
 import jax
 import numpy as np
+import numpyro
+import numpyro.distributions as dist
 from numpyro.infer import MCMC, NUTS
 
 import fedbayes as fb
@@ -71,10 +74,43 @@ def samplers() -> dict[str, fb.LangevinSampler]:
             "JointMALA": fb.JointMALA(), "JointHMC (8 steps)": fb.JointHMC()}
 
 
+def random_intercepts(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with fb.local():
+        z = numpyro.sample("z", dist.Normal(mu, 1.0))
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Normal(z, 1.0), obs=y)
+
+
+def buffer_cost(rounds: int = 10000, clients: int = 60) -> None:
+    """Seconds per round against the size of the clients' buffers of kept draws: each sampler keeping every
+    round's draw (thinning 1: rounds / 2 draws per chain and client) and every 40th, in the last fifth of the rounds
+    (``res.history["seconds"]``, compilation excluded). A ratio near 1: a round's cost does not grow with the buffer."""
+    rng = np.random.default_rng(0)
+    data = fb.FederatedData({"y": [rng.normal(rng.normal(), 1.0, size=6) for _ in range(clients)]})
+    print(f"\n{clients} clients (random intercepts, 6 rows each), 4 chains, {rounds} rounds\n")
+    print("| sampler | ms/round, thinning 1 | ms/round, thinning 40 | ratio |")
+    print("|---|---|---|---|")
+    for algo in (fb.JointLMC(), fb.JointMALA(), fb.JointHMC()):
+        per = []
+        for thinning in (1, 40):
+            cfg = type(algo)(thinning=thinning)
+            fb.fed_fit(random_intercepts, data, cfg, num_rounds=400, seed=0, progress=False)  # compiled
+            res = fb.fed_fit(random_intercepts, data, cfg, num_rounds=rounds, seed=0, progress=False)
+            per.append(1e3 * float(np.mean(np.asarray(res.history["seconds"])[-rounds // 5:])))
+        print(f"| {algo.name} | {per[0]:.3f} | {per[1]:.3f} | {per[0] / per[1]:.2f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--buffer", action="store_true", help="only the round's cost against the buffers' size")
     args = parser.parse_args()
+    if args.buffer:
+        warnings.simplefilter("ignore")
+        print(machine_line())
+        buffer_cost()
+        return
     rounds = [2000, 8000] if args.quick else [1000, 2000, 4000, 8000, 16000, 32000]
     draws = [250, 1000] if args.quick else [250, 500, 1000, 2000, 4000]
     warnings.simplefilter("ignore")  # the short fits' convergence warnings: the table's R-hat column says it
@@ -99,6 +135,7 @@ def main() -> None:
         ok = "yes" if err <= 0.1 and rh < 1.01 else "no"
         print(f"| NUTS, pooled ({S} draws) | {steps} leapfrog steps | (none) | {seconds:.1f} | {err:.3f} | {ess:.0f} | "
               f"{rh:.3f} | {ok} |", flush=True)
+    buffer_cost()
 
 
 if __name__ == "__main__":
