@@ -294,6 +294,12 @@ class JointLangevinRun(LangevinRun):
         """Both gradients at (x_k, z_k): z moves, grad_x goes up; z_{k+1} is kept as the draw of round k + 1 (paired
         with x_{k+1}). A client that missed rounds has kept its held latents for them (:meth:`_record`)."""
         payload, r = payload
+        if self.adapt:  # the rounds it missed, its latents held: fed to the same windows as if it had answered
+            def missed(j, c):
+                return _adapt_scale(*c, state.z, j + 1, self.windows, self.step_scale)[:2]
+
+            gamma, acc = jax.lax.fori_loop(state.count, r, missed, (state.gamma, state.acc))  # a small carry
+            state = state._replace(gamma=gamma, acc=acc)
         w, down = self.down.receive(payload, state.down)
         k_move, k_up = jax.random.split(key)
         gx, gz = self._grads(w, state.z, client, key)  # the batches from the round key's own stream
@@ -535,8 +541,12 @@ class JointMALA(JointLMC):
 
     Lost uploads (dropped, or screened out): a decision with a missing share is a rejection (HMC: the whole
     trajectory's), ``res.settings["decisions_lost"]`` of them. A loss that does not depend on the chain's state
-    makes each decision's kernel a mixture of Metropolis-Hastings and staying put, so the draws stay exact
-    (tested). The client whose upload was lost rolls back and catches up from the next broadcast it gets
+    (a dropped upload, or a fault of the client's machine) makes each decision's kernel a mixture of
+    Metropolis-Hastings and staying put, so the draws stay exact (tested). An upload screened out for its
+    values (``fb.FaultPolicy``'s ``max_abs`` / ``relative`` bounds) depends on the proposal: rejecting those is
+    Metropolis-Hastings restricted to the proposals the screen passes, exact only for the posterior restricted
+    there, as NumPyro's rejection of divergent proposals; the default bound (1e6 times the cohort's median) is
+    far beyond any value a proposal in the posterior's bulk produces. The client whose upload was lost rolls back and catches up from the next broadcast it gets
     (:meth:`JointMALARun._commit_through`), in a simulation and over Flower alike; the dual averaging skips the
     decisions a loss forced, and ``res.settings["acceptance"]`` is the others' rate. No compression (``uplink`` / ``downlink``: the test needs exact
     gradients). The options are otherwise :class:`JointLMC`'s.
