@@ -25,8 +25,6 @@ import warnings
 
 import jax
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 from numpyro.infer import MCMC, NUTS
 
 import fedbayes as fb
@@ -74,14 +72,6 @@ def samplers() -> dict[str, fb.LangevinSampler]:
             "JointMALA": fb.JointMALA(), "JointHMC (8 steps)": fb.JointHMC()}
 
 
-def random_intercepts(y):
-    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
-    with fb.local():
-        z = numpyro.sample("z", dist.Normal(mu, 1.0))
-    with numpyro.plate("obs", y.shape[0]):
-        numpyro.sample("y", dist.Normal(z, 1.0), obs=y)
-
-
 def buffer_cost(rounds: int = 10000, clients: int = 60) -> None:
     """Seconds per round against the size of the clients' buffers of kept draws: each sampler keeping every
     round's draw (thinning 1: rounds / 2 draws per chain and client) and every 40th, in the last fifth of the rounds
@@ -95,8 +85,8 @@ def buffer_cost(rounds: int = 10000, clients: int = 60) -> None:
         per = []
         for thinning in (1, 40):
             cfg = type(algo)(thinning=thinning)
-            fb.fed_fit(random_intercepts, data, cfg, num_rounds=400, seed=0, progress=False)  # compiled
-            res = fb.fed_fit(random_intercepts, data, cfg, num_rounds=rounds, seed=0, progress=False)
+            fb.fed_fit(fbm.random_intercepts, data, cfg, num_rounds=400, seed=0, progress=False)  # compiled
+            res = fb.fed_fit(fbm.random_intercepts, data, cfg, num_rounds=rounds, seed=0, progress=False)
             per.append(1e3 * float(np.mean(np.asarray(res.history["seconds"])[-rounds // 5:])))
         print(f"| {algo.name} | {per[0]:.3f} | {per[1]:.3f} | {per[0] / per[1]:.2f} |", flush=True)
 

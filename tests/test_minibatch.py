@@ -33,12 +33,7 @@ def regression_subsampled(x, y):  # the same model asking for batches of 4 rows 
         numpyro.sample("y", dist.Normal(x[rows] @ w, 1.0), obs=y[rows])
 
 
-def random_intercepts(y):
-    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
-    with fb.local():
-        z = numpyro.sample("z", dist.Normal(mu, 1.0))
-    with numpyro.plate("obs", y.shape[0]):
-        numpyro.sample("y", dist.Normal(z, 1.0), obs=y)
+random_intercepts = fb.models.random_intercepts  # mu ~ N(0, 10^2), z_i ~ N(mu, 1), y_ij ~ N(z_i, 1)
 
 
 def gaussian_mean(y):

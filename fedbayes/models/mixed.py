@@ -86,6 +86,20 @@ EIGHT_SCHOOLS_SIGMA = np.array([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
 """... and their standard errors."""
 
 
+def random_intercepts(y):
+    """One group's model of the simplest Gaussian hierarchy (a group per client):
+
+        mu ~ N(0, 10^2) (global),  z ~ N(mu, 1) (the group's own mean, ``fb.local()``),  y_j ~ N(z, 1).
+
+    Its joint posterior of (mu, z_1..z_b) is Gaussian in closed form, the exact reference of the joint samplers'
+    and the minibatch samplers' tests."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with local():
+        z = numpyro.sample("z", dist.Normal(mu, 1.0))
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Normal(z, 1.0), obs=y)
+
+
 def eight_schools(y, sigma):
     """One school's model of the non-centred eight-schools hierarchy (a school per client):
 
