@@ -364,6 +364,24 @@ def test_lost_uploads_leave_the_exact_samplers_exact(sampler):
     assert res.diagnostics["ok"].all()
 
 
+def test_a_fit_whose_faults_ate_most_decisions_says_so():
+    """JointHMC with 8 steps over 4 clients, each upload lost w.p. 0.1: a trajectory survives w.p. 0.9^32 = 3%, so
+    the chains barely move and the warm-up adapts on a few decisions. The fit warns, naming the cause and the
+    remedies; JointMALA with uploads lost w.p. 0.01 (4% of its decisions lost) does not."""
+    import warnings
+
+    data, _ = _data()
+    kw = dict(seed=0, progress=False, fault_policy=fb.FaultPolicy(min_clients=0))
+    with pytest.warns(fb.ConvergenceWarning, match=r"of its decisions were rejected because an upload was lost"
+                                                   r" .a decision needs every client's answer in each of its 8 rounds.*fewer num_steps.*fb.JointMALA"):
+        res = fb.fed_fit(hierarchical, data, fb.JointHMC(), num_rounds=1600, faults=fb.Faults(drop=0.1), **kw)
+    assert res.settings["decisions_lost"] > 0.8 * 200  # of 200 trajectories (binomial mean 193)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fb.fed_fit(hierarchical, data, fb.JointMALA(), num_rounds=400, faults=fb.Faults(drop=0.01), **kw)
+    assert not any("upload was lost" in str(w.message) for w in caught)
+
+
 @pytest.mark.slow
 def test_minibatch_joint_lmc_has_the_exact_law_of_its_gradient_noise():
     """JointLMC with batches of 2 rows (SGLD): on the Gaussian model the batch noise is additive, and the draws
@@ -413,7 +431,7 @@ def test_joint_lmc_refuses_what_it_cannot_sample():
         fb.fed_fit(no_locals, data, fb.JointLMC(), **kw)
     with pytest.raises(fb.ModelError, match="without a prior"):
         fb.fed_fit(with_param, data, fb.JointLMC(), **kw)
-    with pytest.raises(fb.ConfigError, match="every client in every round"):
+    with pytest.raises(fb.ConfigError, match="every client in every round .its Metropolis test.*use fb.JointLMC"):
         fb.fed_fit(hierarchical, data, fb.JointMALA(), clients_per_round=2, **kw)
     with pytest.raises(fb.ConfigError, match="full-batch"):
         fb.fed_fit(hierarchical, data, fb.JointMALA(batch_size=2), **kw)

@@ -127,6 +127,8 @@ class LangevinSampler:
     batch_size: int | None = None
 
     partial_participation = False
+    full_participation_reason = "the ELF paper's setting: clients keep copies of w and the gradient sum must be complete"
+    partial_participation_instead = "use fb.QLSD for partial participation"
     name = "LMC"
 
     def __post_init__(self):
@@ -159,9 +161,8 @@ class LangevinSampler:
         C = problem.data.num_clients
         if not self.partial_participation and problem.cohort_size not in (None, C):
             raise ConfigError(
-                f"{self.name} needs every client in every round (the ELF paper's setting: clients keep copies "
-                f"of w and the gradient sum must be complete), got clients_per_round={problem.cohort_size} of {C}; "
-                "use fb.QLSD for partial participation"
+                f"{self.name} needs every client in every round ({self.full_participation_reason}), got "
+                f"clients_per_round={problem.cohort_size} of {C}; {self.partial_participation_instead}"
             )
         if self.warmup is not None and self.warmup >= problem.num_rounds:
             raise ConfigError(f"{self.name} warmup={self.warmup} leaves no draws from {problem.num_rounds} rounds")

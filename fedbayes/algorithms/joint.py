@@ -32,6 +32,7 @@ They also sample models without local latents.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
 
@@ -42,7 +43,7 @@ from jax.flatten_util import ravel_pytree
 
 from .. import minibatch
 from ..engine import final_exchange, stack_clients
-from ..errors import ConfigError, ModelError, require_choice, require_int
+from ..errors import ConfigError, ConvergenceWarning, ModelError, require_choice, require_int
 from ..introspect import FedModel
 from ..kernels import curvature
 from ..protocol import ClientData, FitParts, Message, Problem, dense_message, with_final_parts
@@ -357,6 +358,9 @@ client flags it (any flag 0 rejects) and uploads zeros in place of its values, w
 and screened out as a fault. The acceptance probability such a proposal would have had is below e^-1000
 unless the other parties' terms make up for it."""
 
+LOST_WARN_SHARE = 0.5
+"""JointMALA / JointHMC warn when more than this share of their decisions were forced rejections (lost uploads)."""
+
 MALA_STEP_SCALE = 0.5
 """JointMALA's automatic steps: gamma = MALA_STEP_SCALE / the largest curvature of each block at the start."""
 
@@ -557,6 +561,8 @@ class JointMALA(JointLMC):
     adapt_mass_matrix: bool = True
     name = "JointMALA"
     partial_participation = False  # the Metropolis test needs every client's share
+    full_participation_reason = "its Metropolis test needs every client's share of the acceptance ratio"
+    partial_participation_instead = "use fb.JointLMC, whose absent clients count with their last gradients"
 
     def __post_init__(self):
         super().__post_init__()
@@ -778,6 +784,16 @@ class JointMALARun(JointLangevinRun):
             # decisions a lost upload forced to be rejections (the chain stayed put: still exact)
             "decisions_lost": int(np.sum(lost)),
         }
+        share = float(np.mean(lost)) if lost.size else 0.0
+        if share > LOST_WARN_SHARE:
+            each = f"each of its {self.L} rounds" if self.L > 1 else "its round"
+            warnings.warn(
+                f"{self.name}: {share:.0%} of its decisions were rejected because an upload was lost (a decision "
+                f"needs every client's answer in {each}): the chains barely move, and the "
+                "warm-up's step adaptation had few decisions to learn from, so R-hat and ESS may fail for this "
+                "reason rather than for too few rounds. Find why clients fail (res.faults)"
+                + (", or use fewer num_steps (a trajectory survives with probability (1 - p)^(clients x num_steps)) "
+                   "or fb.JointMALA" if self.L > 1 else "") + ".", ConvergenceWarning, stacklevel=2)
         return parts
 
 
