@@ -376,6 +376,9 @@ def test_a_fit_whose_faults_ate_most_decisions_says_so():
                                                    r" .a decision needs every client's answer in each of its 8 rounds.*fewer num_steps.*fb.JointMALA"):
         res = fb.fed_fit(hierarchical, data, fb.JointHMC(), num_rounds=1600, faults=fb.Faults(drop=0.1), **kw)
     assert res.settings["decisions_lost"] > 0.8 * 200  # of 200 trajectories (binomial mean 193)
+    with pytest.warns(fb.ConvergenceWarning, match=r"JointMALA: .* of its decisions were rejected because an upload "
+                                                   r"was lost .a decision needs every client's answer in its round"):
+        fb.fed_fit(hierarchical, data, fb.JointMALA(), num_rounds=400, faults=fb.Faults(drop=0.3), **kw)  # 76% lost
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fb.fed_fit(hierarchical, data, fb.JointMALA(), num_rounds=400, faults=fb.Faults(drop=0.01), **kw)

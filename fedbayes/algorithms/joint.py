@@ -597,6 +597,7 @@ class JointMALARun(JointLangevinRun):
     # client's catch-up makes again identically; rolled back, the buffer would be copied whole each round
     kept_on_fault = ("draws", "filled")
     step_scale = MALA_STEP_SCALE
+    L = 1  # rounds a decision (JointHMC: num_steps)
 
     def __init__(self, cfg: JointMALA, fm: FedModel, problem: Problem):
         super().__init__(cfg, fm, problem)
