@@ -296,10 +296,8 @@ class JointLangevinRun(LangevinRun):
         with x_{k+1}). A client that missed rounds has kept its held latents for them (:meth:`_record`)."""
         payload, r = payload
         if self.adapt:  # the rounds it missed, its latents held: fed to the same windows as if it had answered
-            def missed(j, c):
-                return _adapt_scale(*c, state.z, j + 1, self.windows, self.step_scale)[:2]
-
-            gamma, acc = jax.lax.fori_loop(state.count, r, missed, (state.gamma, state.acc))  # a small carry
+            gamma, acc = _replay_held(state.gamma, state.acc, state.z, state.count + 1, r + 1, self.windows,
+                                      self.step_scale)
             state = state._replace(gamma=gamma, acc=acc)
         w, down = self.down.receive(payload, state.down)
         k_move, k_up = jax.random.split(key)
@@ -491,6 +489,14 @@ def _adapt_scale(scale: jax.Array, acc: Welford, x: jax.Array, n: jax.Array, win
     return scale, acc, ended
 
 
+def _replay_held(scale: jax.Array, acc: Welford, x: jax.Array, start: jax.Array, stop: jax.Array, windows,
+                 factor: float = 1.0) -> tuple[jax.Array, Welford]:
+    """:func:`_adapt_scale` after each of the moves (decisions) ``start <= n < stop`` that a client missed, its state
+    ``x`` held through them: the same windows as a client that answered. A loop over a small carry (none when
+    nothing was missed), never over the client's buffer of draws."""
+    return jax.lax.fori_loop(start, stop, lambda n, c: _adapt_scale(*c, x, n, windows, factor)[:2], (scale, acc))
+
+
 def _any_lost(info) -> jax.Array:
     """Whether a cohort member's upload was lost this round (dropped, or screened out)."""
     return jnp.zeros((), bool) if info.faulty is None else jnp.any(info.faulty)
@@ -667,10 +673,7 @@ class JointMALARun(JointLangevinRun):
         # its own candidate's decision (none announced yet: round 0, or HMC within a trajectory)
         state = self._receive(state, first, last == first, first < stop)
         if self.cfg.adapt_mass_matrix:  # the missed decisions, rejections: the held state fed to the scale windows
-            def missed(j, c):
-                return _adapt_scale(*c, state.z, j + 1, self.windows)[:2]
-
-            scale, acc = jax.lax.fori_loop(first + 1, stop, missed, (state.scale, state.acc))  # a small carry
+            scale, acc = _replay_held(state.scale, state.acc, state.z, first + 2, stop + 1, self.windows)
             state = state._replace(scale=scale, acc=acc)
         return state._replace(count=jnp.maximum(state.count, stop))
 
