@@ -12,7 +12,7 @@ import fedbayes as fb
 from fedbayes.wire import decode_tree
 from fedbayes.engine import Problem, run_rounds
 from fedbayes.errors import ConfigError
-from fedbayes.faults import DROPPED, NONFINITE, OK, TOO_LARGE, Aggregation, screen
+from fedbayes.faults import DROPPED, NONFINITE, OK, TOO_LARGE, Aggregation, screen, upper_median
 from test_elf import gauss_model, gaussian_clients
 
 N, D, C = 10, 5, 5
@@ -75,12 +75,32 @@ def test_robust_centres_match_numpy_and_scipy(values, include, trim):
     np.testing.assert_allclose(got["trimmed"], trim_mean(rows, trim, axis=0), rtol=1e-12, atol=1e-9)
 
 
+_UPPER = jax.jit(upper_median)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([np.float32, np.float64]),
+       hnp.arrays(np.float64, 11, elements=st.one_of(st.floats(0, 1e30), st.sampled_from([0.0, 1.0, 1e-40]))),
+       hnp.arrays(bool, 11))
+def test_the_screens_sort_free_median_is_numpys_upper_median(dtype, values, mask):
+    """``upper_median`` (bisection over the floats' bit patterns) against a sort: exactly the larger middle
+    value of the masked entries, in both precisions, with ties, zeros and subnormals; NaN for an empty mask."""
+    x = values.astype(dtype)
+    got = np.asarray(_UPPER(jnp.asarray(x), jnp.asarray(mask)))
+    assert got.dtype == dtype
+    kept = np.sort(x[mask])
+    if kept.size == 0:
+        assert np.isnan(got)
+    else:
+        assert got == kept[kept.size // 2]
+
+
 def test_screen_flags_nonfinite_and_absurd_uploads():
     payload = {"a": jnp.asarray([[1.0, -2.0], [jnp.nan, 0.0], [3.0, 1e9], [0.5, 0.5], [2.0, jnp.inf], [1.0, 1.0],
                                  [0.3, 0.2]]),
                "b": jnp.ones(7)}
     received = jnp.asarray([True, True, True, False, True, True, True])
-    # largest entries of the finite answers: 2, 1e9, 1, 1 (median 1.5); 1e9 > 1e6 x 1.5
+    # largest entries of the finite answers: 2, 1e9, 1, 1 (upper median 2); 1e9 > 1e6 x 2
     kinds = np.asarray(screen(payload, received, fb.FaultPolicy()))
     np.testing.assert_array_equal(kinds, [OK, NONFINITE, TOO_LARGE, OK, NONFINITE, OK, OK])
     kinds = np.asarray(screen(payload, received, fb.FaultPolicy(relative=None, max_abs=1.5)))
