@@ -4,7 +4,8 @@ from . import checkpoint, compress, diagnostics, faults, flower, models, protoco
 from .algorithms import BELF, DELF, GD, LMC, PELF, QLSD, TAMUNA, FedAvg, FedEM, FedMM, FedRep, FedSOUL, FineTune, JointLMC, JointMALA, JointHMC, LocalOnly, ParamAveragingEM, Scaffnew
 from .algorithms import elf, tamuna
 from .algorithms.expfam import CustomStatistics
-from .api import fed_fit, resume
+from .api import clear_cache, fed_fit, resume
+from .cache import compilation_cache
 from .data import FederatedData
 from .errors import (CallbackError, CheckpointError, CheckpointWarning, ClientIndexError, ConfigError, ConvergenceWarning,
                      DataError, DivergenceError, FedbayesError, ModelError, PrecisionWarning, StalledError, TooFewClientsError)
@@ -26,7 +27,12 @@ __all__ = [  # sorted: classes, then functions and modules
     "FedModel", "FedRep", "FedSOUL", "FineTune", "FitParts", "GD", "JointHMC", "JointLMC", "JointMALA", "LMC", "LocalOnly", "ModelError",
     "ParamAveragingEM", "PELF", "PrecisionWarning", "QLSD",
     "Result", "Scaffnew", "StalledError", "TAMUNA", "TooFewClientsError", "ULA", "WireError", "checkpoint",
-    "compress", "diagnostics", "elf", "faults", "fed_fit", "flower", "load", "local",
+    "clear_cache", "compilation_cache", "compress", "diagnostics", "elf", "faults", "fed_fit", "flower", "load", "local",
     "models", "partition_dirichlet", "partition_iid", "partition_shards", "protocol", "reference", "resume",
     "tamuna", "wire",
 ]
+
+from .cache import _from_environment
+
+_from_environment()  # FEDBAYES_COMPILATION_CACHE: the persistent compilation cache from the environment
+del _from_environment

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import pickle
 import re
 import sys
 import warnings
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -18,8 +19,8 @@ from . import convergence
 from .seeds import require_seed, seed_key
 from .algorithms import ALGORITHMS
 from .data import FederatedData
-from .engine import (STALL_TIMEOUT, Problem, Stopped, concat_records, fault_events, resolve_cohort_size, run_rounds,
-                     staged_init, wait_ready, with_init_bits)
+from .engine import (STALL_TIMEOUT, Problem, Stopped, concat_records, fault_events, resolve_cohort_size, resolve_devices,
+                     run_rounds, sharded_clients, staged_init, wait_ready, with_init_bits)
 from .errors import CheckpointError, ConfigError, DataError, DivergenceError, ModelError, TooFewClientsError, require_int
 from .errors import CallbackError, CheckpointWarning, is_real
 from .faults import FaultPolicy, Faults
@@ -151,6 +152,7 @@ def fed_fit(
     checkpoint_every: int | None = None,
     callback: Callable[[int, dict[str, np.ndarray]], Any] | None = None,
     stall_timeout: float | None = STALL_TIMEOUT,
+    devices: int | Sequence[jax.Device] | None = None,
 ) -> Result:
     """Fit ``model`` (a NumPyro model of one client's data) across the clients of ``data``.
 
@@ -201,13 +203,25 @@ def fed_fit(
         causes and remedies). It watches CPU runs only: on a GPU the host is idle while a long kernel runs,
         so idleness says nothing there. A deadlocked computation cannot be cancelled: its threads stay blocked
         and the process cannot exit normally afterwards (end it with ``os._exit``).
+    devices:
+        The devices over which the clients are laid (``jax.sharding.Mesh`` with one axis, ``"clients"``):
+        a number (the first that many of ``jax.devices()``) or a sequence of devices. Default: every
+        device of the default backend (the largest count that divides the number of clients). Each
+        device holds and runs its share of the clients; the server's sums over clients become sums
+        across devices, so the result equals the one-device fit up to the order of those float sums.
+
+    A second call with the same model function, data, algorithm, number of rounds and cohort size reuses
+    the first call's analysis, set-up and compiled computations (only the seed, chunk size, faults and
+    the rest may differ): see :func:`fedbayes.clear_cache`, and :func:`fedbayes.compilation_cache` to keep
+    compilations across processes.
     """
     fit = validate_fit(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults,
                      fault_policy)
     _check_run_options(checkpoint, checkpoint_every, callback)
     _check_stall_timeout(stall_timeout)
+    chosen = resolve_devices(devices, fit.data.num_clients)
     return _execute(fit, progress=progress, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-                    callback=callback, stall_timeout=stall_timeout)
+                    callback=callback, stall_timeout=stall_timeout, devices=chosen)
 
 
 def _check_stall_timeout(stall_timeout: Any) -> None:
@@ -233,16 +247,65 @@ def _check_run_options(checkpoint: Any, checkpoint_every: Any, callback: Any) ->
         raise ConfigError(f"callback must be callable, got {type(callback).__name__}")
 
 
-def _fingerprints(fit: _Fit, fm: FedModel, cohort: int) -> dict[str, Any]:
+def _data_digest(data: FederatedData) -> str:
+    return checkpoint_io.tree_digest((data.padded, data.mask, np.asarray(data.sizes)))
+
+
+def _fingerprints(fit: _Fit, fm: FedModel, cohort: int, data_digest: str) -> dict[str, Any]:
     """What a checkpoint must agree on with the fit that resumes it."""
-    data = fit.data
     model = ";".join(f"{n}:{s.role}:{list(s.shape)}" for n, s in sorted(fm.sites.items()))
-    data_digest = checkpoint_io.tree_digest((data.padded, data.mask, np.asarray(data.sizes)))
     with np.printoptions(threshold=sys.maxsize):  # whole arrays, not "..." summaries
         options = repr((fit.algorithm, fit.num_rounds, cohort, fit.seed, fit.chunk_size, fit.faults, fit.fault_policy,
                         sorted((fit.model_kwargs or {}).items())))
     options = re.sub(r" at 0x[0-9a-fA-F]+", "", options)  # a function's address changes from process to process
     return {"model": model, "data": data_digest, "options": options}
+
+
+BUILD_CACHE_SIZE = 4
+"""How many built runs ``fed_fit`` keeps for later calls with the same model, data and algorithm."""
+
+_BUILDS: "collections.OrderedDict[tuple, tuple[FedModel, Any, list]]" = collections.OrderedDict()
+
+
+def clear_cache() -> None:
+    """Forget the built runs (and with them their compiled computations) that ``fed_fit`` keeps for reuse."""
+    _BUILDS.clear()
+
+
+def _build(fit: _Fit, data: FederatedData, cohort: int, data_digest: str) -> tuple[FedModel, Any]:
+    """The analysed model and the built run of a fit, reused from an earlier call where they are the same.
+
+    A run is a deterministic function of the model function, its keyword arguments, the data, the
+    algorithm's options, the number of rounds and the cohort size (not of the seed, the chunk size, the
+    faults or the screening policy, which enter only at run time), and it is immutable after ``build``;
+    the computations compiled for it stay with it (:func:`fedbayes.engine.run_jit`). So a second call
+    with the same arguments, say in a notebook with only the seed or the number of chunks changed,
+    compiles nothing again. The model function is matched by identity, as ``jax.jit`` matches
+    functions: redefine it (or call :func:`clear_cache`) after changing what it reads from outside.
+    Warnings of the analysis and the build are recorded and given again on each reuse. The last
+    ``BUILD_CACHE_SIZE`` builds are kept."""
+    with np.printoptions(threshold=sys.maxsize):  # whole arrays, not "..." summaries
+        try:
+            key = (fit.model, repr(sorted((fit.model_kwargs or {}).items())), data_digest, repr(fit.algorithm),
+                   fit.num_rounds, cohort, bool(jax.config.jax_enable_x64), jax.default_backend())
+            hash(key)
+        except Exception:  # noqa: BLE001 - an unhashable model callable: build afresh
+            key = None
+    if key is not None and key in _BUILDS:
+        _BUILDS.move_to_end(key)
+        fm, run, caught = _BUILDS[key]
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fm = FedModel(fit.model, data, fit.model_kwargs)
+            run = fit.algorithm.build(Problem(fm, data, fit.num_rounds, cohort))
+        if key is not None:
+            _BUILDS[key] = (fm, run, caught)
+            while len(_BUILDS) > BUILD_CACHE_SIZE:
+                _BUILDS.popitem(last=False)
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return fm, run
 
 
 def _spec_bytes(fit: _Fit) -> bytes:
@@ -253,20 +316,26 @@ def _spec_bytes(fit: _Fit) -> bytes:
         return b""
 
 
-def _execute(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, stall_timeout=STALL_TIMEOUT,
-             resumed: Any = None) -> Result:
+def _execute(fit: _Fit, *, devices: Sequence[Any] | None = None, **options: Any) -> Result:
+    """A validated fit, its clients laid over ``devices`` (:func:`fedbayes.engine.sharded_clients`)."""
+    with sharded_clients(devices):
+        return _execute_here(fit, **options)
+
+
+def _execute_here(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, stall_timeout=STALL_TIMEOUT,
+                  resumed: Any = None) -> Result:
     data = fit.data
     cohort = resolve_cohort_size(fit.clients_per_round, data.num_clients)
-    fm = FedModel(fit.model, data, fit.model_kwargs)
+    data_digest = _data_digest(data)
+    fm, run = _build(fit, data, cohort, data_digest)
     problem = Problem(fm, data, fit.num_rounds, cohort)
-    run = fit.algorithm.build(problem)
     k_init, k_rounds, k_final = jax.random.split(seed_key(fit.seed), 3)
     carry, setup_bits = wait_ready(staged_init(run, k_init, problem), stall_timeout, f"{run.name}: the set-up exchange")
     plain = {"clients_per_round": fit.clients_per_round, "chunk_size": fit.chunk_size,
              "faults": None if fit.faults is None else dataclasses.asdict(fit.faults),
              "fault_policy": None if fit.fault_policy is None else dataclasses.asdict(fit.fault_policy)}
     meta = {"algorithm": run.name, "num_rounds": fit.num_rounds, "seed": fit.seed, "versions": checkpoint_io.versions(), "plain": plain,
-            "fingerprints": _fingerprints(fit, fm, cohort), "init_digest": checkpoint_io.tree_digest(carry)}
+            "fingerprints": _fingerprints(fit, fm, cohort, data_digest), "init_digest": checkpoint_io.tree_digest(carry)}
     start, past = 0, []
     if resumed is not None:
         _check_match(resumed, meta)
@@ -355,6 +424,7 @@ def resume(
     checkpoint_every: int | None = None,
     callback: Callable[[int, dict[str, np.ndarray]], Any] | None = None,
     stall_timeout: float | None = STALL_TIMEOUT,
+    devices: int | Sequence[jax.Device] | None = None,
 ) -> Result:
     """Continue the fit saved in the checkpoint ``path``; the result equals the uninterrupted fit's, bit
     for bit (same machine, same library versions).
@@ -364,7 +434,8 @@ def resume(
     ``model_kwargs=``) again. Whatever is passed is checked against the checkpoint's fingerprints, and
     the re-initialised state against the saved digest: a checkpoint of a different fit, or a corrupted
     one, raises :class:`fb.CheckpointError` and is never used. ``checkpoint=True`` keeps writing to
-    ``path`` (``False``/None: no more checkpoints, or another path). ``stall_timeout`` as in ``fed_fit``.
+    ``path`` (``False``/None: no more checkpoints, or another path). ``stall_timeout`` and ``devices`` as in
+    ``fed_fit`` (the continuation is exact with the devices of the interrupted fit).
     """
     ck = checkpoint_io.load(path)
     try:
@@ -390,5 +461,6 @@ def resume(
     target = path if checkpoint is True else (None if checkpoint is False else checkpoint)
     _check_run_options(target, checkpoint_every, callback)
     _check_stall_timeout(stall_timeout)
+    chosen = resolve_devices(devices, fit.data.num_clients)
     return _execute(fit, progress=progress, checkpoint=target, checkpoint_every=checkpoint_every, callback=callback,
-                    stall_timeout=stall_timeout, resumed=ck)
+                    stall_timeout=stall_timeout, resumed=ck, devices=chosen)

@@ -40,15 +40,20 @@ Randomness is a pure function of ``(seed, round, client id)``, so a fit is repro
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import numbers
 import sys
 import threading
 import time
+import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .data import FederatedData
 from .errors import ConfigError, FedbayesError, StalledError
@@ -56,6 +61,24 @@ from .faults import DROPPED, KIND_NAMES, NONFINITE, OK, TOO_LARGE, FaultPolicy, 
 from .protocol import (FLOAT_BITS, SETTING_BITS, ClientData, FederatedRun, FitParts, Message, Problem, PyTree,  # noqa: F401
                        RoundInfo, dense_bits)
 from .wire import decode_tree
+
+_JITTED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def run_jit(run: Any, key: Any, make: Callable[[], Callable]) -> Callable:
+    """``jax.jit(make())``, made once per run and ``key`` and kept with the run (weakly: it goes with it).
+
+    ``jax.jit`` caches its traces and executables per function object, so a jitted closure built afresh
+    in every call is traced and compiled afresh. Every computation of a fit that closes over the run
+    (the set-up exchange, the chunk of rounds, the final exchange) is made here instead: a run is immutable
+    after ``build``, so a second fit with the same built run (``fed_fit``'s cache of builds, a resumed
+    or continued run) compiles nothing again. ``key`` names the computation and whatever else ``make``
+    closes over (a stage, the cohort size, ...)."""
+    cache = _JITTED.setdefault(run, {})
+    if key not in cache:
+        cache[key] = jax.jit(make())
+    return cache[key]
+
 
 def setup_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(server key, clients' key)`` of the set-up: client ``i`` at stage ``s`` uses
@@ -77,14 +100,15 @@ def staged_setup(run: FederatedRun, key: jax.Array, num_clients: int,
     set-up's bits: every client's uploads, and the payloads and client settings sent to every client,
     as a network carries them."""
     k_server, k_clients = setup_keys(key)
-    state, payload = jax.jit(run.setup_server)(k_server)
+    state, payload = run_jit(run, "setup_server", lambda: run.setup_server)(k_server)
     up, down, uploads = 0, 0, None
     for stage in range(run.setup_stages):
         uploads = exchange(stage, k_clients, payload)
         down += num_clients * dense_bits(payload)
         up += dense_bits(uploads)
-        state, payload = jax.jit(lambda k, st, u, s=stage: run.setup_server_step(s, k, st, u))(
-            jax.random.fold_in(k_server, stage + 1), state, uploads)
+        server_step = run_jit(run, ("setup_server_step", stage),
+                              lambda s=stage: lambda k, st, u: run.setup_server_step(s, k, st, u))
+        state, payload = server_step(jax.random.fold_in(k_server, stage + 1), state, uploads)
     state = run.setup_done(state, uploads)
     down += num_clients * setting_bits(run.client_settings(state))
     return state, payload, (int(up), int(down))
@@ -121,9 +145,9 @@ def final_exchange(run: Any, key: jax.Array, server_state: PyTree, client_states
                    clients: ClientData) -> dict[str, Any]:
     """The final exchange (:class:`fedbayes.protocol.FederatedRun`) with every client at once (vectorised), local parts collected;
     the parts carry ``final_bits``."""
-    payload = jax.jit(run.final_message)(key, server_state)
+    payload = run_jit(run, "final_message", lambda: run.final_message)(key, server_state)
     clients = clients._replace(settings=run.client_settings(server_state))
-    step = jax.jit(jax.vmap(run.final_client, in_axes=(None, None, 0, _CLIENT_AXES)))
+    step = run_jit(run, "final_clients", lambda: jax.vmap(run.final_client, in_axes=(None, None, 0, _CLIENT_AXES)))
     locals_, uploads = step(key, payload, client_states, clients)
     parts = run.final_server(key, server_state, payload, uploads, locals_)
     parts["final_bits"] = final_bits(payload, uploads, clients.index.shape[0])
@@ -137,12 +161,13 @@ def staged_init(run: FederatedRun, key: jax.Array, problem: Problem) -> tuple[tu
     box: dict[str, PyTree] = {"states": None}
 
     def exchange(stage: int, k_clients: jax.Array, payload: PyTree) -> PyTree:
-        @jax.jit
-        def step(k_clients, payload, states, clients):
-            one = lambda p, c, cl: run.setup_client(stage, setup_client_key(k_clients, cl.index, stage), p, c, cl)  # noqa: E731
-            return jax.vmap(one, in_axes=(None, 0, 0))(payload, states, clients)
+        def make():
+            def step(k_clients, payload, states, clients):
+                one = lambda p, c, cl: run.setup_client(stage, setup_client_key(k_clients, cl.index, stage), p, c, cl)  # noqa: E731
+                return jax.vmap(one, in_axes=(None, 0, 0))(payload, states, clients)
+            return step
 
-        box["states"], uploads = step(k_clients, payload, box["states"], clients)
+        box["states"], uploads = run_jit(run, ("setup_clients", stage), make)(k_clients, payload, box["states"], clients)
         return uploads
 
     state, broadcast, bits = staged_setup(run, key, problem.data.num_clients, exchange)
@@ -150,10 +175,84 @@ def staged_init(run: FederatedRun, key: jax.Array, problem: Problem) -> tuple[tu
 
 
 def stack_clients(data: FederatedData) -> ClientData:
-    """All clients' padded data, stacked on a leading client axis."""
-    return ClientData(
+    """All clients' padded data, stacked on a leading client axis (laid over the devices of
+    :func:`sharded_clients` where it is active)."""
+    return shard_clients(ClientData(
         dict(data.padded), data.mask, jnp.asarray(data.sizes), jnp.arange(data.num_clients)
-    )
+    ))
+
+
+# ------------------------------------------------------------------------------ clients over devices
+
+CLIENT_AXIS = "clients"
+_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("fedbayes_client_mesh", default=None)
+
+
+def resolve_devices(devices: Any, num_clients: int) -> list[Any]:
+    """The devices over which a fit lays its clients: ``devices`` as given (a number: the first that many of
+    ``jax.devices()``; a sequence of devices), or by default every device of the default backend.
+
+    The client axis is split in equal parts, so the number of devices must divide the number of
+    clients: a given count that does not is refused; by default the largest count of devices that
+    divides it is used, with a warning when that leaves devices idle."""
+    available = jax.devices()
+    if devices is None:
+        count = max(n for n in range(1, len(available) + 1) if num_clients % n == 0)
+        if count < len(available):
+            warnings.warn(f"{num_clients} clients cannot be split equally over the {len(available)} devices; the fit "
+                          f"uses {count} of them (pass devices= to choose, or a number of clients that "
+                          f"{len(available)} divides)", UserWarning, stacklevel=3)
+        return available[:count]
+    if isinstance(devices, numbers.Integral) and not isinstance(devices, bool):
+        if not 1 <= devices <= len(available):
+            raise ConfigError(f"devices={devices}: this process has {len(available)} device(s) "
+                              f"({available[0].platform}); give a number from 1 to {len(available)}")
+        chosen = available[:int(devices)]
+    else:
+        try:
+            chosen = list(devices)
+        except TypeError:
+            raise ConfigError(f"devices must be None, a number of devices or a sequence of jax devices, got "
+                              f"{devices!r}") from None
+        if not chosen or not all(isinstance(d, jax.Device) for d in chosen) or len(set(chosen)) != len(chosen):
+            raise ConfigError(f"devices must be a non-empty sequence of distinct jax devices (jax.devices()), got "
+                              f"{devices!r}")
+    if num_clients % len(chosen):
+        divisors = [n for n in range(1, len(chosen) + 1) if num_clients % n == 0]
+        raise ConfigError(f"{num_clients} clients cannot be split equally over {len(chosen)} devices: give a number "
+                          f"of devices that divides the number of clients (here at most {max(divisors)})")
+    return chosen
+
+
+@contextlib.contextmanager
+def sharded_clients(devices: Sequence[Any] | None):
+    """Within this block every client axis of a fit (the stacked data, the client states) is laid over
+    ``devices`` as a ``jax.sharding.Mesh`` with one axis, ``"clients"``, and the server's state is
+    replicated on each. XLA then runs each device's clients where their data are and sums the
+    uploads across devices, so a round is the single-device round up to the order of those sums.
+    With one device (or None) nothing changes."""
+    mesh = Mesh(np.asarray(devices), (CLIENT_AXIS,)) if devices is not None and len(devices) > 1 else None
+    token = _MESH.set(mesh)
+    try:
+        yield mesh
+    finally:
+        _MESH.reset(token)
+
+
+def shard_clients(tree: PyTree) -> PyTree:
+    """``tree``'s arrays laid over the active mesh along their leading (client) axis; unchanged without one."""
+    mesh = _MESH.get()
+    if mesh is None:
+        return tree
+    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec(CLIENT_AXIS)))
+
+
+def replicate(tree: PyTree) -> PyTree:
+    """``tree``'s arrays copied to every device of the active mesh; unchanged without one."""
+    mesh = _MESH.get()
+    if mesh is None:
+        return tree
+    return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
 
 
 def sample_cohort(key: jax.Array, num_clients: int, cohort_size: int) -> jax.Array:
@@ -378,24 +477,20 @@ def chunk_plan(start: int, end: int, size: int) -> list[tuple[int, int]]:
     return plan
 
 
-_CHUNKS: "weakref.WeakKeyDictionary[FederatedRun, dict]" = weakref.WeakKeyDictionary()
-
-
 def _compiled_chunk(algorithm: FederatedRun, num_clients: int, cohort_size: int, faults: Faults | None = None,
                     policy: FaultPolicy | None = None):
-    """The jitted scan over a chunk of rounds, cached per run (weakly: it goes with the run) so that later
-    calls of :func:`run_rounds` (a run continued in segments) reuse its compilation. A run is immutable
-    after ``build`` and its settings travel in the carry, so when the chunk is traced does not matter."""
-    cache = _CHUNKS.setdefault(algorithm, {})
-    key = (num_clients, cohort_size, faults, policy)
-    if key not in cache:
+    """The jitted scan over a chunk of rounds, cached with the run (:func:`run_jit`) so that later calls of
+    :func:`run_rounds` (a run continued in segments, or a later identical ``fed_fit`` that reuses the built
+    run) reuse its compilation. A run is immutable after ``build`` and its settings travel in the carry, so
+    when the chunk is traced does not matter."""
+    def make():
         def chunk(carry, ks, clients, base_key):
             # The client data enter as arguments, not closure constants, so XLA does not constant-fold them.
             round_fn = make_round(algorithm, clients, num_clients, cohort_size, base_key, faults, policy)
             return jax.lax.scan(round_fn, carry, ks)
+        return chunk
 
-        cache[key] = jax.jit(chunk)
-    return cache[key]
+    return run_jit(algorithm, ("chunk", num_clients, cohort_size, faults, policy), make)
 
 
 def first_nonfinite_round(records: dict[str, np.ndarray]) -> int | None:
@@ -554,6 +649,9 @@ def run_rounds(
     """
     num_rounds = problem.num_rounds
     clients = stack_clients(problem.data)
+    server_state, client_states, broadcast = carry
+    carry = (replicate(server_state), shard_clients(client_states), replicate(broadcast))
+    base_key = replicate(base_key)
     min_clients = (FaultPolicy() if policy is None else policy).min_clients
     run_chunk = _compiled_chunk(algorithm, problem.data.num_clients, cohort_size, faults, policy)
     bar = Progress(num_rounds, algorithm.name, progress)

@@ -41,7 +41,7 @@ from jax.flatten_util import ravel_pytree
 
 from .. import minibatch
 from ..compress import Compressor, identity, require_contractive, scale_to_contractive
-from ..engine import stack_clients
+from ..engine import run_jit, stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..kernels import curvature
 from ..minibatch import check_batch_size
@@ -467,7 +467,8 @@ class LangevinRun(FederatedRun):
         """Posterior draws of the global sites (constrained), chains x draws, after warm-up and thinning."""
         raw = np.asarray(history["_sample"])[self.warmup::self.cfg.thinning]  # (draws, chains, d)
         draws = np.swapaxes(raw, 0, 1)
-        constrain = jax.jit(jax.vmap(jax.vmap(lambda v: self._fm.constrain(self._unravel(v)))))
+        constrain = run_jit(self, "constrain_draws",
+                            lambda: jax.vmap(jax.vmap(lambda v: self._fm.constrain(self._unravel(v)))))
         samples = {k: np.asarray(v) for k, v in constrain(jnp.asarray(draws)).items()}
         server = carry[0]
         gamma = float(server.gamma)

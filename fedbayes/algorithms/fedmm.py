@@ -42,7 +42,7 @@ from jax.flatten_util import ravel_pytree
 from .. import minibatch
 from ..minibatch import check_batch_size
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import client_key, final_exchange, stack_clients
+from ..engine import client_key, final_exchange, run_jit, stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_fraction, require_int
 from ..protocol import ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from .expfam import CustomStatistics, Derived, derive
@@ -406,7 +406,7 @@ class FedMMRun(FederatedRun):
             statistic = self._unravel(jnp.tensordot(self._mu, s_i, 1) * self._N)  # E-step at theta-hat
             k_global = jax.random.split(jax.random.split(key)[1])[1]
             parts.update(louis.posterior_summary(self, k_global, theta, statistic, tris))
-            parts.update(jax.jit(self._gradient_parts)(theta, statistic, tris))
+            parts.update(run_jit(self, "gradient_parts", lambda: self._gradient_parts)(theta, statistic, tris))
         if locals_ is not None:
             parts.update(louis.local_parts(locals_))
         return parts

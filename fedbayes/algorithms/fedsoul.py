@@ -48,7 +48,7 @@ from jax.flatten_util import ravel_pytree
 
 from .. import minibatch, optim
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import client_key, final_exchange, stack_clients
+from ..engine import client_key, final_exchange, run_jit, stack_clients
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
 from ..wire import decode_tree
@@ -818,8 +818,8 @@ class FedSOULRun(FederatedRun):
         return parts
 
     def _uncertainty(self, key, theta: Params, grads, info_tris, cov_tris) -> dict[str, Any]:
-        out = louis.finish_normal_approximation(jax.jit(self._uncertainty_arrays)(key, theta, grads, info_tris,
-                                                                                   cov_tris))
+        arrays = run_jit(self, "uncertainty", lambda: self._uncertainty_arrays)
+        out = louis.finish_normal_approximation(arrays(key, theta, grads, info_tris, cov_tris))
         if not out.pop("positive_definite"):
             warnings.warn(
                 f"FedSOUL: Louis' observed information at the estimate is not positive definite (smallest "

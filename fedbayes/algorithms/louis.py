@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from ..engine import run_jit
 from ..protocol import ClientData
 from ..errors import ConvergenceWarning
 from ..linalg import lapack_free_cholesky, lapack_free_spd_inverse
@@ -117,8 +118,8 @@ def posterior_summary(run, key, theta_u: Params, statistic, covariance_tris: jax
     """Louis' information, standard errors and approximate global posterior draws (the server's part;
     one compiled computation). Where the information is not positive definite the standard errors are
     NaN, the draws are left out and a :class:`ConvergenceWarning` says so."""
-    out = finish_normal_approximation(jax.jit(lambda *a: _summary(run, *a))(key, theta_u, statistic,
-                                                                            covariance_tris))
+    summary = run_jit(run, "louis_summary", lambda: lambda *a: _summary(run, *a))
+    out = finish_normal_approximation(summary(key, theta_u, statistic, covariance_tris))
     if not out.pop("positive_definite"):
         warnings.warn(
             f"{run.name}: Louis' observed information at the estimate is not positive definite (smallest "
