@@ -10,6 +10,7 @@ second call of the compiled run of the same number of timed rounds.
 Peak memory is the peak resident set size of a fresh process running one configuration.
 
     python benchmarks/bench_fedsoul.py            # prints the markdown table
+    python benchmarks/bench_fedsoul.py --memory   # peak memory against the number of clients
 """
 
 from __future__ import annotations
@@ -96,11 +97,52 @@ def one(impl: str, clients: int, fraction: float) -> float:
     return len(timed) / timed.sum()
 
 
+def footprint(config: str, clients: int) -> float:
+    """Seconds of one fit whose peak memory is measured: ``"bench"``, this script's configuration (one
+    local draw kept per client), or ``"default"``, FedSOUL's defaults (2 chains of 200 local draws kept per
+    client, Louis' standard errors); 40 rounds in chunks of 10, every client each round."""
+    import fedbayes as fb
+
+    data, _, _ = fb.models.make_fedpop_synthetic(clients, test_size=1, seed=0)
+    if config == "bench":
+        algo = fb.FedSOUL(local_steps=10, step_size=STEP, server_optimizer="sgd", server_lr=LR_TOTAL / clients,
+                          local_kernel="ula", num_samples=1, warmup=0, thinning=1, num_chains=1)
+    else:
+        algo = fb.FedSOUL()
+    start = time.perf_counter()
+    fb.fed_fit(fb.models.fedpop_synthetic, data, algo, num_rounds=40, seed=0, chunk_size=10, progress=False)
+    return time.perf_counter() - start
+
+
 def child(argv):
+    if argv[0] == "footprint":
+        seconds = footprint(argv[1], int(argv[2]))
+        print(json.dumps({"seconds": seconds, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+        return
     impl, clients, fraction = argv[0], int(argv[1]), float(argv[2])
     rate = one(impl, clients, fraction)
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"rate": rate, "peak_mb": peak_mb}))
+
+
+def memory(sizes=(10_000, 30_000, 100_000), budget_gb: float = 24.0) -> None:
+    """Peak memory against the number of clients, each fit in a fresh process; the slope between the two
+    largest federations is the memory per client, and the largest federation within ``budget_gb`` is
+    extrapolated along it."""
+    print(_common.machine_line())
+    print("| configuration | clients | peak MB | fit seconds |")
+    print("|---|---|---|---|")
+    for config in ("bench", "default"):
+        peaks = {}
+        for clients in sizes:
+            out = run_child("footprint", config, clients)
+            peaks[clients] = out["peak_mb"]
+            print(f"| {config} | {clients:,} | {out['peak_mb']:.0f} | {out['seconds']:.1f} |", flush=True)
+        a, b = sizes[-2], sizes[-1]
+        per_client = (peaks[b] - peaks[a]) * 2**20 / (b - a)
+        largest = b + (budget_gb * 2**30 - peaks[b] * 2**20) / per_client
+        print(f"\n{config}: {per_client / 1024:.1f} KB per client (between {a:,} and {b:,} clients); "
+              f"{budget_gb:g} GB hold about {largest:,.0f} clients\n", flush=True)
 
 
 def run_child(*args) -> dict:
@@ -126,5 +168,7 @@ def main():
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(sys.argv[2:])
+    elif "--memory" in sys.argv:
+        memory()
     else:
         main()

@@ -72,9 +72,50 @@ def main() -> None:
     print("|---|---|---|")
     for key, label in list(PHASES.items()) + [("other", "other (checks, build, Result)"), ("total", "total")]:
         print(f"| {label} | {calls[0].get(key, 0.0):.2f} | {calls[1].get(key, 0.0):.2f} |")
+    rounds_run = calls[1].get("run_rounds", 0.0)
     print(f"\nfirst call / hand-fused first call: {calls[0]['total'] / first_hand:.2f}; second call / hand-fused "
-          f"compiled call: {calls[1]['total'] / (ROUNDS / rate):.2f}")
+          f"compiled call: {calls[1]['total'] / (ROUNDS / rate):.2f}; second call / its own rounds: "
+          f"{calls[1]['total'] / rounds_run:.2f}")
+    cached()
+
+
+def one_fit_seconds() -> float:
+    """The wall time of one ``fb.fed_fit`` of the benchmark's configuration (the process's first)."""
+    data, _, _ = fb.models.make_fedpop_synthetic(CLIENTS, test_size=1, seed=0)
+    algo = fb.FedSOUL(local_steps=10, step_size=bf.STEP, server_optimizer="sgd", server_lr=bf.LR_TOTAL / CLIENTS,
+                      local_kernel="ula", num_samples=1, warmup=0, thinning=1, num_chains=1)
+    start = time.perf_counter()
+    fb.fed_fit(fb.models.fedpop_synthetic, data, algo, num_rounds=ROUNDS, seed=0, progress=False)
+    return time.perf_counter() - start
+
+
+def cached() -> None:
+    """The first call of a new process, with the persistent compilation cache (``FEDBAYES_COMPILATION_CACHE``)
+    empty and then filled by an earlier process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, FEDBAYES_COMPILATION_CACHE=cache)
+        seconds = []
+        for _ in range(2):
+            out = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True,
+                                 check=True)
+            seconds.append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+    print(f"\nfirst call of a new process with fb.compilation_cache(): {seconds[0]:.2f} s with the cache empty, "
+          f"{seconds[1]:.2f} s with the entries an earlier process wrote")
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if sys.argv[1:] == ["--child"]:
+        import json
+
+        warnings.simplefilter("ignore")
+        print(json.dumps({"seconds": one_fit_seconds()}))
+    else:
+        main()

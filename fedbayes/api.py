@@ -19,8 +19,8 @@ from . import convergence
 from .seeds import require_seed, seed_key
 from .algorithms import ALGORITHMS
 from .data import FederatedData
-from .engine import (STALL_TIMEOUT, Problem, Stopped, concat_records, fault_events, resolve_cohort_size, resolve_devices,
-                     run_rounds, sharded_clients, staged_init, wait_ready, with_init_bits)
+from .engine import (STALL_TIMEOUT, Problem, Stopped, concat_records, fault_events, resolve_cohort_size,
+                     resolve_devices, run_rounds, sharded_clients, staged_init, wait_ready, with_init_bits)
 from .errors import CheckpointError, ConfigError, DataError, DivergenceError, ModelError, TooFewClientsError, require_int
 from .errors import CallbackError, CheckpointWarning, is_real
 from .faults import FaultPolicy, Faults

@@ -610,6 +610,13 @@ def wait_ready(tree: PyTree, stall_timeout: float | None, what: str, *,
     return jax.block_until_ready(tree)  # an error raised by the computation surfaces here
 
 
+def placed(carry: tuple[PyTree, PyTree, Message], base_key: jax.Array) -> tuple[tuple[PyTree, PyTree, Message], jax.Array]:
+    """The carry and the round key laid out as the rounds use them: the client states over the active
+    mesh's devices (:func:`sharded_clients`), the server state, the broadcast and the key replicated."""
+    server_state, client_states, broadcast = carry
+    return (replicate(server_state), shard_clients(client_states), replicate(broadcast)), replicate(base_key)
+
+
 def run_rounds(
     algorithm: FederatedRun,
     problem: Problem,
@@ -649,9 +656,7 @@ def run_rounds(
     """
     num_rounds = problem.num_rounds
     clients = stack_clients(problem.data)
-    server_state, client_states, broadcast = carry
-    carry = (replicate(server_state), shard_clients(client_states), replicate(broadcast))
-    base_key = replicate(base_key)
+    carry, base_key = placed(carry, base_key)
     min_clients = (FaultPolicy() if policy is None else policy).min_clients
     run_chunk = _compiled_chunk(algorithm, problem.data.num_clients, cohort_size, faults, policy)
     bar = Progress(num_rounds, algorithm.name, progress)
