@@ -637,7 +637,9 @@ def run_rounds(
 
     The history maps each recorded quantity to a numpy array with one row per round; ``bits_up``,
     ``bits_down`` and ``bits_up_rejected`` are exact int64 totals per round (summed on the host so they
-    cannot overflow), and ``seconds`` is the wall time of the round's chunk divided by its rounds.
+    cannot overflow), and ``seconds`` is the wall time of the round's chunk divided by its rounds (from the
+    end of the previous chunk to the end of this one; the first chunk's from its dispatch, compilation
+    included).
 
     Rounds run in the chunks of ``chunk_plan(0, num_rounds, chunk_size)``; a run continued from a
     chunk boundary ``start`` runs the remaining chunks of that same plan, so a continued run performs
@@ -664,17 +666,28 @@ def run_rounds(
     if not plan or plan[0][0] != start:
         plan = chunk_plan(start, num_rounds, chunk_size)
     records: list[dict[str, np.ndarray]] = []
-    for first, length in plan:
-        t0 = time.perf_counter()
-        before = carry
+
+    def dispatch(state: Any, first: int, length: int) -> Any:
+        return run_chunk(state, jnp.arange(first, first + length), clients, base_key)
+
+    # Chunk i + 1 is dispatched (on chunk i's carry, still being computed) before the host reads chunk i's
+    # records, so the device never waits for the host's work between chunks (copying the records, the stop
+    # checks, progress, checkpoints, callbacks). Where a check stops the fit after chunk i, chunk i + 1's
+    # work is dropped unread: what the fit returns is as without it.
+    ahead = dispatch(carry, *plan[0]) if plan else None
+    t0 = time.perf_counter()
+    for i, (first, length) in enumerate(plan):
+        before, current = carry, ahead
+        ahead = dispatch(current[0], *plan[i + 1]) if i + 1 < len(plan) else None
         try:
-            carry, rec = wait_ready(run_chunk(carry, jnp.arange(first, first + length), clients, base_key),
-                                    stall_timeout, f"{bar.label}: the chunk of rounds {first}..{first + length - 1}",
+            carry, rec = wait_ready(current, stall_timeout, f"{bar.label}: the chunk of rounds {first}..{first + length - 1}",
                                     rounds=(first, first + length - 1))
         except StalledError as err:
             err.history = concat_records(records)
             raise
-        rec = host_records(rec, time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        rec = host_records(rec, t1 - t0)  # from the end of the previous chunk (the first: from its dispatch)
+        t0 = t1
         short = first_short_round(rec, min_clients)
         reason = "too_few_clients"
         simulated_nan = faults is not None and faults.nan > 0  # injected NaN uploads are faults, not a blow-up

@@ -46,6 +46,7 @@ started from the closed form where it exists). Users can supply their own S and 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -61,7 +62,7 @@ from numpyro.distributions.distribution import validation_enabled
 from ..seeds import seed_key
 from ..errors import ModelError
 from ..introspect import FedModel, Params, DataMask, sum_log_prob
-from ..linalg import lapack_free_cholesky, lapack_free_spd_inverse
+from ..linalg import lapack_free_cholesky, lapack_free_spd_inverse, lapack_free_tril_inverse
 
 Stats = dict[str, Any]
 
@@ -117,7 +118,26 @@ def _shared_factor(fn: dist.Distribution, axis: int) -> dist.Distribution:
     cov = _first(axis, _param(fn, "covariance_matrix", fn.event_shape))
     if cov.ndim != 2:
         return fn
-    return _rebase(fn, dist.MultivariateNormal(_base(fn).loc, scale_tril=jnp.linalg.cholesky(cov)))
+    return _rebase(fn, _WhitenedMVN(_base(fn).loc, scale_tril=jnp.linalg.cholesky(cov)))
+
+
+class _WhitenedMVN(dist.MultivariateNormal):
+    """A MultivariateNormal with one D x D Cholesky factor L whose log density whitens every row with
+    L^{-1} formed once (:func:`fedbayes.linalg.lapack_free_tril_inverse`):
+
+        log N(x | m, L L^T) = -1/2 |L^{-1} (x - m)|^2 - sum_i log L_ii - D/2 log(2 pi),
+
+    a matrix product over all rows (and, under the engine's vmap, all clients at once) where NumPyro's
+    ``log_prob`` solves a triangular system per batch: about 5x faster for a mixture's E-step on a CPU
+    (``benchmarks/bench_fedmm.py``), and the same numbers up to rounding (L^{-1} of a well-conditioned
+    covariance, as a centralised EM code forms it)."""
+
+    def log_prob(self, value):
+        # NumPyro broadcasts L to the batch shape; every copy is the one factor (XLA folds the slice away)
+        factor = jnp.reshape(self.scale_tril, (-1,) + self.scale_tril.shape[-2:])[0]
+        z = jnp.einsum("...j,ij->...i", value - self.loc, lapack_free_tril_inverse(factor))
+        half_log_det = jnp.sum(jnp.log(jnp.diagonal(factor)))
+        return -0.5 * (self.event_shape[0] * math.log(2 * math.pi) + jnp.sum(z**2, -1)) - half_log_det
 
 
 def family_of(fn: dist.Distribution) -> str | None:
