@@ -668,7 +668,7 @@ def run_rounds(
     records: list[dict[str, np.ndarray]] = []
 
     def dispatch(state: Any, first: int, length: int) -> Any:
-        return run_chunk(state, jnp.arange(first, first + length), clients, base_key)
+        return run_chunk(state, np.arange(first, first + length, dtype=np.int32), clients, base_key)
 
     # Chunk i + 1 is dispatched (on chunk i's carry, still being computed) before the host reads chunk i's
     # records, so the device never waits for the host's work between chunks (copying the records, the stop
@@ -702,7 +702,7 @@ def run_rounds(
         if checks:  # the earliest bad round; on a tie, the fault count's verdict (it explains the other)
             bad, reason = min(checks, key=lambda c: (c[0], c[1] == "diverged"))
             records.append({name: v[:bad] for name, v in rec.items()})
-            good = run_chunk(before, jnp.arange(first, first + bad), clients, base_key)[0] if bad else before
+            good = run_chunk(before, np.arange(first, first + bad, dtype=np.int32), clients, base_key)[0] if bad else before
             counts = {name: int(rec[name][bad]) for name in ("active", "dropped", "nonfinite", "too_large")}
             raise Stopped(reason, first + bad, good, concat_records(records), counts)
         records.append(rec)
