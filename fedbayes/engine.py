@@ -674,8 +674,8 @@ def run_rounds(
     # records, so the device never waits for the host's work between chunks (copying the records, the stop
     # checks, progress, checkpoints, callbacks). Where a check stops the fit after chunk i, chunk i + 1's
     # work is dropped unread: what the fit returns is as without it.
-    ahead = dispatch(carry, *plan[0]) if plan else None
     t0 = time.perf_counter()
+    ahead = dispatch(carry, *plan[0]) if plan else None  # (compiles the chunk on a first call)
     for i, (first, length) in enumerate(plan):
         before, current = carry, ahead
         ahead = dispatch(current[0], *plan[i + 1]) if i + 1 < len(plan) else None
