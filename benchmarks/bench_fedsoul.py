@@ -37,7 +37,7 @@ def handwritten(data, cohort, rounds, seed=0):
 
     def log_joint(theta, z, xi, yi, mi):
         phi, mu, log_s = theta
-        r = (yi - xi @ phi @ z) * mi
+        r = (yi - xi @ (phi @ z)) * mi  # as fb.models.fedpop_synthetic writes it
         return -0.5 * jnp.sum(r**2) / NOISE**2 - 0.5 * jnp.sum((z - mu) ** 2) / jnp.exp(2 * log_s) - 2 * log_s
 
     grads = jax.grad(log_joint, argnums=(0, 1))
