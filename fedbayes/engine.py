@@ -147,11 +147,34 @@ def final_exchange(run: Any, key: jax.Array, server_state: PyTree, client_states
     the parts carry ``final_bits``."""
     payload = run_jit(run, "final_message", lambda: run.final_message)(key, server_state)
     clients = clients._replace(settings=run.client_settings(server_state))
-    step = run_jit(run, "final_clients", lambda: jax.vmap(run.final_client, in_axes=(None, None, 0, _CLIENT_AXES)))
+    num_clients = clients.index.shape[0]
+    if num_clients <= FINAL_BLOCK or _MESH.get() is not None:  # every client at once (over the devices)
+        step = run_jit(run, "final_clients", lambda: jax.vmap(run.final_client, in_axes=(None, None, 0, _CLIENT_AXES)))
+    else:
+        step = run_jit(run, "final_client_blocks", lambda: _in_blocks(run.final_client))
     locals_, uploads = step(key, payload, client_states, clients)
     parts = run.final_server(key, server_state, payload, uploads, locals_)
     parts["final_bits"] = final_bits(payload, uploads, clients.index.shape[0])
     return parts
+
+
+FINAL_BLOCK = 2048
+"""Beyond this many clients the final exchange's client computations run in blocks of this many (vmapped
+within a block, one block after another): their intermediates (FedSOUL's Louis terms hold a few d x d
+matrices per client and draw) then take the memory of one block, not of the whole federation."""
+
+
+def _in_blocks(final_client: Callable) -> Callable:
+    def blocks(key, payload, client_states, clients):
+        settings = clients.settings  # the same for every client: not mapped over
+
+        def one(args):
+            state, client = args
+            return final_client(key, payload, state, client._replace(settings=settings))
+
+        return jax.lax.map(one, (client_states, clients._replace(settings=None)), batch_size=FINAL_BLOCK)
+
+    return blocks
 
 
 def staged_init(run: FederatedRun, key: jax.Array, problem: Problem) -> tuple[tuple[PyTree, PyTree, Message], tuple[int, int]]:

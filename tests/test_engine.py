@@ -83,3 +83,31 @@ def test_chunk_plan_covers_every_round_once(start, end, size):
     rounds = [r for first, length in plan for r in range(first, first + length)]
     assert rounds == list(range(start, end))
     assert len({length for _, length in plan}) <= 2 and all(length <= max(size, 1) for _, length in plan)
+
+
+def test_the_final_exchange_in_blocks_of_clients_is_the_final_exchange_of_all_at_once(monkeypatch):
+    """Past ``FINAL_BLOCK`` clients the final exchange's client computations run block by block (to bound
+    their memory): FedSOUL's personal posteriors and Louis' standard errors are those of one vmap over all
+    clients, to float rounding (the per-client arithmetic is the same; XLA may vectorise a block differently)."""
+    import warnings
+
+    import fedbayes.engine as engine
+
+    data, _, _ = fb.models.make_fedpop_synthetic(40, test_size=1, seed=0)
+    fits = {}
+    for block in (10_000, 16):  # all at once; 40 clients = 2 blocks of 16 and a rest of 8
+        fb.clear_cache()
+        monkeypatch.setattr(engine, "FINAL_BLOCK", block)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fits[block] = fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(local_steps=5, num_samples=20,
+                                                                                   warmup=20), num_rounds=30,
+                                     progress=False)
+    whole, blocks = fits[10_000], fits[16]
+    np.testing.assert_array_equal(whole.history["bits_up"], blocks.history["bits_up"])
+    for name in whole.local_samples:
+        np.testing.assert_allclose(blocks.local_samples[name], whole.local_samples[name], rtol=1e-5, atol=1e-6)
+    for name in whole.standard_errors:
+        np.testing.assert_allclose(blocks.standard_errors[name], whole.standard_errors[name], rtol=1e-4)
+    assert whole.final_bits == blocks.final_bits and whole.final_bits[0] > 0
+    fb.clear_cache()
