@@ -395,6 +395,10 @@ def _sampler_rows(res: Any) -> list[dict[str, Any]]:
     return rows
 
 
+LOCAL_BLOCK = 2048
+"""Clients whose local chains' statistics are computed together (the result does not depend on it)."""
+
+
 def _local_rows(res: Any) -> list[dict[str, Any]]:
     chains_by_site = getattr(res, "_local_chains", None) or {}
     # the sampled local latents only (fb.LocalOnly also keeps each client's fitted shared sites there: one
@@ -407,16 +411,25 @@ def _local_rows(res: Any) -> list[dict[str, Any]]:
     num_clients, chains, n = first.shape[:3]
     if n < 8:
         return []
-    draws = {s: np.moveaxis(v, 0, 2) for s, v in chains_by_site.items()}  # (chain, draw, client, ...)
-    stats = _chain_stats(draws)
-    within = _chain_stats(_per_chain(draws))
+    # R-hat of each client's chains, and each chain's own ESS, a block of clients at a time: the statistics
+    # are per client, and their rank-normalised float64 copies of every client's draws at once would take
+    # several times the draws' memory
+    rhats: dict[str, list[np.ndarray]] = {s: [] for s in chains_by_site}
+    esss: dict[str, list[np.ndarray]] = {s: [] for s in chains_by_site}
+    for start in range(0, num_clients, LOCAL_BLOCK):
+        draws = {s: np.moveaxis(v[start:start + LOCAL_BLOCK], 0, 2) for s, v in chains_by_site.items()}  # (chain, draw, client, ...)
+        size = next(iter(draws.values())).shape[2]
+        stats = _chain_stats(draws)
+        within = _chain_stats(_per_chain(draws))
+        for s, st in stats.items():
+            rhats[s].append(np.where(np.isnan(st["rhat"]), np.inf, st["rhat"]).reshape(size, -1))
+            # the chance level of R-hat from each chain's own ESS (the pooled ESS of a stuck chain is low)
+            esss[s].append(np.nan_to_num(within[s]["ess_bulk"], nan=0.0).sum(axis=1).reshape(size, -1))
     names = [n.item() if isinstance(n, np.generic) else n for n in res._data.client_coordinate()]
     halves = 2 * max(chains, 2)  # ArviZ splits each chain (one chain was split in two first)
     rows = []
-    for s, st in stats.items():
-        rhat = np.where(np.isnan(st["rhat"]), np.inf, st["rhat"]).reshape(num_clients, -1)
-        # the chance level of R-hat from each chain's own ESS (the pooled ESS of a stuck chain is low)
-        ess = np.nan_to_num(within[s]["ess_bulk"], nan=0.0).sum(axis=1).reshape(num_clients, -1)
+    for s in chains_by_site:
+        rhat, ess = np.concatenate(rhats[s]), np.concatenate(esss[s])
         limit = local_rhat_limit(ess, halves, num_clients * rhat.shape[1])
         ratio = rhat / limit
         c, j = np.unravel_index(int(np.argmax(ratio)), ratio.shape)

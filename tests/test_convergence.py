@@ -349,3 +349,18 @@ def test_resumed_fit_is_checked_like_the_uninterrupted_one(tmp_path):
     assert [str(w.message) for w in again] == [str(w.message) for w in caught] != []
     assert all(w.filename == __file__ for w in again)
     assert resumed.diagnostics.equals(res.diagnostics) and not resumed.converged
+
+
+def test_local_rhat_in_blocks_of_clients_is_the_local_rhat_of_all_at_once(monkeypatch):
+    """The clients' local R-hat check runs a block of clients at a time (to bound its memory): its row (the
+    worst client, its R-hat, its threshold, how many clients fail) does not depend on the block size."""
+    data, _, _ = fb.models.make_fedpop_synthetic(13, test_size=1, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = fb.fed_fit(fb.models.fedpop_synthetic, data, fb.FedSOUL(local_steps=5, num_samples=40, warmup=20),
+                         num_rounds=30, progress=False)
+    whole = cv._local_rows(res)
+    monkeypatch.setattr(cv, "LOCAL_BLOCK", 4)  # 13 clients: blocks of 4, 4, 4 and 1
+    blocks = cv._local_rows(res)
+    assert len(whole) == len(blocks) == 1
+    assert whole[0] == blocks[0]
