@@ -220,7 +220,7 @@ def resolve_devices(devices: Any, num_clients: int) -> list[Any]:
     divides it is used, with a warning when that leaves devices idle."""
     available = jax.devices()
     if devices is None:
-        count = max(n for n in range(1, len(available) + 1) if num_clients % n == 0)
+        count = _most_devices(num_clients, len(available))
         if count < len(available):
             warnings.warn(f"{num_clients} clients cannot be split equally over the {len(available)} devices; the fit "
                           f"uses {count} of them (pass devices= to choose, or a number of clients that "
@@ -241,10 +241,15 @@ def resolve_devices(devices: Any, num_clients: int) -> list[Any]:
             raise ConfigError(f"devices must be a non-empty sequence of distinct jax devices (jax.devices()), got "
                               f"{devices!r}")
     if num_clients % len(chosen):
-        divisors = [n for n in range(1, len(chosen) + 1) if num_clients % n == 0]
         raise ConfigError(f"{num_clients} clients cannot be split equally over {len(chosen)} devices: give a number "
-                          f"of devices that divides the number of clients (here at most {max(divisors)})")
+                          f"of devices that divides the number of clients (here at most "
+                          f"{_most_devices(num_clients, len(chosen))})")
     return chosen
+
+
+def _most_devices(num_clients: int, available: int) -> int:
+    """The largest count of devices, at most ``available``, over which ``num_clients`` split equally."""
+    return max(n for n in range(1, available + 1) if num_clients % n == 0)
 
 
 @contextlib.contextmanager
