@@ -5,12 +5,15 @@ The module runs in float32 (JAX's default, and what Ray workers use): floats cro
 numbers, the ledger's 32 bits, so only then is the network exact. Client steps run one client at a time
 on Flower and vectorised in fed_fit, and the server step is compiled on its own rather than inside the
 round's scan: D-ELF and TAMUNA come out bit for bit equal; FedSOUL and FedMM differ in the last bits of
-their server arithmetic (XLA fuses it differently), so their floats are compared to float32 rounding.
+their server arithmetic (XLA fuses it differently), so their floats are compared to float32 rounding
+carried through the rounds, measured by a fit on data moved by one ulp (``DRIFT``).
 The ledger and the fault records are integers and are compared exactly in every case.
 """
 
+import functools
 import os
 import tempfile
+import warnings
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -75,26 +78,66 @@ BITWISE = {"d-elf", "b-elf", "tamuna"}
 FITS = ["fedsoul", "fedmm", "d-elf", "tamuna"]  # B-ELF's messages are D-ELF's plus the downlink's: see below
 
 
-def _equal(a, b, exact, what, rtol=1e-4):
+DRIFT = 10
+"""How far a Flower run's floats may be from fed_fit's where they are not bit for bit equal: DRIFT times
+how far fed_fit itself moves when every data value is moved by one float32 ulp (``_drift``). Both are
+last-bit differences carried through the rounds, and how much a round amplifies them depends on the
+problem, the seed and the machine's vector width (a round of FedSOUL here multiplies them by up to 10;
+on an AVX-512 machine the Flower run's difference was 0.04-2.8 times the nudged run's). An algorithmic
+difference (a step, a weight, a message) moves the floats by orders of magnitude more."""
+
+
+def _nudged(data):
+    """``data`` with every float moved one ulp up (``np.nextafter``)."""
+    clients = [data.client(i) for i in range(data.num_clients)]
+    nudge = lambda v: np.nextafter(v, np.inf).astype(v.dtype) if np.issubdtype(v.dtype, np.floating) else v  # noqa: E731
+    return fb.FederatedData({k: [nudge(c[k]) for c in clients] for k in clients[0]})
+
+
+@functools.lru_cache(maxsize=None)
+def _drift(name, seed):
+    """fed_fit of ``CASES[name]`` on the nudged data (the float32 module fixture is on throughout)."""
+    algo, model, data, rounds, cohort = CASES[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fb.fed_fit(model, _nudged(data), algo, num_rounds=rounds, clients_per_round=cohort, seed=seed)
+
+
+def _equal(a, b, exact, what, rtol=1e-4, drift=None):
+    """a and b equal: bit for bit with ``exact``, else to float32 rounding (rtol, and an absolute
+    tolerance of 1e-5 or DRIFT times a's distance to ``drift``, the same quantity of the nudged fit)."""
     a, b = np.asarray(a), np.asarray(b)
     if exact or not np.issubdtype(a.dtype, np.floating):
         np.testing.assert_array_equal(a, b, err_msg=what)
     else:
         # float32 rounding: a few ulps (1.2e-7 each) per operation, carried through a handful of rounds of
         # a contracting iteration; 1e-4 relative is ~1000 ulps and still far below any algorithmic change.
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-5, err_msg=what)
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=_drift_atol(a, drift, 1e-5), err_msg=what)
 
 
-def _same(a, b, exact=True, locals_=True):
+def _drift_atol(a, drift, floor):
+    if drift is None:
+        return floor
+    moved = np.abs(np.asarray(a, np.float64) - np.asarray(drift, np.float64))
+    moved = moved[np.isfinite(moved)]
+    return max(floor, DRIFT * float(moved.max())) if moved.size else floor
+
+
+def _same(a, b, exact=True, locals_=True, drift=None):
     """The same result: history (ledger, faults, diagnostics), parameters, samples, the final exchange's
     parts (standard errors, information, normal approximation) and, with ``locals_``, the personal
-    posteriors."""
+    posteriors. ``drift``: a's fit on nudged data (``_drift``), for the floats that are not bit for bit."""
+    def d(part, key=None):
+        if drift is None:
+            return None
+        return getattr(drift, part) if key is None else (getattr(drift, part) or {}).get(key)
+
     assert a.history.keys() == b.history.keys()
     for key in a.history:
         if key != "seconds":
-            _equal(a.history[key], b.history[key], exact, key)
+            _equal(a.history[key], b.history[key], exact, key, drift=d("history", key))
     for name, value in a.params.items():
-        _equal(value, b.params[name], exact, name)
+        _equal(value, b.params[name], exact, name, drift=d("params", name))
     # The standard errors and the normal approximation come from the inverse of the information, which
     # agrees to 1e-5 of its scale (below): inverting multiplies that relative difference by up to the
     # information's condition number (FedMM's mixture: ~300, so a few 1e-4 in a standard error).
@@ -107,7 +150,7 @@ def _same(a, b, exact=True, locals_=True):
         assert mine.keys() == theirs.keys(), attr
         rtol = inverse_rtol if attr in ("standard_errors", "global_approx") else 1e-4
         for name, value in mine.items():
-            _equal(value, theirs[name], exact, f"{attr}/{name}", rtol)
+            _equal(value, theirs[name], exact, f"{attr}/{name}", rtol, drift=d(attr, name))
     assert (a.information is None) == (b.information is None)
     if a.information is not None:
         # as _equal (the estimate's float32 differences carried into the matrix), and small entries are
@@ -115,7 +158,7 @@ def _same(a, b, exact=True, locals_=True):
         # rounding is relative to the matrix's largest entry
         scale = np.abs(a.information).max()
         np.testing.assert_allclose(a.information, b.information, rtol=0 if exact else 1e-4,
-                                   atol=0 if exact else 1e-5 * scale)
+                                   atol=0 if exact else _drift_atol(a.information, d("information"), 1e-5 * scale))
     assert a.init_bits == b.init_bits and a.final_bits == b.final_bits
 
 
@@ -151,7 +194,7 @@ def test_flower_run_equals_fed_fit(name):
     algo, model, data, rounds, cohort = CASES[name]()
     ref = fb.fed_fit(model, data, algo, num_rounds=rounds, clients_per_round=cohort, seed=3)
     res = flower.simulate(model, data, algo, num_rounds=rounds, clients_per_round=cohort, seed=3, backend="local")
-    _same(ref, res, exact=name in BITWISE)
+    _same(ref, res, exact=name in BITWISE, drift=None if name in BITWISE else _drift(name, 3))
     _check_bytes(res)
     assert res.algorithm == ref.algorithm and type(res) is type(ref)
     if name == "fedsoul":  # the personalised part: each client's posterior, computed on its node, came back
@@ -357,7 +400,7 @@ def test_the_server_needs_no_client_data(name):
     The personal posteriors (FedSOUL's local samples, FedMM's responsibilities) stay on the nodes unless
     collected, as a simulation does; collected, they are fed_fit's too."""
     ref, res = _deployed(name, seed=2, collect_locals=name == "fedsoul")
-    _same(ref, res, exact=name in BITWISE, locals_=name == "fedsoul")
+    _same(ref, res, exact=name in BITWISE, locals_=name == "fedsoul", drift=None if name in BITWISE else _drift(name, 2))
     _check_bytes(res)
     if name == "fedmm":  # a deployment's result: no client's local posterior reached the server
         assert ref.local_info and not res.local_info and not res.local_samples
@@ -369,12 +412,16 @@ def test_a_node_writes_its_personal_posterior_where_its_config_says(tmp_path):
     result, as in a deployment, holds none."""
     ref, res = _deployed("fedsoul", seed=2, node_config={flower.OUTPUT_KEY: str(tmp_path)})
     assert not res.local_samples
+    drift = _drift("fedsoul", 2)
     for i in range(ref._data.num_clients):
         with np.load(tmp_path / f"client-{i}.npz") as saved:
             assert set(saved.files) == {"local_samples/b", "step_size", "acceptance"}
-            _equal(ref._local_chains["b"][i], saved["local_samples/b"], False, f"client {i}")
-            _equal(ref.client_info["step_size"][i], saved["step_size"], False, f"client {i} step")
-            _equal(ref.client_info["acceptance"][i], saved["acceptance"], False, f"client {i} acceptance")
+            _equal(ref._local_chains["b"][i], saved["local_samples/b"], False, f"client {i}",
+                   drift=drift._local_chains["b"][i])
+            _equal(ref.client_info["step_size"][i], saved["step_size"], False, f"client {i} step",
+                   drift=drift.client_info["step_size"][i])
+            _equal(ref.client_info["acceptance"][i], saved["acceptance"], False, f"client {i} acceptance",
+                   drift=drift.client_info["acceptance"][i])
 
 
 @pytest.mark.parametrize("name", ["fedmm", "fedsoul"])
@@ -385,13 +432,14 @@ def test_a_client_missing_the_final_exchange_keeps_the_rest(name):
     rounds, gone = CASES[name]()[3], 2
     with pytest.warns(RuntimeWarning, match=r"client\(s\) \[2\] did not answer the final exchange"):
         ref, res = _deployed(name, seed=2, collect_locals=True, unreachable=lambda k, c: k == rounds and c == gone)
+    drift = _drift(name, 2)
     for site, value in ref.params.items():
-        _equal(value, res.params[site], False, site)
+        _equal(value, res.params[site], False, site, drift=drift.params[site])
     kept = np.arange(ref._data.num_clients) != gone
     personal = {"fedmm": ("local_info", "responsibilities"), "fedsoul": ("local_samples", "b")}[name]
     mine, theirs = getattr(res, personal[0])[personal[1]], getattr(ref, personal[0])[personal[1]]
     assert np.isnan(mine[gone]).all()
-    _equal(theirs[kept], mine[kept], False, personal[1])
+    _equal(theirs[kept], mine[kept], False, personal[1], drift=getattr(drift, personal[0])[personal[1]][kept])
     if name == "fedmm":
         assert ref.standard_errors and not res.standard_errors and res.information is None
         d, q = ref.information.shape[0], sum(np.size(v) for v in jax.tree_util.tree_leaves(ref.statistic))
