@@ -225,6 +225,30 @@ def _ldexp(x: jax.Array, n: Any) -> jax.Array:
     return jnp.where(special, x, out)
 
 
+def _power_bits(e: jax.Array, dtype: Any, mant: int = 0) -> jax.Array:
+    """The bits (unsigned, sign bit clear) of (1 + mant 2^-nmant) 2^e in ``dtype``, for int32 binades e
+    and a fixed mantissa field ``mant``, rounded to nearest (ties to even) where the number is
+    subnormal and saturated to the largest finite number beyond the range: ``_ldexp`` of one fixed
+    significand, computed with a few integer operations per coordinate."""
+    info = jnp.finfo(dtype)
+    width, nmant, nexp = int(info.bits), int(info.nmant), int(info.nexp)
+    minexp, maxexp = int(info.minexp), int(info.maxexp)
+    uint = jnp.dtype(f"uint{width}")
+    significand = _uint(mant | 2**nmant, uint)
+    normal = ((jnp.clip(e - minexp + 1, 0, 2**nexp - 2).astype(uint) << _uint(nmant, uint))
+              | _uint(mant, uint))
+    # Subnormal: the significand times 2^(e - nmant), in units of the smallest subnormal
+    # 2^(minexp - nmant), i.e. shifted right by minexp - e with rounding; past nmant + 2 places it is
+    # below half the smallest subnormal and rounds to 0.
+    s = jnp.clip(minexp - e, 1, nmant + 2).astype(uint)
+    one = _uint(1, uint)
+    kept = significand >> s
+    rest, half = significand - (kept << s), one << (s - one)
+    kept = kept + ((rest > half) | ((rest == half) & ((kept & one) == 1))).astype(uint)
+    largest = _uint(((2**nexp - 2) << nmant) | (2**nmant - 1), uint)
+    return jnp.where(e > maxexp - 1, largest, jnp.where(e >= minexp, normal, kept))
+
+
 def _rescaled(f: Any, x: jax.Array) -> jax.Array:
     """f(x) for a positively homogeneous f (f(2^e v) = 2^e f(v)), evaluated at x 2^-b in [1, 2), b the
     binade of x (per coordinate, or of a scalar x), and scaled back by 2^b with ``_ldexp``. Where x and
@@ -358,6 +382,10 @@ class Compressor(abc.ABC):
     def decode(self, codes: tuple[jax.Array, ...], d: int) -> jax.Array:
         """The vector C(x) that ``codes`` encode (d coordinates)."""
         return codes[0]
+
+    def _decode_divided(self, codes: tuple[jax.Array, ...], d: int, scale: float) -> jax.Array:
+        """decode(codes, d) / scale, the division done on the bits' scale (``_rescaled``)."""
+        return _rescaled(lambda v: v / scale, self.decode(codes, d))
 
     def pack(self, writer: BitWriter, codes: tuple[np.ndarray, ...], d: int) -> None:
         """Append the message of ``codes`` (host numpy arrays) to ``writer``: ``bits(d)`` bits."""
@@ -783,8 +811,8 @@ class _Natural(_UnbiasedQuantizer):
     IEEE number with a zero mantissa, code 0 meaning zero (and the all-ones code infinity).
     bits = 12 + d (1 + E): 12 + 6d, 12 + 9d, 12 + 12d.
 
-    Range: the rounding is done on x 2^(hi - 1 - b) (exact, ``_ldexp``), whose largest |x_j| lies in
-    [2^(hi - 1), 2^hi), on the grid 0, 2^lo..2^hi of the powers that are normal numbers of both the
+    Range: the rounding is done on x 2^(hi - 1 - b) (exactly, on the integers of x's bits: see
+    ``encode``), whose largest |x_j| lies in [2^(hi - 1), 2^hi), on the grid 0, 2^lo..2^hi of the powers that are normal numbers of both the
     wire format and x's dtype (lo, hi = -14, 15 at 16 bits; -126, 127 for float32 at 32 or 64
     bits): the largest coordinate never rounds beyond the grid, and a nonzero x keeps it nonzero.
     A coordinate below 2^lo on that scale is rounded the same way between 0 and 2^lo: unbiased, with
@@ -823,28 +851,76 @@ class _Natural(_UnbiasedQuantizer):
 
     def encode(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
         """(b, y): the shared binade and the rounded y_j = C(x)_j 2^(hi - 1 - b), signed powers of two,
-        0 or +-inf (NaN stays NaN), in x's dtype."""
+        0 or +-inf (NaN stays NaN), in x's dtype.
+
+        Computed on the bits, with integer operations only (no ``_ldexp``): write
+        |x_j| = (1 + r_j 2^-nmant) 2^e_j (subnormals normalised, r_j an integer). Then
+        |x_j| 2^(hi - 1 - b) has binade e_j + hi - 1 - b. On the grid (binade >= lo) it is rounded up
+        with probability r_j 2^-nmant: the uniform u = k 2^-nmant (as ``jax.random.uniform`` draws it)
+        is below that exactly when u < r_j 2^-nmant, both on the same grid. Below the grid, at
+        q = |x_j| 2^(hi - 1 - b - lo) in (0, 1), it goes to 2^lo when u < ceil(q 2^nmant) 2^-nmant,
+        the integer ceiling taken exactly on the significand's bits (probability q up to the uniform's
+        grid of 2^-nmant)."""
         lo, hi = self._grid(x.dtype)
-        b = _top_binade(x)
-        y = _ldexp(x, hi - 1 - b)
-        size = jnp.abs(y)
-        tiny = 2.0**lo
-        small = size < tiny  # y_j = 0 and below the grid: bracket [0, 2^lo]
-        # 2^floor(log2 size) for normal size: clear the mantissa bits of its IEEE encoding.
-        width = 8 * x.dtype.itemsize
+        info = jnp.finfo(x.dtype)
+        width, nmant, nexp, minexp = int(info.bits), int(info.nmant), int(info.nexp), int(info.minexp)
         uint = jnp.dtype(f"uint{width}")
-        keep = _uint((2**width - 1) ^ (2 ** int(jnp.finfo(x.dtype).nmant) - 1), uint)
-        power = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(size, uint) & keep, x.dtype)
-        low = jnp.where(small, 0.0, power)
-        high = jnp.where(small, tiny, 2 * power)  # <= 2^hi: y's largest coordinate is below 2^hi
-        p = jnp.where(small, _ldexp(size, -lo), (size - low) / (high - low))
+        u = jax.lax.bitcast_convert_type(x, uint)
+        sign = u & _uint(2 ** (width - 1), uint)
+        field = ((u >> _uint(nmant, uint)) & _uint(2**nexp - 1, uint)).astype(jnp.int32)
+        frac = u & _uint(2**nmant - 1, uint)
+        special = field == 2**nexp - 1
+        length = _bit_length(frac)  # of a subnormal's fraction (0 for a zero)
+        e = jnp.where(field > 0, field + (minexp - 1), (minexp - 1 - nmant) + length)
+        r = jnp.where(field > 0, frac, (frac << (nmant + 1 - length).astype(uint)) & _uint(2**nmant - 1, uint))
+        nonzero = (field > 0) | (frac > 0)
+        b = jnp.max(jnp.where(nonzero & ~special, e, _NO_BINADE))
+        b = jnp.where(b == _NO_BINADE, 0, b)
+        ey = e + (hi - 1) - b  # the binade of |y_j|
+        on_grid = nonzero & (ey >= lo)
+        # Below the grid: ceil(q 2^nmant) = ceil(M 2^-t), M the significand, t = lo - ey >= 1 (past
+        # nmant + 1 places M 2^-t < 1 and the ceiling is 1 for a nonzero M).
+        significand = jnp.where(nonzero, r | _uint(2**nmant, uint), _uint(0, uint))
+        t = jnp.clip(lo - ey, 1, nmant + 1).astype(uint)
+        ceiling = (significand >> t) + ((significand & ((_uint(1, uint) << t) - _uint(1, uint))) > 0).astype(uint)
+        p = jnp.where(on_grid, r, ceiling).astype(x.dtype) * jnp.asarray(2.0**-nmant, x.dtype)
         up = jax.random.uniform(key, x.shape, x.dtype) < p
-        rounded = jnp.where(up, high, low)
-        return b, jnp.where(jnp.isfinite(y), jnp.where(jnp.signbit(y), -rounded, rounded), y)
+        binade = jnp.where(on_grid, ey + up.astype(jnp.int32), lo)  # <= hi: the largest |y_j| is below 2^hi
+        magnitude = jnp.where(on_grid | up, (binade - minexp + 1).astype(uint) << _uint(nmant, uint), _uint(0, uint))
+        y = jax.lax.bitcast_convert_type(jnp.where(special, u, sign | magnitude), x.dtype)
+        return b, y
 
     def decode(self, codes: tuple[jax.Array, ...], d: int) -> jax.Array:
+        return self._powers(codes, 1.0)
+
+    def _decode_divided(self, codes: tuple[jax.Array, ...], d: int, scale: float) -> jax.Array:
+        return self._powers(codes, scale)
+
+    def _powers(self, codes: tuple[jax.Array, ...], scale: float) -> jax.Array:
+        """The decoded C(x)_j = y_j 2^(b + 1 - hi), divided by ``scale`` as ``_rescaled`` divides (the
+        quotient of +-1 by scale, then placed at y_j's binade with rounding where it is subnormal);
+        a decoded value beyond the dtype's range saturates to its largest finite number (and that,
+        divided, to the quotient of the largest finite number by scale). Integer operations only."""
         b, y = codes
-        return _ldexp(y, b + 1 - self._grid(y.dtype)[1])
+        dtype = y.dtype
+        info = jnp.finfo(dtype)
+        width, nmant, nexp, minexp, maxexp = (int(info.bits), int(info.nmant), int(info.nexp),
+                                              int(info.minexp), int(info.maxexp))
+        uint = jnp.dtype(f"uint{width}")
+        npuint = np.dtype(f"uint{width}")
+        # The quotient 1 / scale in dtype (IEEE division, as XLA divides): its mantissa field and binade.
+        quotient = np.asarray(np.ones((), dtype) / np.asarray(scale).astype(dtype)).astype(dtype)
+        qbits = int(quotient.view(npuint))
+        mant, shift = qbits & (2**nmant - 1), ((qbits >> nmant) & (2**nexp - 1)) + minexp - 1
+        saturated = int((np.asarray(info.max, dtype) / np.asarray(scale).astype(dtype)).astype(dtype).view(npuint))
+        u = jax.lax.bitcast_convert_type(y, uint)
+        sign = u & _uint(2 ** (width - 1), uint)
+        field = ((u >> _uint(nmant, uint)) & _uint(2**nexp - 1, uint)).astype(jnp.int32)
+        special = field == 2**nexp - 1
+        e = field + (minexp - 1) + (jnp.asarray(b, jnp.int32) + 1 - self._grid(dtype)[1])  # binade of C(x)_j
+        magnitude = jnp.where(e > maxexp - 1, _uint(saturated, uint), _power_bits(e + shift, dtype, mant))
+        out = jnp.where(special, u, sign | jnp.where(field == 0, _uint(0, uint), magnitude))
+        return jax.lax.bitcast_convert_type(out, dtype)
 
     def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
         return self.decode(self.encode(key, x), x.shape[0])
@@ -905,7 +981,7 @@ class _Scaled(Compressor):
         return _rescaled(lambda v: v / scale, x_hat)
 
     def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
-        return self._shrunk(self.base._compress(key, x))
+        return self.decode(self.base.encode(key, x), x.shape[0])
 
     def __call__(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """C's message and bits (its own encoding, fixed-length or not), decoded and rescaled."""
@@ -920,7 +996,7 @@ class _Scaled(Compressor):
         return self.base.encode(key, x)
 
     def decode(self, codes: tuple[jax.Array, ...], d: int) -> jax.Array:
-        return self._shrunk(self.base.decode(codes, d))
+        return self.base._decode_divided(codes, d, 1.0 + self.base.omega(d))
 
     def pack(self, writer: BitWriter, codes: tuple[np.ndarray, ...], d: int) -> None:
         self.base.pack(writer, codes, d)

@@ -376,6 +376,59 @@ def test_natural_edge_cases_and_top_k_ties() -> None:
     np.testing.assert_array_equal(tk_tiny[0], np.where(np.arange(4) == 2, np.asarray(tiny), 0).astype(np.float32))
 
 
+@pytest.mark.parametrize("float_bits", [16, 32, 64])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_natural_integer_decoding_equals_exact_float_scaling(float_bits: int, dtype) -> None:
+    # natural's encode and decode work on integers (``_power_bits``); the generic exact scalings on
+    # the floats' bits (``_ldexp``, ``_rescaled``, tested against NumPy in test_ldexp_*) must give the
+    # same numbers bit for bit: C(x) = y 2^(b + 1 - hi) and C(x) / (1 + omega), over vectors spanning
+    # the whole range of the dtype (subnormals, the top binade, zeros, +-inf and NaN).
+    rng = np.random.default_rng(float_bits)
+    info = np.finfo(dtype)
+    span = np.arange(int(info.minexp) - int(info.nmant), int(info.maxexp))
+    x = np.concatenate([rng.choice([-1.0, 1.0], span.size) * rng.uniform(1, 2, span.size) * 2.0**span,
+                        [0.0, -0.0, np.inf, -np.inf, np.nan, float(info.max), -float(info.max)]]).astype(dtype)
+    nat, contractive = natural(float_bits), natural(float_bits, contractive=True)
+    lo, hi = nat._grid(x.dtype)
+
+    @jax.jit
+    def run(keys, x):
+        def one(key):
+            b, y = nat.encode(key, x)
+            scale = 1.0 + nat.omega(x.shape[0])
+            return (nat.decode((b, y), x.shape[0]), fb_compress._ldexp(y, b + 1 - hi),
+                    contractive.decode((b, y), x.shape[0]),
+                    fb_compress._rescaled(lambda v: v / scale, fb_compress._ldexp(y, b + 1 - hi)))
+        return jax.vmap(one)(keys)
+
+    # a window of x (the whole span of float64 is 2 100 binades: each window is a vector's range)
+    for start in range(0, x.size, 40):
+        window = jnp.asarray(np.concatenate([x[start:start + 40], x[-7:]]))
+        dec, ref, dec_c, ref_c = map(np.asarray, run(jax.random.split(jax.random.key(start), 64), window))
+        width = dec.dtype.itemsize * 8
+        # A value rounded up from the top binade saturates to the largest finite number, and is then
+        # divided: the quotient is IEEE's (NumPy's). XLA computes a float16 division by a constant as a
+        # product with the rounded reciprocal, one unit lower there (58 208 for 58 240); float32 and
+        # float64 divide exactly, and there the two agree anyway.
+        top = np.abs(ref) == info.max
+        ref_c = np.where(top, np.sign(ref) * (np.asarray(info.max, dtype) / np.asarray(1 + nat.omega(window.shape[0]), dtype)), ref_c)
+        for a, b in ((dec, ref), (dec_c, ref_c)):
+            same = (a.view(f"uint{width}") == b.view(f"uint{width}")) | (np.isnan(a) & np.isnan(b))
+            assert same.all(), (start, a[~same][:3], b[~same][:3])
+
+
+def test_natural_is_unbiased_where_the_rounding_gap_is_subnormal() -> None:
+    # |x_j| = 1.3 2^-110 next to 1.5 2^126: y_j = x_j, and |y_j| - 2^-110 is a subnormal number, which
+    # XLA's CPU flushes to zero; rounding on the integer mantissa keeps the probability 0.3 (a float
+    # computation of (|y| - low) / low would round it down every time).
+    x = jnp.asarray([1.5 * 2.0**126, 1.3 * 2.0**-110, -1.7 * 2.0**-120, 1.25 * 2.0**-125], jnp.float32)
+    draws = np.asarray(jax.jit(jax.vmap(natural(), (0, None)))(jax.random.split(jax.random.key(2), N), x)[0])
+    low = np.asarray([2.0**126, 2.0**-110, -(2.0**-120), 2.0**-125])
+    _bracket_check(draws[:, 1:], np.asarray(x, np.float64)[1:], low[1:], 2 * low[1:])
+    up = np.mean(np.abs(draws[:, 1:]) == 2 * np.abs(low[1:]), axis=0)
+    assert np.all(up > 0.1)  # rounded up at rates 0.3, 0.7, 0.25, not never
+
+
 def test_require_unbiased_and_contractive_with_the_new_compressors() -> None:
     for c in (*CONTRACTIVE, top_k(2), scale_to_contractive(rand_k(2))):
         assert require_contractive(c, "EF21") is c
