@@ -1,6 +1,6 @@
 """fedbayes: Bayesian federated inference for NumPyro models."""
 
-from . import checkpoint, compress, diagnostics, faults, flower, models, protocol, reference, wire
+from . import checkpoint, compress, diagnostics, faults, flower, models, privacy, protocol, reference, wire
 from .algorithms import BELF, DELF, GD, LMC, PELF, QLSD, TAMUNA, FedAvg, FedEM, FedMM, FedRep, FedSOUL, FineTune, JointLMC, JointMALA, JointHMC, LocalOnly, ParamAveragingEM, Scaffnew
 from .algorithms import elf, tamuna
 from .algorithms.expfam import CustomStatistics

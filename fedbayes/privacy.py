@@ -1,0 +1,320 @@
+"""Client-level differential privacy: the Gaussian mechanism's parts and its privacy accountant.
+
+What is protected. A fit with client-level DP bounds how much everything the server sees during the
+rounds (hence the estimate it publishes) can depend on any one client's whole data set. Each round
+the server releases an aggregate of the cohort's uploads; with every upload clipped to an L2 norm of
+at most ``clip`` (:func:`clip_norm`) and Gaussian noise of standard deviation
+``noise_multiplier * clip`` added to their sum (:func:`gaussian_noise`), the round is a Gaussian
+mechanism, and the rounds compose. The accountant turns (noise multiplier, cohort sampling, rounds)
+into epsilon at a given delta with Google's ``dp-accounting`` library (the optional extra
+``fedbayes[privacy]``): Renyi DP (Mironov 2017; sampling without replacement by Wang, Balle and
+Kasiviswanathan 2019) for every setting, and privacy loss distributions (PLD, tight) where that
+library has them (no sampling, or Poisson sampling).
+
+Neighbouring data sets. The engine draws a cohort of a fixed size m of the n clients uniformly without
+replacement (:func:`fedbayes.engine.sample_cohort`). Amplification by such sampling is proved for
+data sets that differ by *replacing* one client's data (``relation="replace"``): a sum of uploads
+clipped to C then changes by at most 2C, so the accountant is given the noise multiplier relative to
+that sensitivity, sigma / 2. With every client in every round (m = n) nothing is sampled and the
+usual relation, *adding or removing* a client (sensitivity C), is used (``relation="add-remove"``).
+:func:`epsilon` and :func:`noise_multiplier_for` take the relation from the sampling, and the report
+names it.
+
+Langevin samplers. A step x' = x - gamma sum_i g_i + sqrt(2 gamma) xi with clipped gradients
+||g_i|| <= C releases a Gaussian mechanism of sensitivity gamma C and noise sd sqrt(2 gamma): its
+noise multiplier is sqrt(2 / gamma) / C already (:func:`langevin_noise_multiplier`), before any noise
+is added for privacy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .errors import ConfigError
+
+ACCOUNTANTS = ("rdp", "pld")
+RELATIONS = ("add-remove", "replace")
+
+
+def _accounting() -> Any:
+    try:
+        import dp_accounting
+    except ImportError:  # pragma: no cover - exercised only without the extra
+        raise ConfigError(
+            'privacy accounting needs the dp-accounting package: pip install "fedbayes[privacy]"') from None
+    return dp_accounting
+
+
+# ----------------------------------------------------------------------------------- the mechanism
+def clip_norm(tree: Any, clip: float) -> tuple[Any, jax.Array]:
+    """``(tree * min(1, clip / ||tree||), ||tree||)``: the pytree scaled so that the L2 norm over all of
+    its leaves is at most ``clip`` (unchanged, bit for bit, when it already is), and the norm before
+    clipping. The scale is computed in float64 where enabled, else float32, and rounded down by
+    one part in 2^20 below the bound, so that the clipped norm never exceeds ``clip`` by rounding."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(jnp.asarray(leaf, jnp.result_type(float)))) for leaf in leaves))
+    over = norm > clip
+    scale = (clip / jnp.where(over, norm, 1.0)) * (1 - 2.0**-20)
+    return jax.tree_util.tree_map(lambda leaf: jnp.where(over, (leaf * scale).astype(leaf.dtype), leaf), tree), norm
+
+
+def gaussian_noise(key: jax.Array, tree: Any, std: Any) -> Any:
+    """Independent N(0, std^2) noise shaped like ``tree`` (one normal per coordinate of every leaf)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    keys = jax.random.split(key, max(len(leaves), 1))
+    noisy = [std * jax.random.normal(k, jnp.shape(leaf), jnp.result_type(leaf)) for k, leaf in zip(keys, leaves)]
+    return jax.tree_util.tree_unflatten(treedef, noisy)
+
+
+def langevin_noise_multiplier(step_size: float, clip: float) -> float:
+    """sqrt(2 / gamma) / C: the noise multiplier of one Langevin step with clipped client gradients
+    (sensitivity gamma C of the drift, noise sd sqrt(2 gamma))."""
+    if not (step_size > 0 and clip > 0):
+        raise ConfigError(f"a Langevin step's noise multiplier needs step_size > 0 and clip > 0, got "
+                          f"{step_size} and {clip}")
+    return math.sqrt(2.0 / step_size) / clip
+
+
+# ----------------------------------------------------------------------------------- the accountant
+def relation_for(num_clients: int, cohort_size: int) -> str:
+    """The neighbouring relation the accountant uses: ``"add-remove"`` with every client in every
+    round, ``"replace"`` with a fixed-size cohort drawn without replacement (see the module notes)."""
+    return "add-remove" if cohort_size >= num_clients else "replace"
+
+
+def _check_counts(rounds: int, num_clients: int, cohort_size: int | None) -> int:
+    if int(rounds) != rounds or rounds < 0:
+        raise ConfigError(f"rounds must be a non-negative integer, got {rounds}")
+    if int(num_clients) != num_clients or num_clients < 1:
+        raise ConfigError(f"num_clients must be a positive integer, got {num_clients}")
+    cohort = num_clients if cohort_size is None else cohort_size
+    if int(cohort) != cohort or not 1 <= cohort <= num_clients:
+        raise ConfigError(f"cohort_size must be an integer in 1..num_clients={num_clients}, got {cohort_size}")
+    return int(cohort)
+
+
+def _event(noise_multiplier: float, rounds: int, num_clients: int, cohort: int, sampling: str,
+           extra: int) -> Any:
+    """The DpEvent of ``rounds`` sampled rounds and ``extra`` rounds with every client (set-up, final)."""
+    dpa = _accounting()
+    if sampling == "poisson":
+        one = dpa.PoissonSampledDpEvent(cohort / num_clients, dpa.GaussianDpEvent(noise_multiplier))
+        full = dpa.GaussianDpEvent(noise_multiplier)
+    elif cohort >= num_clients:
+        one = full = dpa.GaussianDpEvent(noise_multiplier)
+    else:  # replace-one: the sum's sensitivity is 2C, so the multiplier relative to it is sigma / 2
+        one = dpa.SampledWithoutReplacementDpEvent(num_clients, cohort, dpa.GaussianDpEvent(noise_multiplier / 2))
+        full = dpa.GaussianDpEvent(noise_multiplier / 2)
+    events = [dpa.SelfComposedDpEvent(one, int(rounds))]
+    if extra:
+        events.append(dpa.SelfComposedDpEvent(full, int(extra)))
+    return dpa.ComposedDpEvent(events)
+
+
+def _accountant(name: str, relation: str) -> Any:
+    dpa = _accounting()
+    rel = (dpa.NeighboringRelation.ADD_OR_REMOVE_ONE if relation == "add-remove"
+           else dpa.NeighboringRelation.REPLACE_ONE)
+    if name == "rdp":
+        return dpa.rdp.RdpAccountant(neighboring_relation=rel)
+    if name == "pld":
+        return dpa.pld.PLDAccountant(neighboring_relation=rel)
+    raise ConfigError(f"accountant must be one of {ACCOUNTANTS}, got {name!r}")
+
+
+def _resolve(num_clients: int, cohort: int, sampling: str, accountant: str) -> tuple[str, str]:
+    if sampling not in ("fixed", "poisson"):
+        raise ConfigError(f"sampling must be 'fixed' (the engine's cohorts) or 'poisson', got {sampling!r}")
+    relation = "add-remove" if sampling == "poisson" else relation_for(num_clients, cohort)
+    if accountant == "pld" and relation == "replace":
+        raise ConfigError("the PLD accountant of dp-accounting has no sampling without replacement: use "
+                          "accountant='rdp' for fixed-size cohorts (clients_per_round < num_clients)")
+    return relation, accountant
+
+
+def epsilon(noise_multiplier: float, *, delta: float, rounds: int, num_clients: int,
+            cohort_size: int | None = None, sampling: str = "fixed", extra_rounds: int = 0,
+            accountant: str = "rdp") -> float:
+    """Epsilon at ``delta`` of ``rounds`` Gaussian mechanisms with noise multiplier sigma (noise sd /
+    clip) on a cohort of ``cohort_size`` of ``num_clients`` clients (``sampling="fixed"``: uniformly
+    without replacement, as the engine draws it; ``"poisson"``: each client independently with
+    probability cohort_size / num_clients), composed with ``extra_rounds`` unsampled ones (exchanges
+    with every client, such as a set-up or final exchange). ``inf`` for sigma = 0."""
+    cohort = _check_counts(rounds, num_clients, cohort_size)
+    if not 0 < delta < 1:
+        raise ConfigError(f"delta must be in (0, 1), got {delta}")
+    if not noise_multiplier >= 0:
+        raise ConfigError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+    relation, accountant = _resolve(num_clients, cohort, sampling, accountant)
+    if rounds + extra_rounds == 0:
+        return 0.0
+    if noise_multiplier == 0:
+        return math.inf
+    return _epsilon(noise_multiplier, delta, rounds, num_clients, cohort, sampling, extra_rounds, accountant, relation)
+
+
+RDP_ONLY_ABOVE = 64.0
+"""Beyond this epsilon (no meaningful protection) the PLD accountant is not run: its grid of privacy
+losses would need gigabytes; the Renyi DP bound is reported instead (an upper bound too)."""
+
+
+def _epsilon(sigma: float, delta: float, rounds: int, n: int, cohort: int, sampling: str, extra: int,
+             accountant: str, relation: str) -> float:
+    rdp = _accountant("rdp", relation)
+    rdp.compose(_event(sigma, rounds, n, cohort, sampling, extra))
+    eps = float(rdp.get_epsilon(delta))
+    if relation == "replace":
+        # Sampling cannot cost privacy (couple the two samples: they differ by one replacement at most),
+        # so the unsampled mechanism's epsilon bounds it too; the bound for sampling without replacement
+        # is the larger of the two for large cohorts.
+        plain = _accountant("rdp", relation)
+        plain.compose(_event(sigma, rounds + extra, n, n, sampling, 0)
+                      if sampling == "poisson" else
+                      _accounting().SelfComposedDpEvent(_accounting().GaussianDpEvent(sigma / 2), rounds + extra))
+        eps = min(eps, float(plain.get_epsilon(delta)))
+    if accountant == "rdp" or eps > RDP_ONLY_ABOVE:
+        return eps
+    pld = _accountant("pld", relation)
+    pld.compose(_event(sigma, rounds, n, cohort, sampling, extra))
+    return float(pld.get_epsilon(delta))
+
+
+def noise_multiplier_for(target_epsilon: float, *, delta: float, rounds: int, num_clients: int,
+                         cohort_size: int | None = None, sampling: str = "fixed", extra_rounds: int = 0,
+                         accountant: str = "rdp") -> float:
+    """The smallest noise multiplier whose :func:`epsilon` is at most ``target_epsilon``, to about 1e-6
+    relative (Brent's method on the accountant's epsilon, which falls as the multiplier grows), solved
+    before a fit."""
+    if not target_epsilon > 0:
+        raise ConfigError(f"the target epsilon must be > 0, got {target_epsilon}")
+    cohort = _check_counts(rounds, num_clients, cohort_size)
+    if not 0 < delta < 1:
+        raise ConfigError(f"delta must be in (0, 1), got {delta}")
+    relation, accountant = _resolve(num_clients, cohort, sampling, accountant)
+    if rounds + extra_rounds == 0:
+        return 0.0
+    eps = lambda s: _epsilon(s, delta, rounds, num_clients, cohort, sampling, extra_rounds, accountant,  # noqa: E731
+                             relation)
+    # Brent's method on log sigma (epsilon falls as sigma grows) in a bracket found by doubling, then
+    # the root moved up by parts in 10^6 until the budget holds.
+    low, high = 1.0, 1.0
+    while eps(high) > target_epsilon:
+        low, high = high, high * 2
+        if high > 1e6:
+            raise ConfigError(f"no noise multiplier up to 1e6 reaches epsilon {target_epsilon} at delta {delta}")
+    while eps(low) <= target_epsilon:
+        if low < 1e-6:
+            return float(low)
+        low, high = low / 2, low
+    from scipy.optimize import brentq
+
+    root = brentq(lambda t: eps(math.exp(t)) - target_epsilon, math.log(low), math.log(high), xtol=1e-8)
+    sigma = min(math.exp(root), high)
+    while eps(sigma) > target_epsilon:
+        sigma *= 1 + 1e-6
+    return float(sigma)
+
+
+@dataclass(frozen=True)
+class DP:
+    """Client-level differential privacy for a fit (the option ``privacy=`` of an algorithm).
+
+    ``clip``: the L2 bound of every upload. Either ``noise_multiplier`` (noise sd / clip) or a target
+    ``epsilon`` (the multiplier is then solved for before the fit with :func:`noise_multiplier_for`);
+    ``delta`` is the delta of the reported epsilon (by default 1 / n^1.1 for n clients, below the
+    1 / n at which a mechanism may publish one client's data whole). ``mode``: ``"central"`` (the
+    server adds the noise to the aggregate) or ``"distributed"`` (each of the m cohort members adds
+    N(0, sigma^2 C^2 / m), so that only the sum, e.g. under secure aggregation, carries noise).
+    ``accountant``: ``"rdp"`` or ``"pld"`` (see the module notes)."""
+
+    clip: float
+    noise_multiplier: float | None = None
+    epsilon: float | None = None
+    delta: float | None = None
+    mode: str = "central"
+    accountant: str = "rdp"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.clip, (int, float)) and math.isfinite(self.clip) and self.clip > 0):
+            raise ConfigError(f"DP needs a finite clip > 0 (the L2 bound of an upload), got {self.clip!r}")
+        if (self.noise_multiplier is None) == (self.epsilon is None):
+            raise ConfigError("DP takes exactly one of noise_multiplier (noise sd / clip) and epsilon (a target "
+                              f"budget), got noise_multiplier={self.noise_multiplier} and epsilon={self.epsilon}")
+        if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
+            raise ConfigError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
+        if self.epsilon is not None and not self.epsilon > 0:
+            raise ConfigError(f"epsilon must be > 0, got {self.epsilon}")
+        if self.delta is not None and not 0 < self.delta < 1:
+            raise ConfigError(f"delta must be in (0, 1), got {self.delta}")
+        if self.mode not in ("central", "distributed"):
+            raise ConfigError(f"mode must be 'central' or 'distributed', got {self.mode!r}")
+        if self.accountant not in ACCOUNTANTS:
+            raise ConfigError(f"accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
+
+    def resolved_delta(self, num_clients: int) -> float:
+        """``delta``, or 1 / n^1.1 for n clients."""
+        return self.delta if self.delta is not None else 1.0 / num_clients**1.1
+
+
+class LangevinPrivacy:
+    """Central client-level DP of a Langevin sampler's rounds (LMC): each client's upload, the gradients
+    of all its chains, is clipped to L2 norm C at the server, and the (re-weighted) sum g is given the
+    noise that the step's own noise lacks. A released iterate x' = x - gamma g + sqrt(2 gamma) z (and
+    so everything computed from the iterates) then is a Gaussian mechanism of sensitivity gamma w C, w
+    the round's fault weight (1 when every client answers), with noise multiplier sigma:
+
+        x' = x - gamma (g + s e) + sqrt(2 gamma) z,   s^2 = max(0, sigma^2 w^2 C^2 - 2 / gamma),
+
+    since (2 gamma + gamma^2 s^2) / (gamma w C)^2 = sigma^2. Where the step's noise alone, whose
+    multiplier is sqrt(2 / gamma) / C (:func:`langevin_noise_multiplier`), is enough, nothing is added
+    and sigma is that multiplier. With a target epsilon, sigma is solved for over the fit's releases: the
+    set-up's first move and one per round, every client in each (the samplers' full participation).
+
+    On a Gaussian target the added noise widens the stationary law of the chain by the factor
+    1 + gamma s^2 / 2 (``tests/test_privacy.py``): privacy costs the posterior its accuracy, by an
+    amount this formula gives before the fit."""
+
+    def __init__(self, dp: DP, step_size: float, num_rounds: int, num_clients: int):
+        self.dp, self.gamma, self.num_clients = dp, float(step_size), int(num_clients)
+        self.releases = int(num_rounds) + 1
+        self.inherent = langevin_noise_multiplier(self.gamma, dp.clip)
+        self.delta = dp.resolved_delta(self.num_clients)
+        kw = dict(delta=self.delta, rounds=int(num_rounds), num_clients=self.num_clients, extra_rounds=1,
+                  accountant=dp.accountant)
+        asked = dp.noise_multiplier if dp.noise_multiplier is not None else noise_multiplier_for(dp.epsilon, **kw)
+        self.sigma = max(float(asked), self.inherent)  # the step's own noise gives at least its multiplier
+        self.epsilon = epsilon(self.sigma, **kw)
+
+    def clipped_sum(self, rows: jax.Array) -> jax.Array:
+        """The sum over clients (axis 0) of their uploads, each clipped to the L2 bound as a whole."""
+        return jnp.sum(jax.vmap(lambda r: clip_norm(r, self.dp.clip)[0])(rows), 0)
+
+    def added_std(self, weight: Any = 1.0) -> Any:
+        """s: the standard deviation of the noise added to each coordinate of g."""
+        s2 = (self.sigma * weight * self.dp.clip) ** 2 - 2.0 / self.gamma
+        return jnp.sqrt(jnp.maximum(s2, 0.0))
+
+    def noisy(self, key: jax.Array, g: jax.Array, weight: jax.Array) -> jax.Array:
+        """g + s e, e standard normal, s = :meth:`added_std` at the round's fault weight."""
+        return g + self.added_std(weight).astype(g.dtype) * jax.random.normal(key, g.shape, g.dtype)
+
+    def report(self) -> dict[str, Any]:
+        """``res.privacy``."""
+        return {
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "noise_multiplier": self.sigma,
+            "clip": float(self.dp.clip),
+            "step_noise_multiplier": self.inherent,
+            "added_noise_std": float(self.added_std()),
+            "releases": self.releases,
+            "relation": "add-remove",
+            "accountant": self.dp.accountant,
+            "mechanism": "central: uploads clipped at the server, the Langevin step's noise counted, Gaussian "
+                         "noise added to the gradient sum where it falls short",
+        }
