@@ -149,6 +149,8 @@ class FitParts:
     """Hyper-parameters the run resolved (steps, probabilities, warm-up, start), for ``res.settings``."""
     final_state: PyTree = None
     """The server state after the last round."""
+    privacy: dict[str, Any] | None = None
+    """The privacy report of a fit with client-level DP (:mod:`fedbayes.privacy`), for ``res.privacy``."""
     init_bits: tuple[int, int] = (0, 0)
     """(up, down) bits before the first round: set by the engine from the set-up and ``start_bits``."""
     start_bits: tuple[int, int] = (0, 0)

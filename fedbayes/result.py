@@ -65,6 +65,10 @@ class Result:
         per-observation Gaussian ``mean`` / ``cov``), padded rows zero.
     information:
         EM fits: the observed information matrix (unconstrained coordinates, prior included).
+    privacy:
+        With client-level differential privacy (``fb.LMC(privacy=fb.privacy.DP(...))``): epsilon at delta
+        over the whole fit, the noise multiplier, the clip, the noise the Langevin steps bring and the
+        noise added, the rounds counted, the neighbouring relation and the accountant; None otherwise.
     settings:
         The algorithm's scalar options, overridden by the hyper-parameters the fit resolved (the
         samplers' ``step_size``; TAMUNA's gamma, p, eta, s, and the estimated L_max, mu_min when they
@@ -98,6 +102,7 @@ class Result:
         self.information = None if parts.get("information") is None else np.asarray(parts["information"])
         self.statistic = parts.get("statistic")
         self.settings = {**_options(getattr(run, "cfg", None)), **parts.get("settings", {})}
+        self.privacy = dict(parts["privacy"]) if parts.get("privacy") else None
         self.history = history
         self.faults = None  # a DataFrame (round, client, kind) of the client faults, set by fed_fit
         self._convergence = {k: np.asarray(parts[k]) for k in ("gradient", "information", "gradient_cov")
@@ -191,6 +196,8 @@ class Result:
                               **{k: (["client"], v) for k, v in self.client_info.items()}},
                              coords={"client": coords["client"]})
         attrs = {"inference_library": "fedbayes", "algorithm": self.algorithm, "seed": self.seed}
+        if self.privacy:  # netCDF attributes: numbers and strings
+            attrs.update({f"privacy_{k}": v for k, v in self.privacy.items()})
         if posterior is not None:
             posterior.attrs.update(attrs)
             if self.global_approx and not self.global_samples:
@@ -590,6 +597,7 @@ class Result:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("privacy", None)  # saved before fits could be private
         self.__dict__.update(state)
 
     def _algorithm_config(self) -> Any:

@@ -45,8 +45,10 @@ from ..engine import run_jit, stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..kernels import curvature
 from ..minibatch import check_batch_size
+from ..privacy import DP, LangevinPrivacy
 from ..introspect import FedModel, serialized
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
+from ..faults import fault_weight
 from .channels import DirectUplink, EF21PDownlink, EF21Uplink, FullDownlink
 from .warmstart import check_init, resolve_init
 
@@ -166,7 +168,11 @@ class LangevinSampler:
             )
         if self.warmup is not None and self.warmup >= problem.num_rounds:
             raise ConfigError(f"{self.name} warmup={self.warmup} leaves no draws from {problem.num_rounds} rounds")
+        self._check_privacy(problem)
         return self._make_run(fm, problem)
+
+    def _check_privacy(self, problem: Problem) -> None:
+        """Samplers without a ``privacy`` option have nothing to check."""
 
     def _check_latents(self, fm: FedModel) -> None:
         """The model's local latents (and what goes with them) refused or required."""
@@ -245,10 +251,32 @@ class LMC(LangevinSampler):
     scaled by 1/(1+omega) also shrinks the drift and inflates the covariance by about 1+omega)."""
 
     compressor: Compressor = identity()
+    privacy: Any = None
     name = "LMC"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.privacy is not None and not isinstance(self.privacy, DP):
+            raise ConfigError(f"LMC privacy must be a fb.privacy.DP or None, got {type(self.privacy).__name__}")
 
     def _channels(self, dim):
         return DirectUplink(self.compressor), FullDownlink()
+
+    def _check_privacy(self, problem: Problem) -> None:
+        """Client-level DP needs every release accounted: a given step (the automatic one reads the
+        clients' Hessians) and a start that asks the clients nothing (the mode search does)."""
+        if self.privacy is None:
+            return
+        if self.step_size is None:
+            raise ConfigError("LMC with privacy needs a given step_size: the automatic step is computed from the "
+                              "clients' Hessians at set-up, a release the accountant does not cover")
+        if self.init is None or (isinstance(self.init, str) and self.init == "map"):
+            raise ConfigError("LMC with privacy needs init='prior' or given values (a dict or a Result): the default "
+                              "start searches the mode with the clients' gradients and Hessians, releases the "
+                              "accountant does not cover")
+        if self.privacy.mode != "central":
+            raise ConfigError("LMC's privacy is central (the server clips each upload and adds the noise): "
+                              "mode='distributed' is not available for it")
 
 
 @dataclass(frozen=True)
@@ -318,6 +346,9 @@ class LangevinRun(FederatedRun):
                 self.start = "map" if cfg.init == "map" else "prior-centre"
             flat = ravel_pytree(fm.init_globals(None, resolve_init(cfg.init, problem, jacobian=True)))[0]
         self._x0, self.dim = flat, flat.size
+        dp = getattr(cfg, "privacy", None)
+        self._dp = None if dp is None else LangevinPrivacy(
+            dp, float(cfg.step_size), problem.num_rounds, problem.data.num_clients)
 
     def _start_at_mode(self, problem: Problem, fallback: jax.Array) -> jax.Array:
         """The mode of the target by federated Newton (its bits kept in ``map_bits``) and the Cholesky
@@ -420,7 +451,11 @@ class LangevinRun(FederatedRun):
         if not self.up.setup_gradient:
             zeros = jnp.zeros_like(x0)
             return ServerState(x0, gamma, self.down.server_start(x0), self.up.server_start(zeros)), dense_message(x0)
-        total = jnp.sum(g, 0)
+        if self._dp is not None:  # the first move is a release too: clipped, with the noise it needs
+            key, k_dp = jax.random.split(key)
+            total = self._dp.noisy(k_dp, self._dp.clipped_sum(g), jnp.ones((), g.dtype))
+        else:
+            total = jnp.sum(g, 0)
         state = ServerState(x0, gamma, self.down.server_start(x0), self.up.server_start(total))
         return self._move(key, state, total, gamma)
 
@@ -457,7 +492,13 @@ class LangevinRun(FederatedRun):
         faulty and inactive members' uploads arrive zeroed), then the Langevin move. A round the uplink
         says holds x (nobody answered, ``FaultPolicy(min_clients=0)``, without a memory) takes the step
         with gamma = 0 (P-/B-ELF's w still moves toward x)."""
-        g, up, moves = self.up.gather(state.up, jnp.sum(uploads.payload, 0), info)
+        if self._dp is None:
+            g, up, moves = self.up.gather(state.up, jnp.sum(uploads.payload, 0), info)
+        else:  # central DP: each upload clipped, then noise on the (re-weighted) sum
+            key, k_dp = jax.random.split(key)
+            total = self._dp.clipped_sum(uploads.payload)
+            g, up, moves = self.up.gather(state.up, total, info)
+            g = self._dp.noisy(k_dp, g, fault_weight(info, total.dtype))
         gamma = state.gamma if moves is None else jnp.where(moves, state.gamma, jnp.zeros_like(state.gamma))
         sample = state.x  # x_{k+1}, the point the clients just used (through w for P-/B-ELF)
         new, broadcast = self._move(key, state._replace(up=up), g, gamma)
@@ -481,6 +522,7 @@ class LangevinRun(FederatedRun):
                       "batch_size": self._batches.size if self._batches.active else None,
                       "map_iterations": self.map_iterations, "preconditioned": self._precond is not None},
             final_state=server,
+            privacy=None if self._dp is None else self._dp.report(),
         )
 
 

@@ -1,0 +1,228 @@
+"""fedbayes.privacy: clipping bounds, the noise's variance, and the accountant against exact and
+independent references (the Gaussian mechanism's closed form, the PRV accountant)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import norm
+
+import fedbayes as fb
+from fedbayes import privacy
+from fedbayes.engine import Problem, RoundInfo
+from fedbayes.errors import ConfigError
+from fedbayes.protocol import Message
+
+pytest.importorskip("dp_accounting", reason='privacy accounting needs pip install "fedbayes[privacy]"')
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=1, max_size=12),
+       st.floats(1e-3, 1e3), st.sampled_from([jnp.float32, jnp.float64]))
+def test_clip_norm_bounds_every_upload_and_keeps_small_ones(values, clip, dtype):
+    x = jnp.asarray(values, dtype)
+    tree = {"a": x, "b": (x[:1] * 2, jnp.zeros((2, 2), dtype))}
+    clipped, before = privacy.clip_norm(tree, clip)
+    leaves = jax.tree_util.tree_leaves(clipped)
+    after = math.sqrt(sum(float(np.sum(np.asarray(leaf, np.float64) ** 2)) for leaf in leaves))
+    exact = math.sqrt(sum(float(np.sum(np.asarray(leaf, np.float64) ** 2)) for leaf in jax.tree_util.tree_leaves(tree)))
+    assert after <= clip  # never above the bound, rounding included
+    assert abs(float(before) - exact) <= 1e-6 * exact + 1e-30
+    for got, orig in zip(leaves, jax.tree_util.tree_leaves(tree)):
+        assert got.dtype == orig.dtype
+        if exact <= clip * (1 - 2.0**-20):
+            np.testing.assert_array_equal(got, orig)  # below the bound: unchanged, bit for bit
+        else:  # the same direction, shrunk to the bound (up to the one part in 2^20 and the dtype's rounding)
+            np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(orig, np.float64) * clip / exact,
+                                       rtol=2.0**-20 + (1e-6 if dtype == jnp.float32 else 1e-12), atol=1e-30)
+
+
+def test_gaussian_noise_has_the_calibrated_variance():
+    # 400 000 draws: the sample variance's relative standard error is sqrt(2 / n) = 0.0022, so 5 of them
+    # (0.011) bounds it; the mean's standard error is std / sqrt(n).
+    std = 0.37
+    tree = {"w": jnp.zeros((1000, 200)), "s": jnp.zeros((200_000,))}
+    noise = privacy.gaussian_noise(jax.random.key(0), tree, std)
+    for leaf in jax.tree_util.tree_leaves(noise):
+        v = np.asarray(leaf, np.float64).ravel()
+        assert abs(v.mean()) <= 5 * std / math.sqrt(v.size)
+        assert abs(v.var() / std**2 - 1) <= 5 * math.sqrt(2 / v.size)
+    w, s = noise["w"].ravel()[:1000], noise["s"][:1000]
+    assert abs(np.corrcoef(w, s)[0, 1]) < 5 / math.sqrt(1000)  # leaves draw independent noise
+
+
+def test_langevin_step_is_a_gaussian_mechanism():
+    # x' = x - gamma sum g_i + sqrt(2 gamma) xi: sensitivity gamma C, noise sd sqrt(2 gamma)
+    gamma, clip = 1e-3, 2.5
+    assert privacy.langevin_noise_multiplier(gamma, clip) == pytest.approx(math.sqrt(2 * gamma) / (gamma * clip), rel=1e-15)
+    with pytest.raises(ConfigError, match="step_size > 0"):
+        privacy.langevin_noise_multiplier(0.0, 1.0)
+
+
+def _gaussian_delta(eps: float, mu: float) -> float:
+    """Exact delta(eps) of a Gaussian mechanism with sensitivity / noise sd = mu (Balle and Wang 2018,
+    Theorem 8); T compositions of noise multiplier sigma are mu = sqrt(T) / sigma (Dong, Roth, Su 2019)."""
+    return float(norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2))
+
+
+@pytest.mark.parametrize("sigma,rounds", [(1.0, 1), (4.0, 50), (20.0, 1000)])
+def test_full_participation_epsilon_is_the_gaussian_mechanisms(sigma, rounds):
+    delta, mu = 1e-5, math.sqrt(rounds) / sigma
+    pld = privacy.epsilon(sigma, delta=delta, rounds=rounds, num_clients=10, accountant="pld")
+    # tight: the exact delta at the PLD's epsilon is delta, within the PLD's discretisation (1e-4 in the
+    # privacy loss, pessimistic: its epsilon is never below the exact one)
+    assert _gaussian_delta(pld, mu) <= delta * (1 + 1e-6)
+    assert _gaussian_delta(pld - 2e-3, mu) > delta
+    rdp = privacy.epsilon(sigma, delta=delta, rounds=rounds, num_clients=10, accountant="rdp")
+    assert rdp >= pld  # Renyi DP's conversion is an upper bound, looser than the PLD
+    assert _gaussian_delta(rdp, mu) <= delta
+    # set-up and final exchanges count as unsampled rounds: two more rounds are two more compositions
+    both = privacy.epsilon(sigma, delta=delta, rounds=rounds, num_clients=10, extra_rounds=2, accountant="pld")
+    assert _gaussian_delta(both, math.sqrt(rounds + 2) / sigma) <= delta * (1 + 1e-6) and both > pld
+
+
+@pytest.mark.parametrize("q,sigma,rounds", [(0.01, 1.1, 3000), (0.1, 2.0, 500), (0.3, 5.0, 100)])
+def test_poisson_sampling_agrees_with_the_prv_accountant(q, sigma, rounds):
+    # An independent implementation (Gopi, Lee, Wutschitz 2021), which bounds the true epsilon from
+    # both sides within its eps_error: the tight PLD lies within those bounds (plus the PLD's own
+    # pessimistic discretisation), and the RDP upper bound is above the lower one.
+    prv = pytest.importorskip("prv_accountant")
+    delta, n = 1e-5, 1000
+    cohort = int(round(q * n))
+    mech = prv.PoissonSubsampledGaussianMechanism(noise_multiplier=sigma, sampling_probability=cohort / n)
+    acc = prv.PRVAccountant(prvs=mech, max_self_compositions=rounds, eps_error=0.01, delta_error=1e-10)
+    low, _, high = acc.compute_epsilon(delta=delta, num_self_compositions=rounds)
+    pld = privacy.epsilon(sigma, delta=delta, rounds=rounds, num_clients=n, cohort_size=cohort, sampling="poisson",
+                          accountant="pld")
+    rdp = privacy.epsilon(sigma, delta=delta, rounds=rounds, num_clients=n, cohort_size=cohort, sampling="poisson")
+    assert low - 0.01 <= pld <= high + 0.01
+    assert rdp >= low
+
+
+def test_fixed_cohorts_use_replacement_and_amplify():
+    delta, sigma, rounds, n = 1e-5, 1.5, 200, 100
+    full = privacy.epsilon(sigma, delta=delta, rounds=rounds, num_clients=n)
+    assert privacy.relation_for(n, n) == "add-remove" and privacy.relation_for(n, 10) == "replace"
+    # replace-one without sampling: sensitivity 2C, i.e. the Gaussian with sigma / 2, for every round
+    unsampled = privacy.epsilon(sigma / 2, delta=delta, rounds=rounds, num_clients=n)
+    eps = [privacy.epsilon(sigma, delta=delta, rounds=rounds, num_clients=n, cohort_size=m) for m in (50, 20, 10, 5)]
+    # sampling never costs privacy: at half the clients the bound for sampling without replacement is
+    # above the unsampled one, which is then reported; smaller cohorts amplify
+    assert eps[0] == unsampled and full < unsampled
+    assert all(a > b for a, b in zip(eps[1:], eps[2:])) and eps[1] < unsampled
+    with pytest.raises(ConfigError, match="PLD accountant.*without replacement"):
+        privacy.epsilon(sigma, delta=delta, rounds=rounds, num_clients=n, cohort_size=10, accountant="pld")
+
+
+@pytest.mark.parametrize("cohort,sampling,accountant", [(None, "fixed", "pld"), (10, "fixed", "rdp"),
+                                                        (10, "poisson", "pld")])
+def test_noise_multiplier_for_a_target_epsilon(cohort, sampling, accountant):
+    kw = dict(delta=1e-5, rounds=300, num_clients=100, cohort_size=cohort, sampling=sampling, accountant=accountant)
+    for target in (1.0, 8.0):
+        sigma = privacy.noise_multiplier_for(target, **kw)
+        assert privacy.epsilon(sigma, **kw) <= target
+        assert privacy.epsilon(sigma * (1 - 1e-3), **kw) > target  # the smallest such multiplier, to 1e-3
+
+
+def test_dp_options_are_checked():
+    assert fb.privacy.DP(clip=1.0, noise_multiplier=1.2).resolved_delta(100) == pytest.approx(100**-1.1)
+    assert privacy.epsilon(0.0, delta=1e-5, rounds=3, num_clients=4) == math.inf
+    assert privacy.epsilon(1.0, delta=1e-5, rounds=0, num_clients=4) == 0.0
+    bad = [dict(clip=0.0, noise_multiplier=1.0), dict(clip=1.0), dict(clip=1.0, noise_multiplier=1.0, epsilon=3.0),
+           dict(clip=1.0, epsilon=-1.0), dict(clip=1.0, epsilon=1.0, delta=1.5),
+           dict(clip=1.0, noise_multiplier=1.0, mode="local"), dict(clip=1.0, noise_multiplier=1.0, accountant="gdp"),
+           dict(clip=float("inf"), noise_multiplier=1.0)]
+    for kw in bad:
+        with pytest.raises(ConfigError):
+            privacy.DP(**kw)
+    with pytest.raises(ConfigError, match="cohort_size"):
+        privacy.epsilon(1.0, delta=1e-5, rounds=3, num_clients=4, cohort_size=5)
+    with pytest.raises(ConfigError, match="sampling"):
+        privacy.epsilon(1.0, delta=1e-5, rounds=3, num_clients=4, sampling="shuffle")
+
+
+# ------------------------------------------------------------------------------- LMC with central DP
+from test_elf import D, gauss_model, gaussian_clients, last_draws  # noqa: E402
+
+
+def test_private_lmc_has_the_widened_exact_stationary_law():
+    # Every upload below the clip (the 5 clients' gradients of 4000 chains have norms of a few hundred),
+    # and sigma twice the step's own multiplier sqrt(2 / gamma) / C: the sum gets s^2 = 6 / gamma, so
+    # the chain x' - mu = (I - gamma P)(x - mu) + N(0, (2 gamma + gamma^2 s^2) I) has 4 times ULA's
+    # stationary covariance (P - gamma P P / 2)^-1. Tolerances as in test_elf: 5 Monte Carlo standard
+    # errors of independent chains' last draws.
+    data, P, mu = gaussian_clients()
+    gamma, clip, n_chains = 0.5 / np.linalg.eigvalsh(P).max(), 1e4, 4000
+    sigma = 2 * privacy.langevin_noise_multiplier(gamma, clip)
+    dp = privacy.DP(clip=clip, noise_multiplier=sigma)
+    res = fb.fed_fit(gauss_model, data, fb.LMC(step_size=gamma, num_chains=n_chains, warmup=299, init="prior",
+                                               privacy=dp), num_rounds=300, seed=0)
+    x = last_draws(res)
+    cov = 4 * np.linalg.inv(P - gamma * P @ P / 2)
+    np.testing.assert_array_less(np.abs(x.mean(0) - mu), 5 * np.sqrt(np.diag(cov) / n_chains))
+    se_cov = np.sqrt((np.outer(np.diag(cov), np.diag(cov)) + cov**2) / n_chains)
+    np.testing.assert_array_less(np.abs(np.cov(x.T) - cov), 5 * se_cov)
+    assert np.max(np.abs(np.cov(x.T) - cov / 4) / se_cov) > 10  # without the added noise: far outside
+    # the report: sigma, the noise added, and the accountant's epsilon over 300 rounds and the set-up move
+    rep = res.privacy
+    assert rep["noise_multiplier"] == sigma and rep["releases"] == 301
+    assert rep["added_noise_std"] == pytest.approx(np.sqrt(6 / gamma), rel=1e-12)
+    assert rep["epsilon"] == privacy.epsilon(sigma, delta=rep["delta"], rounds=300, num_clients=5, extra_rounds=1)
+    assert rep["delta"] == pytest.approx(5**-1.1)
+    assert res.idata.posterior.attrs["privacy_epsilon"] == rep["epsilon"]
+
+
+def test_private_lmc_clips_each_upload_and_adds_only_the_missing_noise():
+    # The server's step by hand: x' = x - gamma (sum_i clip(g_i) + s e) + sqrt(2 gamma) z with the keys the
+    # run splits; uploads far above the clip are cut to it, one below it is kept.
+    data, P, _ = gaussian_clients()
+    gamma, clip = 0.1 / np.linalg.eigvalsh(P).max(), 0.5
+    sigma = 3 * privacy.langevin_noise_multiplier(gamma, clip)
+    problem = Problem(fb.FedModel(gauss_model, data), data, 10)
+    run = fb.LMC(step_size=gamma, num_chains=2, init="prior",
+                 privacy=privacy.DP(clip=clip, noise_multiplier=sigma)).build(problem)
+    server, _, _ = run.init(jax.random.PRNGKey(0), problem)
+    rows = jax.random.normal(jax.random.PRNGKey(1), (5, 2, D)) * jnp.asarray([10.0, 10.0, 10.0, 10.0, 0.01])[:, None, None]
+    key = jax.random.PRNGKey(2)
+    new, _, _ = run.server_step(key, server, Message(rows, jnp.asarray(0)), RoundInfo(jnp.asarray(0), jnp.arange(5),
+                                                                                        jnp.ones(5, bool), 5))
+    k_move, k_dp = jax.random.split(key)
+    norms = np.linalg.norm(np.asarray(rows).reshape(5, -1), axis=1)
+    clipped = np.asarray(rows) * np.minimum(1, clip / norms * (1 - 2.0**-20))[:, None, None]
+    clipped[4] = np.asarray(rows[4])  # below the bound: as sent
+    s = np.sqrt(sigma**2 * clip**2 - 2 / gamma)
+    g = clipped.sum(0) + s * np.asarray(jax.random.normal(k_dp, (2, D)))
+    z = np.asarray(jax.random.normal(jax.random.split(k_move)[0], (2, D)))
+    np.testing.assert_allclose(new.x, np.asarray(server.x) - gamma * g + np.sqrt(2 * gamma) * z, rtol=1e-12, atol=1e-12)
+    # sigma below the step's own multiplier: nothing is added, and the step's multiplier is reported
+    weak = fb.LMC(step_size=gamma, num_chains=2, init="prior", privacy=privacy.DP(clip=clip, noise_multiplier=0.1))
+    weak_run = weak.build(problem)
+    assert weak_run._dp.sigma == privacy.langevin_noise_multiplier(gamma, clip) and float(weak_run._dp.added_std()) == 0
+
+
+def test_private_lmc_meets_a_target_epsilon_and_refuses_unaccounted_releases():
+    data, P, _ = gaussian_clients()
+    gamma = 0.1 / np.linalg.eigvalsh(P).max()
+    res = fb.fed_fit(gauss_model, data, fb.LMC(step_size=gamma, num_chains=2, init="prior",
+                                               privacy=privacy.DP(clip=1.0, epsilon=3.0, delta=1e-3)),
+                     num_rounds=50, seed=1)
+    rep = res.privacy
+    assert rep["epsilon"] <= 3.0 and rep["delta"] == 1e-3
+    assert rep["noise_multiplier"] == pytest.approx(
+        max(privacy.noise_multiplier_for(3.0, delta=1e-3, rounds=50, num_clients=5, extra_rounds=1),
+            privacy.langevin_noise_multiplier(gamma, 1.0)), rel=1e-12)
+    assert fb.fed_fit(gauss_model, data, fb.LMC(step_size=gamma, num_chains=2, init="prior"), num_rounds=5).privacy is None
+    for kw, match in ((dict(init="prior"), "given step_size"), (dict(step_size=gamma), "init='prior'"),
+                      (dict(step_size=gamma, init="map"), "init='prior'")):
+        with pytest.raises(ConfigError, match=match):
+            fb.fed_fit(gauss_model, data, fb.LMC(privacy=privacy.DP(clip=1.0, noise_multiplier=1.0), **kw), num_rounds=5)
+    with pytest.raises(ConfigError, match="distributed"):
+        fb.fed_fit(gauss_model, data, fb.LMC(step_size=gamma, init="prior",
+                                             privacy=privacy.DP(clip=1.0, noise_multiplier=1.0, mode="distributed")),
+                   num_rounds=5)
+    with pytest.raises(ConfigError, match="fb.privacy.DP"):
+        fb.LMC(privacy=3.0)
