@@ -226,3 +226,58 @@ def test_private_lmc_meets_a_target_epsilon_and_refuses_unaccounted_releases():
                    num_rounds=5)
     with pytest.raises(ConfigError, match="fb.privacy.DP"):
         fb.LMC(privacy=3.0)
+
+
+def _epsilon_lower_bound(pos, neg, delta, thresholds, confidence=0.95):
+    """A lower bound on epsilon from samples of a statistic under two neighbouring data sets: for each
+    threshold t, (TPR - delta) / FPR <= e^epsilon for every (epsilon, delta)-DP mechanism (both
+    directions of the test), with TPR's lower and FPR's upper Clopper-Pearson bound at ``confidence``
+    after a Bonferroni correction over the thresholds and the two directions."""
+    from scipy.stats import beta
+
+    alpha = (1 - confidence) / (2 * 2 * len(thresholds))  # two bounds per test, two directions
+    best = 0.0
+    for a, b in ((pos, neg), (-neg, -pos)):
+        for t in (thresholds if a is pos else -np.asarray(thresholds)):
+            k_tp, k_fp, n_a, n_b = int(np.sum(a > t)), int(np.sum(b > t)), a.size, b.size
+            tpr = beta.ppf(alpha, k_tp, n_a - k_tp + 1) if k_tp > 0 else 0.0
+            fpr = beta.ppf(1 - alpha, k_fp + 1, n_b - k_fp) if k_fp < n_b else 1.0
+            if tpr - delta > 0:
+                best = max(best, math.log((tpr - delta) / fpr))
+    return best
+
+
+def test_privacy_audit_of_private_lmc_and_a_broken_mechanism_is_caught():
+    # The set-up's release x_1 = x_0 - gamma (sum_i clip(g_i) + s e) + sqrt(2 gamma) z, drawn 200 000 times
+    # (vectorised over keys) with the run's own server step, for two neighbouring data sets: client 0
+    # sends a canary 10 C u (D) or nothing, 0 (D'); the other clients' uploads are the same. The
+    # statistic is x_1's projection on u (the optimal test for one release). The measured lower bound
+    # stays below the accountant's epsilon; without clipping (a broken mechanism) it exceeds it.
+    data, P, _ = gaussian_clients()
+    gamma, clip, sigma, delta, n = 0.1 / np.linalg.eigvalsh(P).max(), 20.0, 2.0, 1e-5, 200_000
+    problem = Problem(fb.FedModel(gauss_model, data), data, 1)
+    run = fb.LMC(step_size=gamma, num_chains=1, init="prior",
+                 privacy=privacy.DP(clip=clip, noise_multiplier=sigma, delta=delta)).build(problem)
+    x0 = jnp.zeros((1, D))
+    u = jnp.ones(D) / np.sqrt(D)
+    others = jax.random.normal(jax.random.PRNGKey(3), (4, 1, D))
+    with_canary = jnp.concatenate([10 * clip * u[None, None], others])
+    without = jnp.concatenate([jnp.zeros((1, 1, D)), others])
+    curv = jnp.zeros((5,))
+
+    def releases(rows, seed):
+        keys = jax.random.split(jax.random.PRNGKey(seed), n)
+        step = jax.jit(jax.vmap(lambda k: run.setup_server_step(0, k, x0, (rows, curv))[0].x[0]))
+        return np.asarray(step(keys) @ u) / (gamma * clip)  # in units of the canary's clipped shift
+
+    pos, neg = -releases(with_canary, 0), -releases(without, 1)  # the step moves against the gradient
+    thresholds = np.linspace(-1, 4, 21) * np.std(neg) + neg.mean()
+    claimed = run._dp.epsilon  # both releases of a one-round fit: an upper bound for the first alone
+    measured = _epsilon_lower_bound(pos, neg, delta, thresholds)
+    assert run._dp.sigma == sigma and float(run._dp.added_std()) > 0  # the step's own multiplier is below sigma
+    exact_one = privacy.epsilon(sigma, delta=delta, rounds=1, num_clients=5, accountant="pld")
+    assert 0.3 * exact_one < measured <= exact_one <= claimed  # a real distinguisher, below the guarantee
+    run._dp.clipped_sum = lambda rows: jnp.sum(rows, 0)  # broken: the canary's 10 C goes through
+    broken = _epsilon_lower_bound(-releases(with_canary, 0), neg, delta,
+                                  np.linspace(-1, 12, 53) * np.std(neg) + neg.mean())
+    assert broken > claimed
