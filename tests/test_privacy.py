@@ -281,3 +281,25 @@ def test_privacy_audit_of_private_lmc_and_a_broken_mechanism_is_caught():
     broken = _epsilon_lower_bound(-releases(with_canary, 0), neg, delta,
                                   np.linspace(-1, 12, 53) * np.std(neg) + neg.mean())
     assert broken > claimed
+
+
+@pytest.fixture
+def float32():
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    yield
+    jax.config.update("jax_enable_x64", before)
+
+
+def test_private_lmc_on_flower_equals_fed_fit(float32):
+    # Flower's ServerApp runs the same server step: the clipping and the noise happen on the server, so
+    # a run on Flower (local grid; float32, as the wire is exact there: tests/test_flower.py) gives
+    # fed_fit's draws and privacy report bit for bit.
+    flower = pytest.importorskip("fedbayes.flower")
+    data, _ = fb.models.make_glm_clients(5, 3, 20, seed=0)
+    model = fb.models.logistic_regression()
+    algo = fb.LMC(step_size=0.01, num_chains=2, init="prior", privacy=privacy.DP(clip=0.5, noise_multiplier=30.0))
+    ref = fb.fed_fit(model, data, algo, num_rounds=6, seed=4)
+    res = flower.simulate(model, data, algo, num_rounds=6, seed=4, backend="local")
+    np.testing.assert_array_equal(res.global_samples["w"], ref.global_samples["w"])
+    assert res.privacy == ref.privacy and ref.privacy["added_noise_std"] > 0
