@@ -262,9 +262,9 @@ class DP:
 
 
 class LangevinPrivacy:
-    """Central client-level DP of a Langevin sampler's rounds (LMC): each client's upload, the gradients
-    of all its chains, is clipped to L2 norm C at the server, and the (re-weighted) sum g is given the
-    noise that the step's own noise lacks. A released iterate x' = x - gamma g + sqrt(2 gamma) z (and
+    """Client-level DP of a Langevin sampler's rounds (LMC): each client's upload, the gradients of all
+    its chains, is clipped to L2 norm C (at the server, or by the client in the distributed mode,
+    :meth:`share`), and the (re-weighted) sum g is given the noise that the step's own noise lacks. A released iterate x' = x - gamma g + sqrt(2 gamma) z (and
     so everything computed from the iterates) then is a Gaussian mechanism of sensitivity gamma w C, w
     the round's fault weight (1 when every client answers), with noise multiplier sigma:
 
@@ -289,6 +289,22 @@ class LangevinPrivacy:
         asked = dp.noise_multiplier if dp.noise_multiplier is not None else noise_multiplier_for(dp.epsilon, **kw)
         self.sigma = max(float(asked), self.inherent)  # the step's own noise gives at least its multiplier
         self.epsilon = epsilon(self.sigma, **kw)
+
+    @property
+    def distributed(self) -> bool:
+        """Whether each client clips its own upload and adds its share of the noise (:meth:`share`)."""
+        return self.dp.mode == "distributed"
+
+    def share(self, key: jax.Array, grad: jax.Array) -> jax.Array:
+        """Distributed DP: a client's upload clipped to C, plus N(0, s^2 / n) noise, n the number of
+        clients (all take part in every round), so that the sum of the n uploads carries N(0, s^2) as in
+        the central mode while each upload alone is barely noised (meant for secure aggregation, where
+        the server sees only the sum). A client that drops out takes its share with it: the sum of a
+        round with f of n missing has (n - f) / n of the variance, and the guarantee is weaker that
+        round (the accountant assumes every client answers)."""
+        clipped = clip_norm(grad, self.dp.clip)[0]
+        std = self.added_std() / math.sqrt(self.num_clients)
+        return clipped + std.astype(grad.dtype) * jax.random.normal(key, grad.shape, grad.dtype)
 
     def clipped_sum(self, rows: jax.Array) -> jax.Array:
         """The sum over clients (axis 0) of their uploads, each clipped to the L2 bound as a whole."""
@@ -315,6 +331,8 @@ class LangevinPrivacy:
             "releases": self.releases,
             "relation": "add-remove",
             "accountant": self.dp.accountant,
-            "mechanism": "central: uploads clipped at the server, the Langevin step's noise counted, Gaussian "
-                         "noise added to the gradient sum where it falls short",
+            "mechanism": ("central: uploads clipped at the server, the Langevin step's noise counted, Gaussian "
+                          "noise added to the gradient sum where it falls short" if not self.distributed else
+                          "distributed: each client clips its upload and adds 1/n of the noise the gradient sum "
+                          "needs beyond the Langevin step's own"),
         }

@@ -149,7 +149,8 @@ def test_dp_options_are_checked():
 from test_elf import D, gauss_model, gaussian_clients, last_draws  # noqa: E402
 
 
-def test_private_lmc_has_the_widened_exact_stationary_law():
+@pytest.mark.parametrize("mode", ["central", "distributed"])
+def test_private_lmc_has_the_widened_exact_stationary_law(mode):
     # Every upload below the clip (the 5 clients' gradients of 4000 chains have norms of a few hundred),
     # and sigma twice the step's own multiplier sqrt(2 / gamma) / C: the sum gets s^2 = 6 / gamma, so
     # the chain x' - mu = (I - gamma P)(x - mu) + N(0, (2 gamma + gamma^2 s^2) I) has 4 times ULA's
@@ -158,7 +159,8 @@ def test_private_lmc_has_the_widened_exact_stationary_law():
     data, P, mu = gaussian_clients()
     gamma, clip, n_chains = 0.5 / np.linalg.eigvalsh(P).max(), 1e4, 4000
     sigma = 2 * privacy.langevin_noise_multiplier(gamma, clip)
-    dp = privacy.DP(clip=clip, noise_multiplier=sigma)
+    # distributed: each of the 5 clients adds N(0, s^2 / 5) to its clipped upload, the same law of the sum
+    dp = privacy.DP(clip=clip, noise_multiplier=sigma, mode=mode)
     res = fb.fed_fit(gauss_model, data, fb.LMC(step_size=gamma, num_chains=n_chains, warmup=299, init="prior",
                                                privacy=dp), num_rounds=300, seed=0)
     x = last_draws(res)
@@ -198,6 +200,21 @@ def test_private_lmc_clips_each_upload_and_adds_only_the_missing_noise():
     g = clipped.sum(0) + s * np.asarray(jax.random.normal(k_dp, (2, D)))
     z = np.asarray(jax.random.normal(jax.random.split(k_move)[0], (2, D)))
     np.testing.assert_allclose(new.x, np.asarray(server.x) - gamma * g + np.sqrt(2 * gamma) * z, rtol=1e-12, atol=1e-12)
+    # distributed: the client clips its own upload and adds N(0, s^2 / 5); the server adds nothing. Over
+    # 20 000 keys the share's variance is s^2 / 5 within 5 standard errors (relative sqrt(2 / n) each).
+    dist_run = fb.LMC(step_size=gamma, num_chains=2, init="prior",
+                      privacy=privacy.DP(clip=clip, noise_multiplier=sigma, mode="distributed")).build(problem)
+    keys = jax.random.split(jax.random.PRNGKey(5), 20_000)
+    shares = np.asarray(jax.vmap(lambda k: dist_run._dp.share(k, rows[0]))(keys))
+    clipped0 = clipped[0]
+    noise = shares - clipped0
+    assert abs(noise.var() / (s**2 / 5) - 1) < 5 * np.sqrt(2 / noise.size) and abs(noise.mean()) < 5 * s / np.sqrt(5 * noise.size)
+    np.testing.assert_allclose(shares.mean(0), clipped0, atol=5 * s / np.sqrt(5 * keys.shape[0]))
+    plain, _, _ = dist_run.server_step(key, server, Message(rows, jnp.asarray(0)), RoundInfo(jnp.asarray(0), jnp.arange(5),
+                                                                                           jnp.ones(5, bool), 5))
+    z0 = np.asarray(jax.random.normal(jax.random.split(key)[0], (2, D)))  # no key split for DP at the server
+    np.testing.assert_allclose(plain.x, np.asarray(server.x) - gamma * np.asarray(rows).sum(0) + np.sqrt(2 * gamma) * z0,
+                               rtol=1e-12, atol=1e-12)
     # sigma below the step's own multiplier: nothing is added, and the step's multiplier is reported
     weak = fb.LMC(step_size=gamma, num_chains=2, init="prior", privacy=privacy.DP(clip=clip, noise_multiplier=0.1))
     weak_run = weak.build(problem)
@@ -220,8 +237,8 @@ def test_private_lmc_meets_a_target_epsilon_and_refuses_unaccounted_releases():
                       (dict(step_size=gamma, init="map"), "init='prior'")):
         with pytest.raises(ConfigError, match=match):
             fb.fed_fit(gauss_model, data, fb.LMC(privacy=privacy.DP(clip=1.0, noise_multiplier=1.0), **kw), num_rounds=5)
-    with pytest.raises(ConfigError, match="distributed"):
-        fb.fed_fit(gauss_model, data, fb.LMC(step_size=gamma, init="prior",
+    with pytest.raises(ConfigError, match="distributed DP.*identity compressor"):
+        fb.fed_fit(gauss_model, data, fb.LMC(step_size=gamma, init="prior", compressor=fb.compress.top_k(2),
                                              privacy=privacy.DP(clip=1.0, noise_multiplier=1.0, mode="distributed")),
                    num_rounds=5)
     with pytest.raises(ConfigError, match="fb.privacy.DP"):
@@ -291,14 +308,16 @@ def float32():
     jax.config.update("jax_enable_x64", before)
 
 
-def test_private_lmc_on_flower_equals_fed_fit(float32):
+@pytest.mark.parametrize("mode", ["central", "distributed"])
+def test_private_lmc_on_flower_equals_fed_fit(float32, mode):
     # Flower's ServerApp runs the same server step: the clipping and the noise happen on the server, so
     # a run on Flower (local grid; float32, as the wire is exact there: tests/test_flower.py) gives
     # fed_fit's draws and privacy report bit for bit.
     flower = pytest.importorskip("fedbayes.flower")
     data, _ = fb.models.make_glm_clients(5, 3, 20, seed=0)
     model = fb.models.logistic_regression()
-    algo = fb.LMC(step_size=0.01, num_chains=2, init="prior", privacy=privacy.DP(clip=0.5, noise_multiplier=30.0))
+    algo = fb.LMC(step_size=0.01, num_chains=2, init="prior",
+                  privacy=privacy.DP(clip=0.5, noise_multiplier=30.0, mode=mode))
     ref = fb.fed_fit(model, data, algo, num_rounds=6, seed=4)
     res = flower.simulate(model, data, algo, num_rounds=6, seed=4, backend="local")
     np.testing.assert_array_equal(res.global_samples["w"], ref.global_samples["w"])

@@ -48,6 +48,10 @@ SECOND_TIER: dict[str, object] = {
         "test_fit_reports_progress_between_chunks",
         "test_the_final_exchange_in_blocks_of_clients_is_the_final_exchange_of_all_at_once",  # 28 s, 2026-11-27
     ),
+    "tests/test_privacy.py": (
+        "test_private_lmc_has_the_widened_exact_stationary_law",  # 13-30 s each (4 000 chains), 2026-11-27
+        "test_noise_multiplier_for_a_target_epsilon",  # 5-10 s each: the accountant over a bisection
+    ),
     "tests/test_expfam.py": (
         "test_gmm_statistics_and_m_step",
         "test_map_m_step_maximises_surrogate_plus_prior",

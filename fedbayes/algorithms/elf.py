@@ -274,9 +274,10 @@ class LMC(LangevinSampler):
             raise ConfigError("LMC with privacy needs init='prior' or given values (a dict or a Result): the default "
                               "start searches the mode with the clients' gradients and Hessians, releases the "
                               "accountant does not cover")
-        if self.privacy.mode != "central":
-            raise ConfigError("LMC's privacy is central (the server clips each upload and adds the noise): "
-                              "mode='distributed' is not available for it")
+        if self.privacy.mode == "distributed" and self.compressor != identity():
+            raise ConfigError("LMC with distributed DP sends each client's gradient clipped and noised in full: "
+                              f"compressing it afterwards ({self.compressor.name}) would change its norm and noise; "
+                              "use the identity compressor, or mode='central' (the server clips what it decodes)")
 
 
 @dataclass(frozen=True)
@@ -439,6 +440,8 @@ class LangevinRun(FederatedRun):
         uplink that starts from the gradients (LMC, ELF), g^i_0 = grad U_i(x_0) back to the server."""
         if self.up.setup_gradient:
             g = self._grad(x0, client)
+            if self._dp is not None and self._dp.distributed:
+                g = self._dp.share(key, g)
             return ClientState(self.down.client_start(x0), self.up.client_start(g)), (g, self._local_curvature(client))
         return (ClientState(self.down.client_start(x0), self.up.client_start(jnp.zeros_like(x0))),
                 ((), self._local_curvature(client)))
@@ -451,7 +454,7 @@ class LangevinRun(FederatedRun):
         if not self.up.setup_gradient:
             zeros = jnp.zeros_like(x0)
             return ServerState(x0, gamma, self.down.server_start(x0), self.up.server_start(zeros)), dense_message(x0)
-        if self._dp is not None:  # the first move is a release too: clipped, with the noise it needs
+        if self._dp is not None and not self._dp.distributed:  # the first move is a release too
             key, k_dp = jax.random.split(key)
             total = self._dp.noisy(k_dp, self._dp.clipped_sum(g), jnp.ones((), g.dtype))
         else:
@@ -471,9 +474,14 @@ class LangevinRun(FederatedRun):
         return s._replace(x=x, down=down), message
 
     def client_step(self, key, payload, state: ClientState, client: ClientData):
-        """The gradient at the point the downlink delivers, sent through the uplink."""
+        """The gradient at the point the downlink delivers, sent through the uplink (with distributed DP:
+        clipped, with the client's share of the noise)."""
         w, down = self.down.receive(payload, state.down)
-        up, message = self.up.send(key, self._grad(w, client, key), state.up)
+        grad = self._grad(w, client, key)
+        if self._dp is not None and self._dp.distributed:
+            key, k_dp = jax.random.split(key)
+            grad = self._dp.share(k_dp, grad)
+        up, message = self.up.send(key, grad, state.up)
         return ClientState(down, up), message
 
     def resync_message(self, state: ServerState) -> Message:
@@ -492,7 +500,7 @@ class LangevinRun(FederatedRun):
         faulty and inactive members' uploads arrive zeroed), then the Langevin move. A round the uplink
         says holds x (nobody answered, ``FaultPolicy(min_clients=0)``, without a memory) takes the step
         with gamma = 0 (P-/B-ELF's w still moves toward x)."""
-        if self._dp is None:
+        if self._dp is None or self._dp.distributed:  # distributed DP: the clients clipped and noised
             g, up, moves = self.up.gather(state.up, jnp.sum(uploads.payload, 0), info)
         else:  # central DP: each upload clipped, then noise on the (re-weighted) sum
             key, k_dp = jax.random.split(key)
