@@ -56,8 +56,11 @@ def clip_norm(tree: Any, clip: float) -> tuple[Any, jax.Array]:
     its leaves is at most ``clip`` (unchanged, bit for bit, when it already is), and the norm before
     clipping. The scale is computed in float64 where enabled, else float32, and rounded down by
     one part in 2^20 below the bound, so that the clipped norm never exceeds ``clip`` by rounding."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    norm = jnp.sqrt(sum(jnp.sum(jnp.square(jnp.asarray(leaf, jnp.result_type(float)))) for leaf in leaves))
+    leaves = [jnp.asarray(leaf, jnp.result_type(float)) for leaf in jax.tree_util.tree_leaves(tree)]
+    # the norm of tree / m times m, m the largest |value|: no overflow of the squares (1e20 in float32)
+    m = jnp.max(jnp.stack([jnp.max(jnp.abs(leaf), initial=0.0) for leaf in leaves]))
+    m = jnp.where(m > 0, m, 1.0)
+    norm = m * jnp.sqrt(sum(jnp.sum(jnp.square(leaf / m)) for leaf in leaves))
     over = norm > clip
     scale = (clip / jnp.where(over, norm, 1.0)) * (1 - 2.0**-20)
     return jax.tree_util.tree_map(lambda leaf: jnp.where(over, (leaf * scale).astype(leaf.dtype), leaf), tree), norm
