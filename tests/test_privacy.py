@@ -322,3 +322,73 @@ def test_private_lmc_on_flower_equals_fed_fit(float32, mode):
     res = flower.simulate(model, data, algo, num_rounds=6, seed=4, backend="local")
     np.testing.assert_array_equal(res.global_samples["w"], ref.global_samples["w"])
     assert res.privacy == ref.privacy and ref.privacy["added_noise_std"] > 0
+
+
+# ----------------------------------------------------------------------------- FedSOUL with central DP
+def _lme(n=6, seed=0):
+    return fb.models.make_linear_mixed_effects(n, seed=seed)[0]
+
+
+def _fedsoul_round(run, problem, rows):
+    """The server step of ``run`` on uploads whose gradients are ``rows`` (dict of (n, ...) arrays)."""
+    from fedbayes.algorithms.fedsoul import Upload
+
+    server, _, _ = run.init(jax.random.PRNGKey(0), problem)
+    n = problem.data.num_clients
+    upload = Upload(({}, rows), jnp.zeros(n), ())
+    info = RoundInfo(jnp.asarray(0), jnp.arange(n), jnp.ones(n, bool), n)
+    return server, run.server_step(jax.random.PRNGKey(1), server, Message(upload, jnp.asarray(0)), info)[0]
+
+
+def test_private_fedsoul_clips_each_upload_and_noises_the_sum():
+    # With sigma = 0 the private server step on raw uploads is the plain (Adam) step on the uploads
+    # clipped by hand, bit for bit; the noise itself is N(0, (sigma w C)^2) per coordinate (Monte Carlo,
+    # 5 standard errors of the variance's relative error sqrt(2 / n)).
+    data = _lme()
+    problem = Problem(fb.FedModel(fb.models.linear_mixed_effects, data), data, 20)
+    clip = 0.7
+    rng = np.random.default_rng(0)
+    private = fb.FedSOUL(privacy=privacy.DP(clip=clip, noise_multiplier=0.0)).build(problem)
+    theta = private.init(jax.random.PRNGKey(0), problem)[0].theta  # the unconstrained globals, as uploaded
+    small = np.where(np.arange(6) == 5, 0.05, 1.0)  # the last client's upload stays below the clip
+    rows = {k: jnp.asarray(rng.normal(size=(6,) + np.shape(v)) * small.reshape((6,) + (1,) * np.ndim(v)))
+            for k, v in theta.items()}
+    plain = fb.FedSOUL(server_optimizer="adam", uncertainty=False).build(problem)
+    norms = np.sqrt(sum(np.sum(np.asarray(v).reshape(6, -1) ** 2, axis=1) for v in rows.values()))
+    scale = np.where(norms > clip, clip / norms * (1 - 2.0**-20), 1.0)
+    by_hand = {k: jnp.asarray(np.asarray(v) * scale.reshape((6,) + (1,) * (v.ndim - 1))) for k, v in rows.items()}
+    assert (norms > clip).sum() >= 3 and (norms <= clip).sum() >= 1
+    _, new_private = _fedsoul_round(private, problem, rows)
+    _, new_plain = _fedsoul_round(plain, problem, by_hand)
+    for k in rows:
+        np.testing.assert_allclose(new_private.theta[k], new_plain.theta[k], rtol=1e-12, atol=1e-14)
+    sp = privacy.SumPrivacy(privacy.DP(clip=clip, noise_multiplier=1.3), 20, 6, 3)
+    zeros = {"a": jnp.zeros((100_000,)), "b": jnp.zeros((50, 20))}
+    noisy = sp.noisy(jax.random.PRNGKey(2), zeros, 2.0)  # the weight b / |A| = 2: half the clients answered
+    v = np.concatenate([np.asarray(x).ravel() for x in jax.tree_util.tree_leaves(noisy)])
+    assert abs(v.var() / (1.3 * 2.0 * clip) ** 2 - 1) < 5 * np.sqrt(2 / v.size)
+
+
+def test_private_fedsoul_fit_reports_its_epsilon_and_releases_nothing_else():
+    data = _lme()
+    dp = privacy.DP(clip=5.0, noise_multiplier=0.8, delta=1e-4)
+    res = fb.fed_fit(fb.models.linear_mixed_effects, data, fb.FedSOUL(server_lr=0.05, privacy=dp), num_rounds=30,
+                     clients_per_round=3, seed=0)
+    rep = res.privacy
+    assert rep["relation"] == "replace" and rep["cohort"] == 3 and rep["releases"] == 30
+    assert rep["epsilon"] == privacy.epsilon(0.8, delta=1e-4, rounds=30, num_clients=6, cohort_size=3)
+    assert np.isnan(res.history["objective"]).all() and not res.standard_errors
+    assert res.settings["server_optimizer"] == "adam" and res.settings["uncertainty"] is False
+    assert res.idata.posterior.attrs["privacy_epsilon"] == rep["epsilon"]
+    target = fb.fed_fit(fb.models.linear_mixed_effects, data,
+                        fb.FedSOUL(server_lr=0.05, privacy=privacy.DP(clip=5.0, epsilon=2.0, delta=1e-4)),
+                        num_rounds=30, clients_per_round=3, seed=0)
+    assert target.privacy["epsilon"] <= 2.0
+    bad = [dict(server_optimizer="fisher"), dict(uncertainty=True), dict(aggregation="median"), dict(init="map")]
+    for kw in bad:
+        with pytest.raises(ConfigError, match="privacy"):
+            fb.FedSOUL(privacy=dp, **kw)
+    with pytest.raises(ConfigError, match="distributed"):
+        fb.FedSOUL(privacy=privacy.DP(clip=1.0, noise_multiplier=1.0, mode="distributed"))
+    with pytest.raises(ConfigError, match="FedRep has no privacy"):
+        fb.FedRep(privacy=dp)

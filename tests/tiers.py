@@ -51,6 +51,7 @@ SECOND_TIER: dict[str, object] = {
     "tests/test_privacy.py": (
         "test_private_lmc_has_the_widened_exact_stationary_law",  # 13-30 s each (4 000 chains), 2026-11-27
         "test_noise_multiplier_for_a_target_epsilon",  # 5-10 s each: the accountant over a bisection
+        "test_private_fedsoul_fit_reports_its_epsilon_and_releases_nothing_else",  # two FedSOUL fits, ~30 s
     ),
     "tests/test_expfam.py": (
         "test_gmm_statistics_and_m_step",

@@ -49,6 +49,7 @@ from jax.flatten_util import ravel_pytree
 from .. import minibatch, optim
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import client_key, final_exchange, run_jit, stack_clients
+from ..privacy import DP, SumPrivacy
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
 from ..wire import decode_tree
@@ -223,6 +224,17 @@ class FedSOUL:
         ``"mean"`` (the algorithm: b / |A| times the sum of the answers), or ``"median"`` /
         ``"trimmed"`` / a trim fraction: b times a coordinate-wise robust centre of the answers, for
         Byzantine clients (``fb.faults.Aggregation`` states the statistical cost).
+    privacy:
+        Central client-level differential privacy, a ``fb.privacy.DP`` (None: none). The server clips each
+        client's gradient upload to L2 norm C (all sites as one vector) and adds N(0, (sigma w C)^2) to
+        the re-weighted sum w sum_i g_i (w = b / |A|), so that each round is a Gaussian mechanism with
+        noise multiplier sigma (:class:`fedbayes.privacy.SumPrivacy`); sigma is given or solved from a
+        target epsilon over the rounds and the cohort sampling. Every other release of the clients'
+        data is switched off or refused: the default server step is Adam (Fisher scoring's
+        information uploads are refused), there are no standard errors (Louis' terms), the clients'
+        objectives are not used (``history["objective"]`` is NaN), and ``init="map"`` is refused.
+        Give ``server_lr`` on the parameters' scale: Adam moves each coordinate by about that much
+        per round. The personal posteriors stay on the clients; ``res.privacy`` reports epsilon.
     """
 
     local_steps: int = 10
@@ -251,6 +263,7 @@ class FedSOUL:
     thinning: int = 5
     num_chains: int = 2
     aggregation: Any = "mean"
+    privacy: Any = None
     name: str = "FedSOUL"
 
     def _run_class(self) -> type:
@@ -298,12 +311,38 @@ class FedSOUL:
         require_choice(self.uncertainty, "FedSOUL uncertainty", (None, True, False))
         require_unbiased(self.compressor, "FedSOUL")
         as_aggregation(self.aggregation)
+        self._check_privacy()
         if self.bounds is not None and not isinstance(self.bounds, Mapping):
             raise ConfigError(f"FedSOUL bounds must be a dict {{site: (low, high)}}, got {self.bounds!r}")
         for site, box in (self.bounds or {}).items():
             if (not isinstance(box, (tuple, list)) or len(box) != 2 or not all(is_real(b) for b in box)
                     or not box[0] < box[1]):
                 raise ConfigError(f"FedSOUL bounds for '{site}' must be (low, high) with low < high, got {box!r}")
+
+    def _check_privacy(self) -> None:
+        """Central client-level DP (``privacy=fb.privacy.DP(...)``) covers the clipped, noised gradient sum
+        only: every other release of the clients' data is refused or switched off."""
+        if self.privacy is None:
+            return
+        if not isinstance(self.privacy, DP):
+            raise ConfigError(f"{self.name} privacy must be a fb.privacy.DP or None, got {type(self.privacy).__name__}")
+        if type(self) is not FedSOUL:
+            raise ConfigError(f"{self.name} has no privacy option yet (FedSOUL has)")
+        if self.privacy.mode != "central":
+            raise ConfigError("FedSOUL's privacy is central (the server clips each upload and adds the noise): "
+                              "mode='distributed' is not available for it")
+        if isinstance(self.server_optimizer, str) and self.server_optimizer == "fisher":
+            raise ConfigError("FedSOUL with privacy cannot use Fisher scoring: its information uploads are a release "
+                              "the accountant does not cover; use server_optimizer='adam' (or 'auto', which is adam "
+                              "under privacy) with a server_lr on the parameters' scale")
+        if self.uncertainty:
+            raise ConfigError("FedSOUL with privacy has no standard errors: Louis' terms of the final exchange are a "
+                              "release the accountant does not cover; leave uncertainty=None")
+        if not (isinstance(self.aggregation, str) and self.aggregation == "mean"):
+            raise ConfigError("FedSOUL with privacy needs aggregation='mean': the noise is calibrated to a sum")
+        if isinstance(self.init, str) and self.init == "map":
+            raise ConfigError("FedSOUL with privacy cannot start from init='map' (a fit of the clients' data the "
+                              "accountant does not cover); give values or leave init=None")
 
     def build(self, problem: Problem) -> "FedSOULRun":
         """Bind the configuration to a problem: the object that runs the round protocol."""
@@ -322,7 +361,8 @@ class FedSOUL:
             raise ConfigError("FedSOUL local_kernel='mala' cannot take minibatch steps: a Metropolis test on a "
                               "minibatch estimate of the log-density does not leave the local posterior invariant; "
                               "leave local_kernel=None (ULA, i.e. SGLD, with minibatches) or use the full batch")
-        return self._run_class()(self, fm, self._averaging_start(problem), resolve_init(self.init, problem), n, batches)
+        return self._run_class()(self, fm, self._averaging_start(problem), resolve_init(self.init, problem), n, batches,
+                                 (problem.num_rounds, problem.cohort_size or n))
 
     def _averaging_start(self, problem: Problem) -> int:
         """The round after which iterates enter the reported average."""
@@ -425,7 +465,7 @@ class FedSOULRun(FederatedRun):
     final_exchange = True  # personal posteriors at the estimate
 
     def __init__(self, cfg: FedSOUL, fm: FedModel, avg_start: int, init_values: Mapping[str, Any] | None,
-                 num_clients: int, batches: minibatch.Minibatch):
+                 num_clients: int, batches: minibatch.Minibatch, rounds_cohort: tuple[int, int] | None = None):
         self.cfg, self._fm, self._avg_start, self._init_values = cfg, fm, avg_start, init_values
         self._batches = batches
         self.num_clients = num_clients
@@ -433,13 +473,15 @@ class FedSOULRun(FederatedRun):
         self.dim = int(sum(int(np.prod(fm.sites[n].unconstrained_shape, dtype=np.int64)) for n in fm.global_names))
         small = self.dim <= cfg.information_max_dim
         opt = cfg.server_optimizer
-        self._fisher = isinstance(opt, str) and (opt == "fisher" or (opt == "auto" and small))
+        dp = getattr(cfg, "privacy", None)
+        self._dp = None if dp is None else SumPrivacy(dp, rounds_cohort[0], num_clients, rounds_cohort[1])
+        self._fisher = isinstance(opt, str) and (opt == "fisher" or (opt == "auto" and small)) and dp is None
         self.optimizer = "fisher" if self._fisher else ("adam" if isinstance(opt, str) and opt == "auto" else opt)
         lr = cfg.server_lr if cfg.server_lr is not None else (1.0 if self._fisher else 0.05)
         self.server_lr = lr
         self._opt = None if self._fisher else optim.resolve(self.optimizer, lr)
         self._schedule = optim.as_schedule(lr)
-        self.uncertainty = small if cfg.uncertainty is None else bool(cfg.uncertainty)
+        self.uncertainty = (small and dp is None) if cfg.uncertainty is None else bool(cfg.uncertainty)
         self._nonlinear = self._nonlinear_coordinates(fm) if self._fisher else None
         q = ravel_pytree(fm.zeros_local())[0].size
         self._dense = cfg.local_metric == "dense" or (cfg.local_metric == "auto" and cfg.step_size is None
@@ -682,7 +724,11 @@ class FedSOULRun(FederatedRun):
         weight = info.num_clients / jnp.maximum(n_active, 1)  # b / |A|: unbiased for uniform cohorts
         w = jnp.where(info.active, weight, 0.0)
         rule = as_aggregation(self.cfg.aggregation)
-        if rule.robust:
+        if self._dp is not None:  # central DP: each upload clipped, Gaussian noise on the re-weighted sum
+            key, k_dp = jax.random.split(key)
+            clipped = self._dp.clipped(self._gradients(uploads.payload.grad))
+            agg = self._dp.noisy(k_dp, jax.tree_util.tree_map(lambda g: jnp.tensordot(w, g, axes=1), clipped), weight)
+        elif rule.robust:
             agg = jax.tree_util.tree_map(lambda g: info.num_clients * rule(g, info.active),
                                          self._gradients(uploads.payload.grad))
         else:
@@ -713,8 +759,10 @@ class FedSOULRun(FederatedRun):
         in_avg = (info.round >= self._avg_start) & any_active
         a = jnp.where(in_avg, eta, 0.0)
         avg_sum = jax.tree_util.tree_map(lambda s, t: s + a * t, state.avg_sum, new_theta)
+        objective = prior_lp + jnp.sum(w * uploads.payload.objective)
         diag = {
-            "objective": prior_lp + jnp.sum(w * uploads.payload.objective),
+            # under DP the clients' objectives are not used: they are not part of the noised release
+            "objective": objective if self._dp is None else jnp.full_like(objective, jnp.nan),
             "grad_norm": jnp.linalg.norm(ravel_pytree(grad)[0]),
             **extra,
             **{f"theta/{n}": v for n, v in fm.constrain(new_theta).items()},
@@ -815,6 +863,8 @@ class FedSOULRun(FederatedRun):
             parts.client_info = {"step_size": locals_["step_size"], "acceptance": locals_["acceptance"]}
         if self.uncertainty and uploads is not None:
             parts.update(self._uncertainty(key, theta, *uploads))
+        if self._dp is not None:
+            parts.privacy = self._dp.report()
         return parts
 
     def _uncertainty(self, key, theta: Params, grads, info_tris, cov_tris) -> dict[str, Any]:
