@@ -328,6 +328,9 @@ class LangevinRun(FederatedRun):
     resyncs = True
     step_scale = 0.1
     """The automatic step's gamma * lambda_max."""
+    _dp = None
+    """LMC's client-level privacy (:class:`fedbayes.privacy.LangevinPrivacy`); None for the runs that
+    have no privacy option (the joint samplers' runs build their own state)."""
 
     def __init__(self, cfg: LangevinSampler, fm: FedModel, problem: Problem):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
