@@ -264,7 +264,26 @@ class DP:
         return self.delta if self.delta is not None else 1.0 / num_clients**1.1
 
 
-class LangevinPrivacy:
+class _Mechanism:
+    """What the mechanisms share: each client's upload clipped as one vector, and the report's common
+    part. Subclasses set ``dp``, ``sigma``, ``epsilon`` and ``delta``."""
+
+    dp: DP
+    sigma: float
+    epsilon: float
+    delta: float
+
+    def clipped(self, rows: Any) -> Any:
+        """Each client's upload (the leaves' axis 0) clipped to C as one vector."""
+        return jax.vmap(lambda r: clip_norm(r, self.dp.clip)[0])(rows)
+
+    def _report(self, **extra: Any) -> dict[str, Any]:
+        """``res.privacy``: epsilon at delta, sigma and C, then ``extra``, then the accountant."""
+        return {"epsilon": self.epsilon, "delta": self.delta, "noise_multiplier": self.sigma,
+                "clip": float(self.dp.clip), **extra, "accountant": self.dp.accountant}
+
+
+class LangevinPrivacy(_Mechanism):
     """Client-level DP of a Langevin sampler's rounds (LMC): each client's upload, the gradients of all
     its chains, is clipped to L2 norm C (at the server, or by the client in the distributed mode,
     :meth:`share`), and the (re-weighted) sum g is given the noise that the step's own noise lacks. A released iterate x' = x - gamma g + sqrt(2 gamma) z (and
@@ -311,7 +330,7 @@ class LangevinPrivacy:
 
     def clipped_sum(self, rows: jax.Array) -> jax.Array:
         """The sum over clients (axis 0) of their uploads, each clipped to the L2 bound as a whole."""
-        return jnp.sum(jax.vmap(lambda r: clip_norm(r, self.dp.clip)[0])(rows), 0)
+        return jnp.sum(self.clipped(rows), 0)
 
     def added_std(self, weight: Any = 1.0) -> Any:
         """s: the standard deviation of the noise added to each coordinate of g."""
@@ -324,24 +343,19 @@ class LangevinPrivacy:
 
     def report(self) -> dict[str, Any]:
         """``res.privacy``."""
-        return {
-            "epsilon": self.epsilon,
-            "delta": self.delta,
-            "noise_multiplier": self.sigma,
-            "clip": float(self.dp.clip),
-            "step_noise_multiplier": self.inherent,
-            "added_noise_std": float(self.added_std()),
-            "releases": self.releases,
-            "relation": "add-remove",
-            "accountant": self.dp.accountant,
-            "mechanism": ("central: uploads clipped at the server, the Langevin step's noise counted, Gaussian "
-                          "noise added to the gradient sum where it falls short" if not self.distributed else
-                          "distributed: each client clips its upload and adds 1/n of the noise the gradient sum "
-                          "needs beyond the Langevin step's own"),
-        }
+        return self._report(
+            step_noise_multiplier=self.inherent,
+            added_noise_std=float(self.added_std()),
+            releases=self.releases,
+            relation="add-remove",
+            mechanism=("central: uploads clipped at the server, the Langevin step's noise counted, Gaussian "
+                       "noise added to the gradient sum where it falls short" if not self.distributed else
+                       "distributed: each client clips its upload and adds 1/n of the noise the gradient sum "
+                       "needs beyond the Langevin step's own"),
+        )
 
 
-class SumPrivacy:
+class SumPrivacy(_Mechanism):
     """Central client-level DP of a server that releases (functions of) a re-weighted sum of the cohort's
     uploads, w sum_i g_i with w = n / |A| (FedSOUL's gradient estimate): each client's upload, as one
     vector over every leaf, is clipped to C at the server and the sum is given N(0, (sigma w C)^2) noise
@@ -360,10 +374,6 @@ class SumPrivacy:
                            else noise_multiplier_for(dp.epsilon, **kw))
         self.epsilon = epsilon(self.sigma, **kw)
 
-    def clipped(self, rows: Any) -> Any:
-        """Each client's upload (the leaves' axis 0) clipped to C as one vector."""
-        return jax.vmap(lambda r: clip_norm(r, self.dp.clip)[0])(rows)
-
     def noisy(self, key: jax.Array, total: Any, weight: Any) -> Any:
         """``total`` (a pytree: the re-weighted sum) plus N(0, (sigma weight C)^2) per coordinate."""
         noise = gaussian_noise(key, total, 1.0)
@@ -372,15 +382,7 @@ class SumPrivacy:
 
     def report(self) -> dict[str, Any]:
         """``res.privacy``."""
-        return {
-            "epsilon": self.epsilon,
-            "delta": self.delta,
-            "noise_multiplier": self.sigma,
-            "clip": float(self.dp.clip),
-            "releases": self.rounds,
-            "cohort": self.cohort,
-            "relation": relation_for(self.num_clients, self.cohort),
-            "accountant": self.dp.accountant,
-            "mechanism": "central: each client's gradient upload clipped at the server, Gaussian noise on the "
-                         "re-weighted sum; the clients' objectives are not used, and no standard errors",
-        }
+        return self._report(
+            releases=self.rounds, cohort=self.cohort, relation=relation_for(self.num_clients, self.cohort),
+            mechanism="central: each client's gradient upload clipped at the server, Gaussian noise on the "
+                      "re-weighted sum; the clients' objectives are not used, and no standard errors")
