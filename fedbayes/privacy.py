@@ -29,6 +29,8 @@ is added for privacy.
 from __future__ import annotations
 
 import math
+import secrets
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +57,9 @@ def clip_norm(tree: Any, clip: float) -> tuple[Any, jax.Array]:
     """``(tree * min(1, clip / ||tree||), ||tree||)``: the pytree scaled so that the L2 norm over all of
     its leaves is at most ``clip`` (unchanged, bit for bit, when it already is), and the norm before
     clipping. The scale is computed in float64 where enabled, else float32, and rounded down by
-    one part in 2^20 below the bound, so that the clipped norm never exceeds ``clip`` by rounding."""
+    one part in 2^20 below the bound, which covers the rounding of the norm's sum for up to about 10^5
+    float32 coordinates (far more in float64). A non-finite upload has a NaN norm and passes as it is
+    (the fault screen rejects it before any aggregation)."""
     leaves = [jnp.asarray(leaf, jnp.result_type(float)) for leaf in jax.tree_util.tree_leaves(tree)]
     # the norm of tree / m times m, m the largest |value|: no overflow of the squares (1e20 in float32)
     m = jnp.max(jnp.stack([jnp.max(jnp.abs(leaf), initial=0.0) for leaf in leaves]))
@@ -72,6 +76,23 @@ def gaussian_noise(key: jax.Array, tree: Any, std: Any) -> Any:
     keys = jax.random.split(key, max(len(leaves), 1))
     noisy = [std * jax.random.normal(k, jnp.shape(leaf), jnp.result_type(leaf)) for k, leaf in zip(keys, leaves)]
     return jax.tree_util.tree_unflatten(treedef, noisy)
+
+
+def secret_key(seed: int | None) -> jax.Array:
+    """The key of a fit's privacy noise: from the operating system's entropy (``secrets``) by default, or
+    from ``seed`` (reproducible, for tests and audits; the noise is then only as secret as the seed).
+    The fit's own ``seed`` is public (it is in ``res.seed`` and every Flower node holds it), so noise
+    drawn from it could be recomputed and subtracted."""
+    return jax.random.PRNGKey(secrets.randbits(63) if seed is None else int(seed))
+
+
+def folded(secret: jax.Array, public: jax.Array) -> jax.Array:
+    """``secret`` with the words of a public key folded in: a distinct secret key for each round and
+    client that the public key names, computable only with the secret."""
+    data = jax.random.key_data(public) if jnp.issubdtype(public.dtype, jax.dtypes.prng_key) else public
+    for i in range(data.shape[-1]):
+        secret = jax.random.fold_in(secret, data[..., i])
+    return secret
 
 
 def langevin_noise_multiplier(step_size: float, clip: float) -> float:
@@ -229,11 +250,14 @@ class DP:
 
     ``clip``: the L2 bound of every upload. Either ``noise_multiplier`` (noise sd / clip) or a target
     ``epsilon`` (the multiplier is then solved for before the fit with :func:`noise_multiplier_for`);
-    ``delta`` is the delta of the reported epsilon (by default 1 / n^1.1 for n clients, below the
-    1 / n at which a mechanism may publish one client's data whole). ``mode``: ``"central"`` (the
-    server adds the noise to the aggregate) or ``"distributed"`` (each of the m cohort members adds
-    N(0, sigma^2 C^2 / m), so that only the sum, e.g. under secure aggregation, carries noise).
-    ``accountant``: ``"rdp"`` or ``"pld"`` (see the module notes)."""
+    ``delta`` is the delta of the reported epsilon (by default min(1e-5, 1 / n^1.1) for n clients,
+    well below the 1 / n at which a mechanism may publish one client's data whole). ``mode``:
+    ``"central"`` (the server adds the noise to the aggregate) or ``"distributed"`` (each of the n
+    clients adds N(0, sigma^2 C^2 / n), so that the sum carries the noise without the server's help;
+    against the server itself this needs secure aggregation, which fedbayes does not have yet).
+    ``accountant``: ``"rdp"`` or ``"pld"`` (see the module notes). ``noise_seed``: None (default)
+    draws the noise from the operating system's entropy; an int makes it reproducible, and exactly as
+    secret as that int (:func:`secret_key`)."""
 
     clip: float
     noise_multiplier: float | None = None
@@ -241,6 +265,7 @@ class DP:
     delta: float | None = None
     mode: str = "central"
     accountant: str = "rdp"
+    noise_seed: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.clip, (int, float)) and math.isfinite(self.clip) and self.clip > 0):
@@ -258,10 +283,12 @@ class DP:
             raise ConfigError(f"mode must be 'central' or 'distributed', got {self.mode!r}")
         if self.accountant not in ACCOUNTANTS:
             raise ConfigError(f"accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
+        if self.noise_seed is not None and (isinstance(self.noise_seed, bool) or not isinstance(self.noise_seed, int)):
+            raise ConfigError(f"noise_seed must be an int or None, got {self.noise_seed!r}")
 
     def resolved_delta(self, num_clients: int) -> float:
-        """``delta``, or 1 / n^1.1 for n clients."""
-        return self.delta if self.delta is not None else 1.0 / num_clients**1.1
+        """``delta``, or min(1e-5, 1 / n^1.1) for n clients."""
+        return self.delta if self.delta is not None else min(1e-5, 1.0 / num_clients**1.1)
 
 
 class _Mechanism:
@@ -272,6 +299,7 @@ class _Mechanism:
     sigma: float
     epsilon: float
     delta: float
+    secret: jax.Array
 
     def clipped(self, rows: Any) -> Any:
         """Each client's upload (the leaves' axis 0) clipped to C as one vector."""
@@ -309,8 +337,16 @@ class LangevinPrivacy(_Mechanism):
         kw = dict(delta=self.delta, rounds=int(num_rounds), num_clients=self.num_clients, extra_rounds=1,
                   accountant=dp.accountant)
         asked = dp.noise_multiplier if dp.noise_multiplier is not None else noise_multiplier_for(dp.epsilon, **kw)
-        self.sigma = max(float(asked), self.inherent)  # the step's own noise gives at least its multiplier
+        # centrally the step's own noise gives at least its multiplier; in the distributed mode that noise
+        # is the server's own and does not count against it
+        self.sigma = float(asked) if self.distributed else max(float(asked), self.inherent)
         self.epsilon = epsilon(self.sigma, **kw)
+        self.secret = secret_key(dp.noise_seed)
+        if self.distributed:
+            warnings.warn(
+                "LMC with distributed DP: fedbayes has no secure aggregation yet, so the server sees each "
+                f"client's upload with 1/{self.num_clients} of the noise; the reported epsilon holds for what the "
+                "server releases (the iterates), not against the server itself", UserWarning, stacklevel=2)
 
     @property
     def distributed(self) -> bool:
@@ -326,20 +362,24 @@ class LangevinPrivacy(_Mechanism):
         round (the accountant assumes every client answers)."""
         clipped = clip_norm(grad, self.dp.clip)[0]
         std = self.added_std() / math.sqrt(self.num_clients)
-        return clipped + std.astype(grad.dtype) * jax.random.normal(key, grad.shape, grad.dtype)
+        return clipped + std.astype(grad.dtype) * jax.random.normal(folded(self.secret, key), grad.shape, grad.dtype)
 
     def clipped_sum(self, rows: jax.Array) -> jax.Array:
         """The sum over clients (axis 0) of their uploads, each clipped to the L2 bound as a whole."""
         return jnp.sum(self.clipped(rows), 0)
 
     def added_std(self, weight: Any = 1.0) -> Any:
-        """s: the standard deviation of the noise added to each coordinate of g."""
+        """s: the standard deviation of the noise added to each coordinate of g (distributed: sigma C,
+        all of it from the clients)."""
+        if self.distributed:
+            return jnp.asarray(self.sigma * weight * self.dp.clip)
         s2 = (self.sigma * weight * self.dp.clip) ** 2 - 2.0 / self.gamma
         return jnp.sqrt(jnp.maximum(s2, 0.0))
 
     def noisy(self, key: jax.Array, g: jax.Array, weight: jax.Array) -> jax.Array:
-        """g + s e, e standard normal, s = :meth:`added_std` at the round's fault weight."""
-        return g + self.added_std(weight).astype(g.dtype) * jax.random.normal(key, g.shape, g.dtype)
+        """g + s e, e standard normal from the secret key, s = :meth:`added_std` at the round's fault weight."""
+        e = jax.random.normal(folded(self.secret, key), g.shape, g.dtype)
+        return g + self.added_std(weight).astype(g.dtype) * e
 
     def report(self) -> dict[str, Any]:
         """``res.privacy``."""
@@ -351,7 +391,7 @@ class LangevinPrivacy(_Mechanism):
             mechanism=("central: uploads clipped at the server, the Langevin step's noise counted, Gaussian "
                        "noise added to the gradient sum where it falls short" if not self.distributed else
                        "distributed: each client clips its upload and adds 1/n of the noise the gradient sum "
-                       "needs beyond the Langevin step's own"),
+                       "needs; without secure aggregation the server sees each upload"),
         )
 
 
@@ -373,10 +413,11 @@ class SumPrivacy(_Mechanism):
         self.sigma = float(dp.noise_multiplier if dp.noise_multiplier is not None
                            else noise_multiplier_for(dp.epsilon, **kw))
         self.epsilon = epsilon(self.sigma, **kw)
+        self.secret = secret_key(dp.noise_seed)
 
     def noisy(self, key: jax.Array, total: Any, weight: Any) -> Any:
         """``total`` (a pytree: the re-weighted sum) plus N(0, (sigma weight C)^2) per coordinate."""
-        noise = gaussian_noise(key, total, 1.0)
+        noise = gaussian_noise(folded(self.secret, key), total, 1.0)
         std = self.sigma * weight * self.dp.clip
         return jax.tree_util.tree_map(lambda t, e: t + (std * e).astype(t.dtype), total, noise)
 

@@ -388,13 +388,24 @@ class LangevinRun(FederatedRun):
         loglik = self._fm.client_log_terms(theta, {}, client.data, client.mask)[1]
         return -loglik - self._fm.log_prior(theta, jacobian=True) / self._b
 
+    def _likelihood_potential(self, x: jax.Array, client: ClientData) -> jax.Array:
+        """-log p(D_i | x) alone: under privacy the server adds the prior's gradient itself, so that a
+        client's upload does not depend on how many clients there are (adding or removing one would
+        change every other upload's share of the prior)."""
+        return -self._fm.client_log_terms(self._unravel(x), {}, client.data, client.mask)[1]
+
+    def _prior_grad(self, x: jax.Array) -> jax.Array:
+        """grad of -log p(x) (Jacobian included) at each chain's x: the server's part under privacy."""
+        return jax.vmap(jax.grad(lambda v: -self._fm.log_prior(self._unravel(v), jacobian=True)))(x)
+
     def _grad(self, x, client, key: jax.Array | None = None):
         """grad U_i at each chain's x (rows of ``x``); with minibatches and a ``key``, each chain's on its own
-        batch (:mod:`fedbayes.minibatch`)."""
+        batch (:mod:`fedbayes.minibatch`). Under privacy the likelihood's gradient alone."""
+        potential = self.client_potential if self._dp is None else self._likelihood_potential
         if key is None or not self._batches.active:
-            return jax.vmap(jax.grad(self.client_potential), in_axes=(0, None))(x, client)  # over chains
+            return jax.vmap(jax.grad(potential), in_axes=(0, None))(x, client)  # over chains
         keys = jax.random.split(minibatch.batch_key(key), x.shape[0])
-        return jax.vmap(lambda xc, kc: jax.grad(self.client_potential)(xc, self._batches.draw(kc, client)))(x, keys)
+        return jax.vmap(lambda xc, kc: jax.grad(potential)(xc, self._batches.draw(kc, client)))(x, keys)
 
     def max_curvature(self, clients: ClientData, x: jax.Array) -> jax.Array:
         """lambda_max of the Hessian of U = sum_i U_i at x, by power iteration on summed client HVPs."""
@@ -462,6 +473,8 @@ class LangevinRun(FederatedRun):
             total = self._dp.noisy(k_dp, self._dp.clipped_sum(g), jnp.ones((), g.dtype))
         else:
             total = jnp.sum(g, 0)
+        if self._dp is not None:
+            total = total + self._prior_grad(x0)
         state = ServerState(x0, gamma, self.down.server_start(x0), self.up.server_start(total))
         return self._move(key, state, total, gamma)
 
@@ -510,6 +523,8 @@ class LangevinRun(FederatedRun):
             total = self._dp.clipped_sum(uploads.payload)
             g, up, moves = self.up.gather(state.up, total, info)
             g = self._dp.noisy(k_dp, g, fault_weight(info, total.dtype))
+        if self._dp is not None:
+            g = g + self._prior_grad(state.x)
         gamma = state.gamma if moves is None else jnp.where(moves, state.gamma, jnp.zeros_like(state.gamma))
         sample = state.x  # x_{k+1}, the point the clients just used (through w for P-/B-ELF)
         new, broadcast = self._move(key, state._replace(up=up), g, gamma)
