@@ -37,7 +37,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .errors import ConfigError
+from .errors import ConfigError, require_int
 
 ACCOUNTANTS = ("rdp", "pld")
 RELATIONS = ("add-remove", "replace")
@@ -111,15 +111,26 @@ def relation_for(num_clients: int, cohort_size: int) -> str:
     return "add-remove" if cohort_size >= num_clients else "replace"
 
 
-def _check_counts(rounds: int, num_clients: int, cohort_size: int | None) -> int:
-    if int(rounds) != rounds or rounds < 0:
-        raise ConfigError(f"rounds must be a non-negative integer, got {rounds}")
-    if int(num_clients) != num_clients or num_clients < 1:
-        raise ConfigError(f"num_clients must be a positive integer, got {num_clients}")
-    cohort = num_clients if cohort_size is None else cohort_size
-    if int(cohort) != cohort or not 1 <= cohort <= num_clients:
+def _setting(delta: float, rounds: int, num_clients: int, cohort_size: int | None, sampling: str,
+             extra_rounds: int, accountant: str) -> tuple[int, str]:
+    """The checks :func:`epsilon` and :func:`noise_multiplier_for` share: ``(cohort, relation)``."""
+    require_int(rounds, "rounds", 0)
+    require_int(extra_rounds, "extra_rounds", 0)
+    num_clients = require_int(num_clients, "num_clients")
+    cohort = require_int(num_clients if cohort_size is None else cohort_size, "cohort_size")
+    if cohort > num_clients:
         raise ConfigError(f"cohort_size must be an integer in 1..num_clients={num_clients}, got {cohort_size}")
-    return int(cohort)
+    if not 0 < delta < 1:
+        raise ConfigError(f"delta must be in (0, 1), got {delta}")
+    if sampling not in ("fixed", "poisson"):
+        raise ConfigError(f"sampling must be 'fixed' (the engine's cohorts) or 'poisson', got {sampling!r}")
+    if accountant not in ACCOUNTANTS:
+        raise ConfigError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
+    relation = "add-remove" if sampling == "poisson" else relation_for(num_clients, cohort)
+    if accountant == "pld" and relation == "replace":
+        raise ConfigError("the PLD accountant of dp-accounting has no sampling without replacement: use "
+                          "accountant='rdp' for fixed-size cohorts (clients_per_round < num_clients)")
+    return cohort, relation
 
 
 def _event(noise_multiplier: float, rounds: int, num_clients: int, cohort: int, sampling: str,
@@ -144,21 +155,7 @@ def _accountant(name: str, relation: str) -> Any:
     dpa = _accounting()
     rel = (dpa.NeighboringRelation.ADD_OR_REMOVE_ONE if relation == "add-remove"
            else dpa.NeighboringRelation.REPLACE_ONE)
-    if name == "rdp":
-        return dpa.rdp.RdpAccountant(neighboring_relation=rel)
-    if name == "pld":
-        return dpa.pld.PLDAccountant(neighboring_relation=rel)
-    raise ConfigError(f"accountant must be one of {ACCOUNTANTS}, got {name!r}")
-
-
-def _resolve(num_clients: int, cohort: int, sampling: str, accountant: str) -> tuple[str, str]:
-    if sampling not in ("fixed", "poisson"):
-        raise ConfigError(f"sampling must be 'fixed' (the engine's cohorts) or 'poisson', got {sampling!r}")
-    relation = "add-remove" if sampling == "poisson" else relation_for(num_clients, cohort)
-    if accountant == "pld" and relation == "replace":
-        raise ConfigError("the PLD accountant of dp-accounting has no sampling without replacement: use "
-                          "accountant='rdp' for fixed-size cohorts (clients_per_round < num_clients)")
-    return relation, accountant
+    return (dpa.rdp.RdpAccountant if name == "rdp" else dpa.pld.PLDAccountant)(neighboring_relation=rel)
 
 
 def epsilon(noise_multiplier: float, *, delta: float, rounds: int, num_clients: int,
@@ -169,12 +166,9 @@ def epsilon(noise_multiplier: float, *, delta: float, rounds: int, num_clients: 
     without replacement, as the engine draws it; ``"poisson"``: each client independently with
     probability cohort_size / num_clients), composed with ``extra_rounds`` unsampled ones (exchanges
     with every client, such as a set-up or final exchange). ``inf`` for sigma = 0."""
-    cohort = _check_counts(rounds, num_clients, cohort_size)
-    if not 0 < delta < 1:
-        raise ConfigError(f"delta must be in (0, 1), got {delta}")
+    cohort, relation = _setting(delta, rounds, num_clients, cohort_size, sampling, extra_rounds, accountant)
     if not noise_multiplier >= 0:
         raise ConfigError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
-    relation, accountant = _resolve(num_clients, cohort, sampling, accountant)
     if rounds + extra_rounds == 0:
         return 0.0
     if noise_multiplier == 0:
@@ -196,10 +190,9 @@ def _epsilon(sigma: float, delta: float, rounds: int, n: int, cohort: int, sampl
         # Sampling cannot cost privacy (couple the two samples: they differ by one replacement at most),
         # so the unsampled mechanism's epsilon bounds it too; the bound for sampling without replacement
         # is the larger of the two for large cohorts.
-        plain = _accountant("rdp", relation)
-        plain.compose(_event(sigma, rounds + extra, n, n, sampling, 0)
-                      if sampling == "poisson" else
-                      _accounting().SelfComposedDpEvent(_accounting().GaussianDpEvent(sigma / 2), rounds + extra))
+        dpa = _accounting()
+        plain = _accountant("rdp", relation)  # every round unsampled: the Gaussian at sigma / 2 (2C)
+        plain.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(sigma / 2), rounds + extra))
         eps = min(eps, float(plain.get_epsilon(delta)))
     if accountant == "rdp" or eps > RDP_ONLY_ABOVE:
         return eps
@@ -216,10 +209,7 @@ def noise_multiplier_for(target_epsilon: float, *, delta: float, rounds: int, nu
     before a fit."""
     if not target_epsilon > 0:
         raise ConfigError(f"the target epsilon must be > 0, got {target_epsilon}")
-    cohort = _check_counts(rounds, num_clients, cohort_size)
-    if not 0 < delta < 1:
-        raise ConfigError(f"delta must be in (0, 1), got {delta}")
-    relation, accountant = _resolve(num_clients, cohort, sampling, accountant)
+    cohort, relation = _setting(delta, rounds, num_clients, cohort_size, sampling, extra_rounds, accountant)
     if rounds + extra_rounds == 0:
         return 0.0
     eps = lambda s: _epsilon(s, delta, rounds, num_clients, cohort, sampling, extra_rounds, accountant,  # noqa: E731
