@@ -724,15 +724,15 @@ class FedSOULRun(FederatedRun):
         weight = info.num_clients / jnp.maximum(n_active, 1)  # b / |A|: unbiased for uniform cohorts
         w = jnp.where(info.active, weight, 0.0)
         rule = as_aggregation(self.cfg.aggregation)
-        if self._dp is not None:  # central DP: each upload clipped, Gaussian noise on the re-weighted sum
-            key, k_dp = jax.random.split(key)
-            clipped = self._dp.clipped(self._gradients(uploads.payload.grad))
-            agg = self._dp.noisy(k_dp, jax.tree_util.tree_map(lambda g: jnp.tensordot(w, g, axes=1), clipped), weight)
-        elif rule.robust:
-            agg = jax.tree_util.tree_map(lambda g: info.num_clients * rule(g, info.active),
-                                         self._gradients(uploads.payload.grad))
+        grads = self._gradients(uploads.payload.grad)
+        if self._dp is not None:  # central DP: each upload clipped (robust rules are refused under DP)
+            grads = self._dp.clipped(grads)
+        if rule.robust:
+            agg = jax.tree_util.tree_map(lambda g: info.num_clients * rule(g, info.active), grads)
         else:
-            agg = jax.tree_util.tree_map(lambda g: jnp.tensordot(w, g, axes=1), self._gradients(uploads.payload.grad))
+            agg = jax.tree_util.tree_map(lambda g: jnp.tensordot(w, g, axes=1), grads)
+        if self._dp is not None:  # ... and Gaussian noise on the re-weighted sum
+            agg = self._dp.noisy(jax.random.split(key)[1], agg, weight)
         prior_lp, prior_grad = jax.value_and_grad(fm.log_prior)(theta)
         grad = jax.tree_util.tree_map(jnp.add, prior_grad, agg)
         any_active = n_active > 0
