@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .errors import ConfigError, require_int
 
@@ -244,7 +245,7 @@ class DP:
     well below the 1 / n at which a mechanism may publish one client's data whole). ``mode``:
     ``"central"`` (the server adds the noise to the aggregate) or ``"distributed"`` (each of the n
     clients adds N(0, sigma^2 C^2 / n), so that the sum carries the noise without the server's help;
-    against the server itself this needs secure aggregation, which fedbayes does not have yet).
+    against the server itself this needs secure aggregation: on Flower, ``fb.flower.SecAggPlus``).
     ``accountant``: ``"rdp"`` or ``"pld"`` (see the module notes). ``noise_seed``: None (default)
     draws the noise from the operating system's entropy; an int makes it reproducible, and exactly as
     secret as that int (:func:`secret_key`)."""
@@ -334,9 +335,10 @@ class LangevinPrivacy(_Mechanism):
         self.secret = secret_key(dp.noise_seed)
         if self.distributed:
             warnings.warn(
-                "LMC with distributed DP: fedbayes has no secure aggregation yet, so the server sees each "
-                f"client's upload with 1/{self.num_clients} of the noise; the reported epsilon holds for what the "
-                "server releases (the iterates), not against the server itself", UserWarning, stacklevel=2)
+                "distributed DP with no secure aggregation (fed_fit, or Flower without fb.flower.SecAggPlus): the "
+                f"server sees each client's upload with 1/{self.num_clients} of the noise; the reported epsilon holds "
+                "for what the server releases (the iterates), not against the server itself", UserWarning,
+                stacklevel=2)
 
     @property
     def distributed(self) -> bool:
@@ -371,12 +373,35 @@ class LangevinPrivacy(_Mechanism):
         e = jax.random.normal(folded(self.secret, key), g.shape, g.dtype)
         return g + self.added_std(weight).astype(g.dtype) * e
 
-    def report(self) -> dict[str, Any]:
-        """``res.privacy``."""
+    def realised_epsilon(self, answered: Any) -> float:
+        """Distributed mode: epsilon at delta for the rounds as they went, ``answered[t]`` clients of n having
+        sent their share in round t. The sum of the shares of a round with a answering carries a / n of the
+        noise's variance, and the fault weight n / a scales noise and sensitivity alike, so the round is a
+        Gaussian mechanism with multiplier sigma sqrt(a / n) (weaker than planned); a round nobody answered
+        released nothing about anyone. The set-up has every client."""
+        dpa = _accounting()
+        counts: dict[int, int] = {}
+        for a in np.asarray(answered, int).ravel():
+            if a > 0:
+                counts[int(a)] = counts.get(int(a), 0) + 1
+        counts[self.num_clients] = counts.get(self.num_clients, 0) + 1  # the set-up's first move
+        events = [dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(self.sigma * math.sqrt(a / self.num_clients)), k)
+                  for a, k in sorted(counts.items())]
+        acc = _accountant(self.dp.accountant, "add-remove")
+        acc.compose(dpa.ComposedDpEvent(events))
+        return float(acc.get_epsilon(self.delta))
+
+    def report(self, answered: Any = None) -> dict[str, Any]:
+        """``res.privacy``; in the distributed mode with ``answered`` (the clients that sent their share, per
+        round) also ``epsilon_realised``, for the rounds as they went (:meth:`realised_epsilon`)."""
+        extra = {}
+        if self.distributed and answered is not None:
+            extra["epsilon_realised"] = self.realised_epsilon(answered)
         return self._report(
             step_noise_multiplier=self.inherent,
             added_noise_std=float(self.added_std()),
             releases=self.releases,
+            **extra,
             relation="add-remove",
             mechanism=("central: uploads clipped at the server, the Langevin step's noise counted, Gaussian "
                        "noise added to the gradient sum where it falls short" if not self.distributed else
@@ -392,14 +417,19 @@ class SumPrivacy(_Mechanism):
     per coordinate, the Gaussian mechanism with noise multiplier sigma at the round's sensitivity w C
     (the estimator stays unbiased for the clipped uploads: the noise has mean zero). A round releases
     the new iterate, its diagnostics computed from the noisy sum; sigma is given or solved for the fit's
-    rounds with a cohort of m of the n clients drawn without replacement (:func:`epsilon`)."""
+    rounds with a cohort of m of the n clients drawn without replacement (:func:`epsilon`), plus
+    ``extra_rounds`` releases of every client (a set-up exchange by the same mechanism). FedMM's
+    weighted mean of statistics uses it with w = 1 / (n p) (see ``fb.FedMM``'s ``privacy``)."""
 
-    def __init__(self, dp: DP, num_rounds: int, num_clients: int, cohort_size: int):
+    def __init__(self, dp: DP, num_rounds: int, num_clients: int, cohort_size: int, extra_rounds: int = 0,
+                 mechanism: str = "central: each client's gradient upload clipped at the server, Gaussian noise "
+                                  "on the re-weighted sum; the clients' objectives are not used, and no standard "
+                                  "errors"):
         self.dp, self.num_clients, self.cohort = dp, int(num_clients), int(cohort_size)
-        self.rounds = int(num_rounds)
+        self.rounds, self.extra, self.mechanism = int(num_rounds), int(extra_rounds), mechanism
         self.delta = dp.resolved_delta(self.num_clients)
         kw = dict(delta=self.delta, rounds=self.rounds, num_clients=self.num_clients, cohort_size=self.cohort,
-                  accountant=dp.accountant)
+                  extra_rounds=self.extra, accountant=dp.accountant)
         self.sigma = float(dp.noise_multiplier if dp.noise_multiplier is not None
                            else noise_multiplier_for(dp.epsilon, **kw))
         self.epsilon = epsilon(self.sigma, **kw)
@@ -414,6 +444,5 @@ class SumPrivacy(_Mechanism):
     def report(self) -> dict[str, Any]:
         """``res.privacy``."""
         return self._report(
-            releases=self.rounds, cohort=self.cohort, relation=relation_for(self.num_clients, self.cohort),
-            mechanism="central: each client's gradient upload clipped at the server, Gaussian noise on the "
-                      "re-weighted sum; the clients' objectives are not used, and no standard errors")
+            releases=self.rounds + self.extra, cohort=self.cohort,
+            relation=relation_for(self.num_clients, self.cohort), mechanism=self.mechanism)

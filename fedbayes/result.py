@@ -198,6 +198,7 @@ class Result:
         attrs = {"inference_library": "fedbayes", "algorithm": self.algorithm, "seed": self.seed}
         if self.privacy:  # netCDF attributes: numbers and strings
             attrs.update({f"privacy_{k}": v for k, v in self.privacy.items()})
+        params.attrs.update(attrs)  # a point-estimate fit has no posterior group: its report stays with the estimate
         if posterior is not None:
             posterior.attrs.update(attrs)
             if self.global_approx and not self.global_samples:

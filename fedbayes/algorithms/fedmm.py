@@ -47,6 +47,7 @@ from ..errors import ConfigError, ModelError, require_choice, require_fraction, 
 from ..protocol import ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from .expfam import CustomStatistics, Derived, derive
 from ..faults import fault_weight
+from ..privacy import DP, SumPrivacy
 from ..introspect import FedModel, Params
 from ..optim import as_schedule
 from . import louis
@@ -101,7 +102,8 @@ class FedMM:
         TAMUNA fit of the model first (local latents at their population mean; 300 rounds), as for
         ``fb.FedSOUL``.
     population_start:
-        For models with linear-Gaussian terms and per-client latents (mixed models): before the first
+        None (default): True, except under ``privacy`` (its least-squares pass would be a release the
+        accountant does not cover). For models with linear-Gaussian terms and per-client latents (mixed models): before the first
         E-step, one federated pass fits the coefficients of the linear terms that ``init`` does not set
         by least squares on the non-personalised model (latents at their population mean; each client
         sends ``G^T (y - o)`` and ``G^T G``, counted in ``res.init_bits``). EM started with the fixed
@@ -136,7 +138,40 @@ class FedMM:
     uncertainty:
         After the fit, compute the local posteriors and Louis' standard errors: the final exchange,
         theta-hat (d floats) to every client and q + d(d+1)/2 floats back from each (``res.final_bits``);
-        False skips it.
+        False skips it. None (default): True, except under ``privacy``.
+    privacy:
+        Central client-level differential privacy, a ``fb.privacy.DP`` (None: none). Each round the server
+        clips every upload, weighted by its client's share of the data, n mu_i Q_i (n clients, mu_i = N_i / N;
+        1 for equal sizes), to L2 norm C, and adds N(0, (sigma C / (n p))^2) per coordinate to the estimate
+        (1/p) sum mu_i Q_i, whose sensitivity to one client is then C / (n p): the Gaussian mechanism with noise
+        multiplier sigma, the fixed-denominator estimator of DP-FedAvg (McMahan et al., 2018; N and the clients'
+        sizes are public). The set-up's E-step at theta_0 is one more release of every client, by the same
+        mechanism. What changes under privacy, and why:
+
+        - no control variates (alpha = 0): the server's V is the sum of the clients' V_i only without noise;
+          with noisy sums it would drift from it as a random walk. The uploads are then s_i - S_t, the
+          clients' heterogeneity at the fixed point, so C should exceed most of |n mu_i (s_i - S_t)| there
+          (a clip that binds moves the fixed point towards the clients it does not clip);
+        - the identity compressor: the clip applies to the vector sent, and an unbiased compressor's output
+          has no useful norm bound;
+        - ``average_from`` defaults to 0.5: each iterate S_t carries the round's noise (variance
+          (sigma C / (n p))^2 per coordinate at step 1), which the average over the last half of the rounds
+          reduces;
+        - no final exchange (``uncertainty`` None: False) and no population start: both are releases the
+          accountant does not count; ``init="map"`` is refused.
+
+        The noise falls on raw statistics (counts, sums, sums of squares), so the M-step's differences
+        amplify it: a component (or random effect) whose mean is far from zero beside its spread gets its
+        covariance as a small difference of large moments, with the noise multiplied by about
+        |mean|^2 / variance. Centre and scale the data with public constants first; with few clients the
+        noise can otherwise collapse a component (a DivergenceError in float32). The set-up's uploads are
+        whole statistics s_i(theta_0), larger than the rounds' differences: a clip chosen for the rounds
+        shrinks them, and the rounds then move S by at most about C / n towards the fixed point.
+
+        A round releases S_{t+1} and theta_{t+1}, functions of the noisy estimate. The Bernoulli
+        participation p within a cohort only adds amplification, which the accountant (fixed cohorts of m of
+        n) leaves out. Faults do not weaken the guarantee: the noise is the server's, whoever answers.
+        ``res.privacy`` reports epsilon at delta.
     """
 
     step_size: float | Callable = 1.0
@@ -146,7 +181,7 @@ class FedMM:
     control_variates: str = "e_step"
     projection: bool = True
     init: Any = None
-    population_start: bool = True
+    population_start: bool | None = None
     statistics: CustomStatistics | None = None
     langevin_steps: int = 20
     burn_in: int = 10
@@ -154,8 +189,9 @@ class FedMM:
     average_from: float | None = None
     m_step_iters: int = 200
     louis_draws: int = 500
-    uncertainty: bool = True
+    uncertainty: bool | None = None
     batch_size: int | None = None
+    privacy: Any = None
     name = "FedMM"
     divergence_hint = ("lower step_size, use more quantisation levels, or start from other initial values "
                        "(a mixture component may have collapsed)")
@@ -174,8 +210,8 @@ class FedMM:
         require_choice(self.control_variates, f"{self.name} control_variates", ("e_step", "zero"))
         check_init(self.init, self.name)
         require_choice(self.projection, f"{self.name} projection", (True, False))
-        require_choice(self.uncertainty, f"{self.name} uncertainty", (True, False))
-        require_choice(self.population_start, f"{self.name} population_start", (True, False))
+        require_choice(self.uncertainty, f"{self.name} uncertainty", (None, True, False))
+        require_choice(self.population_start, f"{self.name} population_start", (None, True, False))
         require_int(self.langevin_steps, f"{self.name} langevin_steps", 1)
         require_int(self.burn_in, f"{self.name} burn_in", 0)
         if self.burn_in >= self.langevin_steps:
@@ -184,6 +220,33 @@ class FedMM:
         require_int(self.m_step_iters, f"{self.name} m_step_iters", 1)
         require_int(self.louis_draws, f"{self.name} louis_draws", 2)
         check_batch_size(self.batch_size, self.name)
+        self._check_privacy()
+
+    def _check_privacy(self) -> None:
+        """Central client-level DP covers the clipped, noised statistic sums (the set-up's and the rounds'):
+        every other release of the clients' data is refused or switched off (see ``privacy``)."""
+        if self.privacy is None:
+            return
+        if not isinstance(self.privacy, DP):
+            raise ConfigError(f"{self.name} privacy must be a fb.privacy.DP or None, got {type(self.privacy).__name__}")
+        if type(self) not in (FedMM, FedEM):
+            raise ConfigError(f"{self.name} has no privacy option (FedMM and FedEM have)")
+        if self.privacy.mode != "central":
+            raise ConfigError(f"{self.name}'s privacy is central (the server clips each upload and adds the noise): "
+                              "mode='distributed' is not available for it")
+        if not isinstance(self.compressor, type(identity())):
+            raise ConfigError(f"{self.name} with privacy needs the identity compressor: the clip bounds the vector "
+                              "sent, and an unbiased compressor's output has no useful norm bound")
+        if self.alpha is not None and self.alpha != 0:
+            raise ConfigError(f"{self.name} with privacy has no control variates (alpha=0): with noisy sums the "
+                              "server's V would drift from the clients' V_i as a random walk; leave alpha=None")
+        for name in ("uncertainty", "population_start"):
+            if getattr(self, name):
+                raise ConfigError(f"{self.name} with privacy: {name}=True is an exchange of the clients' data the "
+                                  f"accountant does not cover; leave {name}=None")
+        if isinstance(self.init, str) and self.init == "map":
+            raise ConfigError(f"{self.name} with privacy cannot start from init='map' (a fit of the clients' data the "
+                              "accountant does not cover); give values or leave init=None")
 
     def build(self, problem: Problem) -> "FedMMRun":
         fm: FedModel = problem.model
@@ -230,7 +293,15 @@ class FedMMRun(FederatedRun):
         self._p = self.participation * m / n  # inclusion probability of a client in a round
         self._gamma = as_schedule(cfg.step_size, f"{cfg.name} step_size")
         self._num_rounds = problem.num_rounds
-        avg = cfg.average_from if cfg.average_from is not None else (0.5 if self.source.chain else None)
+        self._private = cfg.privacy is not None
+        self._dp = None if not self._private else SumPrivacy(
+            cfg.privacy, problem.num_rounds, n, m, extra_rounds=1,
+            mechanism="central: each client's statistic upload, weighted by its share of the data, clipped at the "
+                      "server; Gaussian noise on the estimate of the mean statistic; no control variates, no "
+                      "population start, no final exchange (no standard errors)")
+        self.uncertainty = not self._private if cfg.uncertainty is None else bool(cfg.uncertainty)
+        avg = cfg.average_from if cfg.average_from is not None else (
+            0.5 if self.source.chain or self._private else None)
         self._avg_start = None if avg is None else int(avg * problem.num_rounds)
         self._structure(problem)
         self._m_step_jit = jax.jit(self.m_step)
@@ -254,10 +325,22 @@ class FedMMRun(FederatedRun):
         self.dim = int(ravel_pytree(theta)[0].size)
         self._omega = float(cfg.compressor.omega(self.q))
         omega_p = self._omega + (1 + self._omega) * (1 - self._p) / self._p
-        self.alpha = float(cfg.alpha) if cfg.alpha is not None else 1.0 / (1.0 + omega_p)
-        self._pop_sites = self.source.population_sites(set(cfg.init or ())) if cfg.population_start else ()
+        self.alpha = float(cfg.alpha) if cfg.alpha is not None else 0.0 if self._private else 1.0 / (1.0 + omega_p)
+        population = not self._private if cfg.population_start is None else cfg.population_start
+        self._pop_sites = self.source.population_sites(set(cfg.init or ())) if population else ()
         self._stage0 = 1 if self._pop_sites else 0  # the population pass comes first
         self.setup_stages = self._stage0 + (2 if cfg.control_variates == "e_step" and self.alpha > 0 else 1)
+
+    def _mean(self, key: jax.Array, rows: jax.Array, mu: jax.Array, inclusion: float) -> jax.Array:
+        """sum_i mu_i rows_i / inclusion, the estimate of a mean statistic from the clients' uploads (mu_i = 0
+        for a client that did not answer). Under privacy each weighted upload n mu_i rows_i is clipped to C
+        and N(0, (sigma C / (n inclusion))^2) is added per coordinate: the sensitivity to one client is
+        C / (n inclusion) (:class:`fedbayes.privacy.SumPrivacy`)."""
+        if self._dp is None:
+            return jnp.tensordot(mu, rows, 1) / inclusion
+        n = self._C
+        shares = self._dp.clipped(n * mu.astype(rows.dtype)[:, None] * rows)
+        return self._dp.noisy(key, jnp.sum(shares, 0) / (n * inclusion), 1.0 / (n * inclusion))
 
     # ------------------------------------------------------------------ S and T
     def _e_step(self, theta_u: Params, client: ClientData, z=None, step=None, key=None):
@@ -306,7 +389,7 @@ class FedMMRun(FederatedRun):
             return self._population_start(state, uploads)
         stage -= self._stage0
         if stage == 0:
-            s0 = jnp.tensordot(self._mu, uploads, 1)
+            s0 = self._mean(key, uploads, self._mu, 1.0)
             if self.cfg.projection:
                 s0 = self.project(s0)
             theta1 = self.m_step(s0, state)
@@ -350,7 +433,7 @@ class FedMMRun(FederatedRun):
         (unbiased under random faults) while V's is not, so V = sum_i mu_i V_i stays exact (a faulty
         client's V_i is rolled back)."""
         mu = self._mu[info.cohort] * info.active
-        total = jnp.tensordot(mu, uploads.payload, 1) / self._p
+        total = self._mean(key, uploads.payload, mu, self._p)
         h = state.v + total * fault_weight(info, total.dtype)
         gamma = self._gamma(info.round)
         s_new = state.s + gamma * h
@@ -375,7 +458,7 @@ class FedMMRun(FederatedRun):
     @property
     def final_exchange(self) -> bool:
         """Louis' information needs every client's score covariance at the estimate (the final exchange)."""
-        return self.source.louis and bool(self.cfg.uncertainty)
+        return self.source.louis and self.uncertainty
 
     def _server_parts(self, server: ServerState, theta: Params) -> FitParts:
         return FitParts(theta=theta, params=self._fm.constrain(theta), params_last=self._fm.constrain(server.theta),
@@ -441,6 +524,11 @@ class FedMMRun(FederatedRun):
             parts = final_exchange(self, key, server, states, stack_clients(problem.data))
         else:
             parts = self._server_parts(server, self._m_step_jit(self.final_statistic(server), server.theta))
+        if self._dp is not None:
+            parts.privacy = self._dp.report()
+            parts["settings"] = {"uncertainty": self.uncertainty, "population_start": bool(self._pop_sites),
+                                 "alpha": self.alpha, "control_variates": "zero", "average_from": self.cfg.average_from
+                                 if self.cfg.average_from is not None else 0.5}
         return parts
 
 
