@@ -17,6 +17,7 @@ step, x <- x - gamma g + sqrt(2 gamma) Z, between two channels (as Optax chains 
     sum of the answers scaled by expected / answered;
   - :class:`EF21Uplink`: EF21 (D-/B-ELF). The client keeps g^i_k and sends c = Q(grad - g^i_k),
     both sides add c; the server's g is the sum of the memories (a faulty client's stale one included);
+    under central DP :class:`ClippedEF21Uplink` keeps each client's memory and sums them clipped;
   - :class:`MemoryUplink`: QLSD's memories (Vono et al., 2022). The client keeps h_i and sends
     Q(grad - h_i), h_i <- h_i + alpha Q; the server keeps H = sum_i h_i and uses
     G = H + (b / |A|) sum_{i in A} Q_i, unbiased under uniform partial participation.
@@ -161,6 +162,33 @@ class EF21Uplink(_MemoryStart):
     def gather(self, g: jax.Array, total: jax.Array, info: RoundInfo) -> tuple[jax.Array, jax.Array, None]:
         g = g + total
         return g, g, None
+
+
+@dataclass(frozen=True)
+class ClippedEF21Uplink(EF21Uplink):
+    """EF21 under central client-level DP (D-/B-ELF with ``privacy``). Under error feedback a client's
+    contribution to the released sum is its memory g^i, not its message: a message clipped alone would
+    bound nothing, since the memories add up the messages. The server sees every message, so it keeps each
+    client's memory g^i (the sum of that client's messages, n x the gradient's size) instead of their sum,
+    and releases sum_i clip(g^i, C): one client moves it by at most C, whatever its memory holds. The
+    clients' own memories stay EF21's, unclipped, so the error feedback is unchanged; the clip biases the
+    drift only where a memory's norm exceeds C. A faulty client counts with its stale memory (no fault
+    weight: the sensitivity stays C)."""
+
+    clip: float = 1.0
+    per_client = True  # the server state holds each client's memory
+
+    def server_start(self, rows: jax.Array) -> jax.Array:
+        """Each client's g^i_0 = grad U_i(x_0), as sent at set-up (the rows of the uploads)."""
+        return rows
+
+    def gather_rows(self, memories: jax.Array, rows: jax.Array, info: RoundInfo) -> tuple[jax.Array, jax.Array, None]:
+        """(sum_i clip(g^i, C), the memories) after adding each client's message to its memory (a faulty or
+        inactive member's row arrives zeroed, so its memory stays)."""
+        from ..privacy import clip_norm
+
+        memories = memories + rows
+        return jnp.sum(jax.vmap(lambda m: clip_norm(m, self.clip)[0])(memories), 0), memories, None
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ from ..privacy import DP, LangevinPrivacy
 from ..introspect import FedModel, serialized
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from ..faults import fault_weight
-from .channels import DirectUplink, EF21PDownlink, EF21Uplink, FullDownlink
+from .channels import ClippedEF21Uplink, DirectUplink, EF21PDownlink, EF21Uplink, FullDownlink
 from .warmstart import check_init, resolve_init
 
 DENSE_CURVATURE = 1000
@@ -256,28 +256,42 @@ class LMC(LangevinSampler):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.privacy is not None and not isinstance(self.privacy, DP):
-            raise ConfigError(f"LMC privacy must be a fb.privacy.DP or None, got {type(self.privacy).__name__}")
+        _check_privacy_type(self)
 
     def _channels(self, dim):
         return DirectUplink(self.compressor), FullDownlink()
 
     def _check_privacy(self, problem: Problem) -> None:
-        """Client-level DP needs every release accounted: a given step (the automatic one reads the
-        clients' Hessians) and a start that asks the clients nothing (the mode search does)."""
-        if self.privacy is None:
-            return
-        if self.step_size is None:
-            raise ConfigError("LMC with privacy needs a given step_size: the automatic step is computed from the "
-                              "clients' Hessians at set-up, a release the accountant does not cover")
-        if self.init is None or (isinstance(self.init, str) and self.init == "map"):
-            raise ConfigError("LMC with privacy needs init='prior' or given values (a dict or a Result): the default "
-                              "start searches the mode with the clients' gradients and Hessians, releases the "
-                              "accountant does not cover")
-        if self.privacy.mode == "distributed" and self.compressor != identity():
-            raise ConfigError("LMC with distributed DP sends each client's gradient clipped and noised in full: "
-                              f"compressing it afterwards ({self.compressor.name}) would change its norm and noise; "
-                              "use the identity compressor, or mode='central' (the server clips what it decodes)")
+        _check_private_sampler(self, self.compressor)
+
+
+def _check_privacy_type(algo: LangevinSampler) -> None:
+    if algo.privacy is not None and not isinstance(algo.privacy, DP):
+        raise ConfigError(f"{algo.name} privacy must be a fb.privacy.DP or None, got {type(algo.privacy).__name__}")
+
+
+def _check_private_sampler(algo: LangevinSampler, uplink: Compressor, central_only: bool = False) -> None:
+    """Client-level DP of a sampler needs every release accounted: a given step (the automatic one reads the
+    clients' Hessians) and a start that asks the clients nothing (the mode search does); in the distributed
+    mode, the uplink uncompressed. ``central_only``: error feedback (D-/B-ELF), whose memories only the server
+    can clip."""
+    if algo.privacy is None:
+        return
+    if central_only and algo.privacy.mode != "central":
+        raise ConfigError(f"{algo.name}'s privacy is central: a client's contribution to the released sum is its "
+                          "error-feedback memory, which the server clips (it keeps every client's); in the "
+                          "distributed mode nobody could bound it. Use mode='central', or LMC / P-ELF")
+    if algo.step_size is None:
+        raise ConfigError(f"{algo.name} with privacy needs a given step_size: the automatic step is computed from the "
+                          "clients' Hessians at set-up, a release the accountant does not cover")
+    if algo.init is None or (isinstance(algo.init, str) and algo.init == "map"):
+        raise ConfigError(f"{algo.name} with privacy needs init='prior' or given values (a dict or a Result): the "
+                          "default start searches the mode with the clients' gradients and Hessians, releases the "
+                          "accountant does not cover")
+    if algo.privacy.mode == "distributed" and uplink != identity():
+        raise ConfigError(f"{algo.name} with distributed DP sends each client's gradient clipped and noised in full: "
+                          f"compressing it afterwards ({uplink.name}) would change its norm and noise; use the identity "
+                          "compressor, or mode='central' (the server clips what it decodes)")
 
 
 @dataclass(frozen=True)
@@ -286,10 +300,19 @@ class DELF(LangevinSampler):
 
     uplink: Compressor = identity()
     rescale: bool = False
+    privacy: Any = None
     name = "D-ELF"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_privacy_type(self)
 
     def _channels(self, dim):
         return EF21Uplink(_ef_compressor(self.uplink, self.rescale, self.name)), FullDownlink()
+
+    def _check_privacy(self, problem: Problem) -> None:
+        """Central DP clips each client's error-feedback memory at the server (``ClippedEF21Uplink``)."""
+        _check_private_sampler(self, self.uplink, central_only=True)
 
 
 @dataclass(frozen=True)
@@ -298,10 +321,21 @@ class PELF(LangevinSampler):
 
     downlink: Compressor = identity()
     rescale: bool = False
+    privacy: Any = None
     name = "P-ELF"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_privacy_type(self)
 
     def _channels(self, dim):
         return DirectUplink(), EF21PDownlink(_ef_compressor(self.downlink, self.rescale, self.name))
+
+    def _check_privacy(self, problem: Problem) -> None:
+        """P-ELF's uplink is LMC's (full gradients), so its privacy is LMC's: the clipped, noised gradient sum
+        makes each released iterate x a Gaussian mechanism, and the compressed downlink sends functions of
+        the iterates alone (post-processing). See ``fb.LMC``."""
+        _check_private_sampler(self, identity())
 
 
 @dataclass(frozen=True)
@@ -311,7 +345,16 @@ class BELF(LangevinSampler):
     uplink: Compressor = identity()
     downlink: Compressor = identity()
     rescale: bool = False
+    privacy: Any = None
     name = "B-ELF"
+
+    def __post_init__(self):
+        super().__post_init__()
+        _check_privacy_type(self)
+
+    def _check_privacy(self, problem: Problem) -> None:
+        """D-ELF's uplink privacy (each memory clipped at the server); the downlink is post-processing."""
+        _check_private_sampler(self, self.uplink, central_only=True)
 
     def _channels(self, dim):
         return (EF21Uplink(_ef_compressor(self.uplink, self.rescale, self.name)),
@@ -353,6 +396,23 @@ class LangevinRun(FederatedRun):
         dp = getattr(cfg, "privacy", None)
         self._dp = None if dp is None else LangevinPrivacy(
             dp, float(cfg.step_size), problem.num_rounds, problem.data.num_clients)
+        if self._dp is not None and isinstance(self.up, EF21Uplink):  # D-/B-ELF: the memories are what is released
+            self.up = ClippedEF21Uplink(self.up.compressor, clip=float(dp.clip))
+
+    @property
+    def sums_uploads(self) -> bool | str:
+        """True where the server needs every exchange's uploads only summed, so that secure aggregation
+        can hide them (:class:`fedbayes.protocol.FederatedRun`): LMC with the identity compressor, without
+        privacy or with distributed DP; otherwise why not."""
+        if type(self) is not LangevinRun:
+            return "the joint samplers' rounds are not set up for secure aggregation"
+        if not (isinstance(self.up, DirectUplink) and self.up.compressor == identity()):
+            return ("its uploads are compressed: the server decodes each message, and D-/P-/B-ELF's error-feedback "
+                    "memories follow each client's own messages")
+        if self._dp is not None and not self._dp.distributed:
+            return ("central DP clips each upload at the server; use DP(mode='distributed'), where each client clips "
+                    "its own upload and adds its share of the noise")
+        return True
 
     def _start_at_mode(self, problem: Problem, fallback: jax.Array) -> jax.Array:
         """The mode of the target by federated Newton (its bits kept in ``map_bits``) and the Cholesky
@@ -475,7 +535,8 @@ class LangevinRun(FederatedRun):
             total = jnp.sum(g, 0)
         if self._dp is not None:
             total = total + self._prior_grad(x0)
-        state = ServerState(x0, gamma, self.down.server_start(x0), self.up.server_start(total))
+        start = g if isinstance(self.up, ClippedEF21Uplink) else total  # per-client memories, or their sum
+        state = ServerState(x0, gamma, self.down.server_start(x0), self.up.server_start(start))
         return self._move(key, state, total, gamma)
 
     def _move(self, key, s: ServerState, g: jax.Array, gamma: jax.Array) -> tuple[ServerState, Message]:
@@ -518,6 +579,10 @@ class LangevinRun(FederatedRun):
         with gamma = 0 (P-/B-ELF's w still moves toward x)."""
         if self._dp is None or self._dp.distributed:  # distributed DP: the clients clipped and noised
             g, up, moves = self.up.gather(state.up, jnp.sum(uploads.payload, 0), info)
+        elif isinstance(self.up, ClippedEF21Uplink):  # central DP under error feedback: each memory clipped
+            key, k_dp = jax.random.split(key)
+            g, up, moves = self.up.gather_rows(state.up, uploads.payload, info)
+            g = self._dp.noisy(k_dp, g, jnp.ones((), g.dtype))
         else:  # central DP: each upload clipped, then noise on the (re-weighted) sum
             key, k_dp = jax.random.split(key)
             total = self._dp.clipped_sum(uploads.payload)
@@ -548,7 +613,7 @@ class LangevinRun(FederatedRun):
                       "batch_size": self._batches.size if self._batches.active else None,
                       "map_iterations": self.map_iterations, "preconditioned": self._precond is not None},
             final_state=server,
-            privacy=None if self._dp is None else self._dp.report(),
+            privacy=None if self._dp is None else self._dp.report(history.get("active")),
         )
 
 
