@@ -249,6 +249,9 @@ class FederatedRun(abc.ABC):
     * ``participation`` (1.0): each cohort member takes part in a round independently with this
       probability (FedMM's Bernoulli participation).
     * ``setup_stages`` (1): the number of set-up exchanges.
+    * ``sums_uploads`` (False): True when the server uses the uploads of every exchange only through their
+      sum over the clients, so that secure aggregation can hide them (Flower's SecAgg+,
+      :class:`fedbayes.flower.SecAggPlus`); otherwise False or a string saying why not.
     * ``kept_on_fault`` (()): fields of a client's state (a NamedTuple) that a faulty member keeps from its
       round instead of rolling them back: records the round made that its catch-up would make again, identical
       (the joint exact samplers' buffers of kept draws, which a select with the old state would copy whole every
@@ -267,6 +270,7 @@ class FederatedRun(abc.ABC):
     replies: bool = False
     resyncs: bool = False
     kept_on_fault: tuple[str, ...] = ()
+    sums_uploads: bool | str = False
     divergence_hint: str = ""
     """Likely fixes named in the error when the fit diverges (empty: a generic hint)."""
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FlowerSpec", "LocalGrid", "OUTPUT_KEY", "client_app", "flwr_available", "payload_bytes", "run_server",
+__all__ = ["FlowerSpec", "LocalGrid", "OUTPUT_KEY", "SecAggPlus", "client_app", "flwr_available", "payload_bytes", "run_server",
            "server_app", "simulate", "write_personal_posterior"]
 
 

@@ -16,10 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from .. import engine, wire
+from . import _secagg
+from ._secagg import SecAggPlus
 from ..seeds import seed_key
 from ..algorithms.elf import LangevinSampler
 from ..api import fault_table, public_history, validate_fit
@@ -53,6 +56,7 @@ class FlowerSpec:
     fault_policy: FaultPolicy | None = None
     timeout: float | None = 600.0
     progress: bool | None = None
+    secure_aggregation: Any = None
     token: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -85,7 +89,10 @@ class _Runtime:
         self.cohort = resolve_cohort_size(fit.clients_per_round, data.num_clients)
         problem = Problem(FedModel(fit.model, data, fit.model_kwargs), data, fit.num_rounds, self.cohort)
         self.model = problem.model  # the analysed model (constrains a node's personal posterior)
-        self.run = run = fit.algorithm.build(problem)
+        with warnings.catch_warnings():
+            if spec.secure_aggregation is not None:  # the distributed mode's warning is for a server that sees uploads
+                warnings.filterwarnings("ignore", message="distributed DP with no secure aggregation")
+            self.run = run = fit.algorithm.build(problem)
         self.k_init, self.k_rounds, self.k_final = jax.random.split(seed_key(fit.seed), 3)
         self.k_server, self.k_clients = setup_keys(self.k_init)
         self.clients = stack_clients(data)
@@ -338,44 +345,78 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
     def _runtime_of(context: Context) -> _Runtime:
         return _runtime(_resolve(spec_of, context), "client")
 
-    @app.train("setup")
-    def setup(msg: Message, context: Context) -> Message:
-        """One set-up stage: the server's payload in, this client's state started from its own data,
-        its upload back. After the last stage, the client settings (e.g. TAMUNA's step size), kept in
-        ``context.state`` for the client's later stages."""
+    def _setup_stage(stage: int, data: bytes, context: Context) -> Any:
+        """One set-up stage on this client: its state started from its own data and saved; its upload."""
         rt, index = _runtime_of(context), _client_index(context)
-        stage, run = int(_header(msg)["stage"]), rt.run
-        if stage == run.setup_stages:
-            _save(context, _SETTINGS, unpack_settings(_data(msg), rt.settings_template))
-            return Message(_content(b"", {}), reply_to=msg)
-        payload = wire.unpack(_data(msg), rt.setup_payloads[stage])
+        payload = wire.unpack(data, rt.setup_payloads[stage])
         state = None if stage == 0 else _load(context, _STATE, rt.state_def(stage - 1))
         key = setup_client_key(rt.k_clients, index, stage)
         state, upload = rt.setup_step[stage](key, payload, state, rt.member(index))
         _save(context, _STATE, state)
         context.state[_META] = ConfigRecord({"pending": -1})
-        data, _ = wire.pack(jax.device_get(upload))
-        return Message(_content(data, {}), reply_to=msg)
+        return jax.device_get(upload)
 
-    @app.train("step")
-    def step(msg: Message, context: Context) -> Message:
+    def _step(h: Mapping[str, Any], data: bytes, context: Context) -> tuple[Any, bytes, int]:
+        """A round's client step: the committed state after the server's verdict, the step on the
+        broadcast, the new state kept pending; ``(upload payload, its bytes, its bits)``."""
         rt, index = _runtime_of(context), _client_index(context)
-        h = _header(msg)
         state = _settle(context, rt, int(h["accepted"]))
         k, slot = int(h["round"]), int(h["slot"])
         _, _, keys, _, k_shared, _ = rt.plan(jnp.asarray(k))
         key = keys[slot]  # the engine's key for this client in this round
         member = rt.member(index, slot, k_shared, rt.settings_of(context))
-        payload = wire.unpack(_data(msg), rt.broadcast_template, wire.Context(k_shared, slot))
+        payload = wire.unpack(data, rt.broadcast_template, wire.Context(k_shared, slot))
         new_state, upload = rt.client_step(key, payload, state, member)
         _save(context, _PENDING, new_state)
         context.state[_META]["pending"] = k
-        data, bits = wire.pack(jax.device_get(upload.payload), wire.Context(k_shared, slot))
+        payload = jax.device_get(upload.payload)
+        data, bits = wire.pack(payload, wire.Context(k_shared, slot))
         if bits != int(upload.bits):
             raise FedbayesError(f"{rt.run.name}: the upload's encoding has {bits} bits, its ledger entry {int(upload.bits)}")
         context.state[_STATE + ".upload"] = ArrayRecord({"": Array(dtype="uint8", shape=(len(data),), stype="raw",
                                                                     data=data)})
+        return payload, data, bits
+
+    @app.train("setup")
+    def setup(msg: Message, context: Context) -> Message:
+        """One set-up stage: the server's payload in, this client's state started from its own data,
+        its upload back. After the last stage, the client settings (e.g. TAMUNA's step size), kept in
+        ``context.state`` for the client's later stages."""
+        rt = _runtime_of(context)
+        stage = int(_header(msg)["stage"])
+        if stage == rt.run.setup_stages:
+            _save(context, _SETTINGS, unpack_settings(_data(msg), rt.settings_template))
+            return Message(_content(b"", {}), reply_to=msg)
+        data, _ = wire.pack(_setup_stage(stage, _data(msg), context))
+        return Message(_content(data, {}), reply_to=msg)
+
+    @app.train("step")
+    def step(msg: Message, context: Context) -> Message:
+        _, data, bits = _step(_header(msg), _data(msg), context)
         return Message(_content(data, {"bits": bits}), reply_to=msg)
+
+    @app.train(mods=[secaggplus_mod])
+    def secure(msg: Message, context: Context) -> Message:
+        """A set-up stage or a round's step whose upload the server receives only summed (secure
+        aggregation, :mod:`fedbayes.flower._secagg`): Flower's ``secaggplus_mod`` runs SecAgg+ around this
+        handler, which it calls with fedbayes' message in the FitIns config and whose upload (decoded,
+        flattened, float64) it masks."""
+        from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+        from flwr.compat.common import recorddict_compat
+
+        cfg = msg.content.config_records["fitins.config"]
+        h = {k[len(_secagg.CONFIG) + 1:]: v for k, v in cfg.items() if k.startswith(_secagg.CONFIG + ".")}
+        if h["kind"] == "setup":
+            upload = _setup_stage(int(h["stage"]), h["data"], context)
+            bits = engine.dense_bits(upload)
+        else:
+            payload, _, bits = _step(h, h["data"], context)
+            upload = wire.decode_tree(payload)
+        flat = [np.ravel(np.asarray(x, np.float64)) for x in jax.tree_util.tree_leaves(upload)]
+        vector = np.concatenate(flat) if flat else np.zeros(0)
+        res = FitRes(status=Status(Code.OK, ""), parameters=ndarrays_to_parameters([vector]), num_examples=1,
+                     metrics={f"{_secagg.CONFIG}.bits": int(bits)})
+        return Message(recorddict_compat.fitres_to_recorddict(res, False), reply_to=msg)
 
     @app.train("resync")
     def resync(msg: Message, context: Context) -> Message:
@@ -448,6 +489,21 @@ class _Server:
         self.opened: Any = None
         self.records: list[dict[str, np.ndarray]] = []
         self.message_bytes: list[tuple[str, int, int, int, int]] = []  # (kind, round, client, bytes, ledger bits)
+        self.secure: _secagg.SecureSum | None = None
+        cfg = spec.secure_aggregation
+        if cfg is not None:
+            if not isinstance(cfg, _secagg.SecAggPlus):
+                raise ConfigError(f"secure_aggregation must be a fb.flower.SecAggPlus or None, got {type(cfg).__name__}")
+            num = self.rt.data.num_clients
+            cfg.check(self.rt.run, num)
+            self.secure = _secagg.SecureSum(cfg, cfg.resolved_range(self.rt.run, num), spec.timeout)
+
+    def _secure_sum(self, k: int, configs: dict[int, dict[str, Any]]) -> tuple[np.ndarray | None, dict[int, int]]:
+        """The sum of the uploads of the nodes in ``configs`` (node -> fedbayes' message fields) by SecAgg+,
+        and the ledger bits each node in it reported."""
+        client_of = {node: client for client, node in self.node_of.items()}
+        fields = {node: {f"{_secagg.CONFIG}.{k_}": v for k_, v in cfg.items()} for node, cfg in configs.items()}
+        return self.secure(self.grid, k, fields, client_of, self.message_bytes.append)
 
     def _send(self, messages: list[Message]) -> dict[int, Message]:
         if not messages:
@@ -504,6 +560,15 @@ class _Server:
 
         def exchange(stage: int, k_clients: jax.Array, payload: Any) -> Any:
             data, bits = wire.pack(jax.device_get(payload))
+            if self.secure is not None:  # the server needs the sum alone
+                for client in range(num):
+                    self.message_bytes.append(("setup", -1, client, len(data), bits))
+                total, answered = self._secure_sum(-1, {self.node_of[c]: {"kind": "setup", "stage": stage, "data": data}
+                                                        for c in range(num)})
+                if total is None or len(answered) < num:
+                    raise FedbayesError(f"{run.name}: {num - len(answered)} client(s) did not answer set-up stage {stage} "
+                                        "(secure aggregation); the set-up needs every client")
+                return _summed(rt.setup_uploads[stage], total, num, 0)
             uploads = self._to_every_client("setup", -1, data, bits, rt.setup_uploads[stage], {"stage": stage})
             missing = [c for c in range(num) if uploads[c] is None]
             if missing:
@@ -537,19 +602,27 @@ class _Server:
             msgs.append(Message(_content(data, header), dst_node_id=node, message_type="train.step", group_id=str(k)))
             slot_of[node] = int(j)
             self.message_bytes.append(("broadcast", k, client, len(data), down_bits))
-        replies = self._send(msgs)
         received = np.zeros(cohort_size, bool)
         bits = np.zeros(cohort_size, np.int32)
-        uploads = [None] * cohort_size
         upload_template = rt.upload_template()
         zero = jax.tree_util.tree_map(lambda t: np.zeros(t.shape, t.dtype), upload_template)
-        for node, reply in replies.items():
-            j = slot_of[node]
-            uploads[j] = wire.unpack(_data(reply), upload_template, wire.Context(k_shared, j))
-            bits[j] = int(_header(reply)["bits"])
-            received[j] = True
-            self.message_bytes.append(("upload", k, int(cohort[j]), payload_bytes(reply), int(bits[j])))
-        stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *[u if u is not None else zero for u in uploads])
+        if self.secure is not None:  # SecAgg+: the sum of the uploads, in the first answering slot's row
+            total, answered = self._secure_sum(k, {m.metadata.dst_node_id: {**_header(m), "kind": "step", "data": data}
+                                                   for m in msgs})
+            for node, b in answered.items():
+                received[slot_of[node]], bits[slot_of[node]] = True, b
+            first = int(np.flatnonzero(received)[0]) if received.any() else 0
+            stacked = _summed(wire.decode_tree(zero), total if total is not None else 0.0, cohort_size, first)
+        else:
+            replies = self._send(msgs)
+            uploads = [None] * cohort_size
+            for node, reply in replies.items():
+                j = slot_of[node]
+                uploads[j] = wire.unpack(_data(reply), upload_template, wire.Context(k_shared, j))
+                bits[j] = int(_header(reply)["bits"])
+                received[j] = True
+                self.message_bytes.append(("upload", k, int(cohort[j]), payload_bytes(reply), int(bits[j])))
+            stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *[u if u is not None else zero for u in uploads])
         state, new_broadcast, payload, record = rt.serve(
             rt.server_state, stacked, jnp.asarray(bits), rt.broadcast.bits, jnp.asarray(expected),
             jnp.asarray(received), jnp.asarray(k), jnp.asarray(cohort), k_server, k_shared)
@@ -678,12 +751,32 @@ class _Server:
         else:  # the result is the server's alone (the samplers' draws, TAMUNA's x): no client state is read
             parts = rt.run.finalize(rt.k_final, (rt.server_state, None, rt.broadcast), problem, history=history)
         parts = engine.with_init_bits(parts, self.setup_bits)
+        if self.secure is not None and parts.get("privacy"):
+            parts.privacy = {**parts.privacy, "secure_aggregation": "SecAgg+ (Flower)", "mechanism": (
+                "distributed, with secure aggregation: each client clips its upload and adds 1/n of the noise the "
+                "gradient sum needs; Flower's SecAgg+ gives the server their sum alone")}
         fm = FedModel(rt.fit.model, rt.fit.data, rt.fit.model_kwargs)
         result = Result(model=fm, data=rt.fit.data, run=rt.run, algorithm=rt.run.name, seed=spec.seed, parts=parts,
                         history=public_history(history))
         result.faults = fault_table(history, rt.k_rounds, rt.data.num_clients, rt.cohort)
         result.flower_messages = self.message_bytes
         return result
+
+
+def _summed(template: Any, total: Any, n: int, row: int) -> Any:
+    """Uploads of ``template``'s structure stacked for ``n`` clients, zero but for row ``row``, which holds
+    ``total`` (the flat sum of the uploads that secure aggregation returns): the server step sums its
+    uploads, so it sees the same sum."""
+    leaves, treedef = jax.tree_util.tree_flatten(template)
+    total = np.broadcast_to(np.asarray(total, np.float64), (sum(int(np.prod(t.shape)) for t in leaves),))
+    out, start = [], 0
+    for t in leaves:
+        size = int(np.prod(t.shape, dtype=np.int64))
+        part = np.zeros((n,) + tuple(t.shape), t.dtype)
+        part[row] = total[start:start + size].reshape(t.shape)
+        out.append(part)
+        start += size
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def run_server(spec: FlowerSpec, grid: Grid, collect_locals: bool = False) -> Result:
@@ -764,7 +857,8 @@ def simulate(model: Callable, data: FederatedData | Mapping[str, Any], algorithm
              num_rounds: int = 500, clients_per_round: int | float | None = None, seed: int = 0,
              model_kwargs: Mapping[str, Any] | None = None, fault_policy: FaultPolicy | None = None,
              backend: str = "ray", num_cpus_per_client: float = 1.0, timeout: float | None = 600.0,
-             progress: bool | None = None, unreachable: Callable[[int, int], bool] | None = None) -> Result:
+             progress: bool | None = None, unreachable: Callable[[int, int], bool] | None = None,
+             secure_aggregation: Any = None) -> Result:
     """Run ``algorithm`` on Flower in this process and return the :class:`fedbayes.Result` of
     :func:`fedbayes.fed_fit` with the same arguments.
 
@@ -778,10 +872,16 @@ def simulate(model: Callable, data: FederatedData | Mapping[str, Any], algorithm
     results agree to float rounding, not bit for bit; the result also has ``flower_messages``, the
     ``(kind, round, client, bytes, ledger bits)`` of every payload Flower carried. Floats cross the
     network as float32 (the ledger's 32 bits), so run in float32 (JAX's default) for the exact wire.
+
+    ``secure_aggregation=fb.flower.SecAggPlus(...)``: every exchange's uploads reach the server only summed,
+    by Flower's SecAgg+ (for the algorithms whose server needs no more: ``run.sums_uploads``; LMC and
+    P-ELF with full uploads, e.g. LMC with distributed DP). Its messages are in ``flower_messages`` as
+    ``secagg:<stage>`` and ``secagg:<stage>-reply``; the sums are exact to the quantisation's
+    2 n R / Q per coordinate, with a random rounding from NumPy's global generator (not the fit's seed).
     """
     fit = validate_fit(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, 50, None, fault_policy)
     spec = FlowerSpec(fit.model, fit.data, fit.algorithm, fit.num_rounds, fit.clients_per_round, fit.seed,
-                      fit.model_kwargs, fit.fault_policy, timeout, progress)
+                      fit.model_kwargs, fit.fault_policy, timeout, progress, secure_aggregation)
     if backend == "local":
         grid = LocalGrid(client_app(spec), fit.data.num_clients, unreachable)
         try:
