@@ -67,6 +67,42 @@ def sleepstudy_data(df: pd.DataFrame | None = None) -> fb.FederatedData:
         df, client="Subject", columns={"x": ["Intercept", "Days"], "z": ["Intercept", "Days"], "y": "Reaction"})
 
 
+HSB82_CENTRE, HSB82_SCALE = 12.5, 6.5
+"""Public constants for Hsb82's math achievement (a score on 0-25): its midpoint and a rounded sd, so
+that a private fit sees centred, unit-scale responses without reading the data for them."""
+
+
+def hsb82() -> pd.DataFrame:
+    """mlmRev's Hsb82 (High School and Beyond, 1982): math achievement (mAch) and socio-economic status
+    (ses) of 7 185 students in 160 schools, as it comes, plus an intercept column and the response
+    centred and scaled by the public constants above (``y``)."""
+    df = _rdata("mlmRev", "Hsb82").drop(columns="rownames")
+    df["Intercept"] = 1.0
+    df["y"] = (df["mAch"] - HSB82_CENTRE) / HSB82_SCALE
+    return df
+
+
+def hsb82_data(df: pd.DataFrame | None = None) -> fb.FederatedData:
+    """One client per school: x = [1, ses], z = [1] (a random intercept), y = the scaled score."""
+    df = hsb82() if df is None else df
+    return fb.FederatedData.from_dataframe(df, client="school", columns={"x": ["Intercept", "ses"],
+                                                                          "z": ["Intercept"], "y": "y"})
+
+
+def hsb82_statsmodels(df: pd.DataFrame | None = None) -> dict[str, np.ndarray]:
+    """statsmodels MixedLM(reml=False) of y ~ ses with a random intercept per school: beta, its standard
+    errors, the random intercept's sd and the residual sd (maximum likelihood)."""
+    import statsmodels.formula.api as smf
+
+    df = hsb82() if df is None else df
+    # statsmodels' default optimiser (bfgs, then lbfgs); lbfgs alone stops at tau = 0 with llf = inf here
+    fit = smf.mixedlm("y ~ ses", df, groups=df["school"]).fit(reml=False)
+    if not fit.converged:
+        raise RuntimeError("statsmodels MixedLM did not converge on Hsb82")
+    return {"beta": np.asarray(fit.fe_params), "beta_se": np.asarray(fit.bse_fe),
+            "tau": float(np.sqrt(np.asarray(fit.cov_re)[0, 0])), "sigma": float(np.sqrt(fit.scale))}
+
+
 CONTRACEPTION_COLUMNS = ["Intercept", "age", "urbanY", "livch1", "livch2", "livch3+"]
 
 

@@ -1,7 +1,9 @@
 """fedbayes.privacy: clipping bounds, the noise's variance, and the accountant against exact and
 independent references (the Gaussian mechanism's closed form, the PRV accountant)."""
 
+import dataclasses
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -182,18 +184,24 @@ def test_private_lmc_has_the_widened_exact_stationary_law(mode):
     assert res.idata.posterior.attrs["privacy_epsilon"] == rep["epsilon"]
 
 
-def test_private_lmc_clips_each_upload_and_adds_only_the_missing_noise():
-    # The server's step by hand: x' = x - gamma (sum_i clip(g_i) + s e + grad(-log prior)(x)) + sqrt(2 gamma) z
-    # with the keys the run splits, e drawn from the secret key (noise_seed) folded with the public one;
-    # uploads far above the clip are cut to it, one below it is kept. The server adds the prior's gradient
-    # (the clients send their likelihood's alone).
+def _private_lmc_step(noise_seed: int):
+    """A private LMC run on the Gaussian clients with sigma 3 times the step's own multiplier, and its
+    server state after set-up: ``(problem, gamma, clip, sigma, run, server)``."""
     data, P, _ = gaussian_clients()
     gamma, clip = 0.1 / np.linalg.eigvalsh(P).max(), 0.5
     sigma = 3 * privacy.langevin_noise_multiplier(gamma, clip)
     problem = Problem(fb.FedModel(gauss_model, data), data, 10)
     run = fb.LMC(step_size=gamma, num_chains=2, init="prior",
-                 privacy=privacy.DP(clip=clip, noise_multiplier=sigma, noise_seed=11)).build(problem)
-    server, _, _ = run.init(jax.random.PRNGKey(0), problem)
+                 privacy=privacy.DP(clip=clip, noise_multiplier=sigma, noise_seed=noise_seed)).build(problem)
+    return problem, gamma, clip, sigma, run, run.init(jax.random.PRNGKey(0), problem)[0]
+
+
+def test_private_lmc_clips_each_upload_and_adds_only_the_missing_noise():
+    # The server's step by hand: x' = x - gamma (sum_i clip(g_i) + s e + grad(-log prior)(x)) + sqrt(2 gamma) z
+    # with the keys the run splits, e drawn from the secret key (noise_seed) folded with the public one;
+    # uploads far above the clip are cut to it, one below it is kept. The server adds the prior's gradient
+    # (the clients send their likelihood's alone).
+    problem, gamma, clip, sigma, run, server = _private_lmc_step(noise_seed=11)
     rows = jax.random.normal(jax.random.PRNGKey(1), (5, 2, D)) * jnp.asarray([10.0, 10.0, 10.0, 10.0, 0.01])[:, None, None]
     key = jax.random.PRNGKey(2)
     new, _, _ = run.server_step(key, server, Message(rows, jnp.asarray(0)), RoundInfo(jnp.asarray(0), jnp.arange(5),
@@ -230,6 +238,108 @@ def test_private_lmc_clips_each_upload_and_adds_only_the_missing_noise():
     weak = fb.LMC(step_size=gamma, num_chains=2, init="prior", privacy=privacy.DP(clip=clip, noise_multiplier=0.1))
     weak_run = weak.build(problem)
     assert weak_run._dp.sigma == privacy.langevin_noise_multiplier(gamma, clip) and float(weak_run._dp.added_std()) == 0
+
+
+def test_private_lmc_noise_follows_the_rounds_fault_weight():
+    # A round where client 4 of 5 failed sums the four others' clipped uploads times w = 5/4 (unbiased
+    # under random faults), so its sensitivity is w C and the noise must grow with it: with zero uploads,
+    # x' - x + gamma grad(-log prior)(x) = -gamma s e + sqrt(2 gamma) z has variance
+    # gamma^2 s^2 + 2 gamma = (gamma sigma w C)^2 per coordinate. Monte Carlo over 4 000 server keys x 2 chains
+    # x D coordinates: 5 standard errors of a variance's relative error, sqrt(2 / N).
+    _, gamma, clip, sigma, run, server = _private_lmc_step(noise_seed=7)
+    faulty = jnp.arange(5) == 4
+    info = RoundInfo(jnp.asarray(0), jnp.arange(5), ~faulty, 5, faulty=faulty)
+    zeros = Message(jnp.zeros((5, 2, D)), jnp.asarray(0))
+    moves = jax.vmap(lambda k: run.server_step(k, server, zeros, info)[0].x)(
+        jax.random.split(jax.random.PRNGKey(3), 4000))
+    prior_grad = np.asarray(server.x) / PRIOR_SD**2
+    centred = np.asarray(moves) - (np.asarray(server.x) - gamma * prior_grad)
+    w = 5 / 4
+    ratio = centred.var() / (gamma * sigma * w * clip) ** 2
+    assert abs(ratio - 1) < 5 * np.sqrt(2 / centred.size), ratio
+    assert abs(centred.var() / (gamma * sigma * clip) ** 2 - 1) > 0.4  # not the variance of a full round
+
+
+def test_private_p_elf_is_private_lmc_with_a_compressed_downlink():
+    # P-ELF's uplink is LMC's: with the identity downlink (w = x) a private P-ELF gives private LMC's draws
+    # (the same clipping and secret noise); with a compressed downlink the mechanism, and so the report,
+    # is the same (the downlink sends functions of the released iterates only).
+    data, P, _ = gaussian_clients()
+    gamma, clip = 0.1 / np.linalg.eigvalsh(P).max(), 0.5
+    dp = privacy.DP(clip=clip, noise_multiplier=3 * privacy.langevin_noise_multiplier(gamma, clip), noise_seed=2)
+    kw = dict(step_size=gamma, num_chains=2, init="prior", privacy=dp)
+    lmc = fb.fed_fit(gauss_model, data, fb.LMC(**kw), num_rounds=30, seed=1)
+    pelf = fb.fed_fit(gauss_model, data, fb.PELF(**kw), num_rounds=30, seed=1)
+    np.testing.assert_allclose(pelf.global_samples["x"], lmc.global_samples["x"], rtol=1e-10, atol=1e-12)
+    topk = fb.fed_fit(gauss_model, data, fb.PELF(downlink=fb.compress.top_k(2), **kw), num_rounds=30, seed=1)
+    assert topk.privacy == lmc.privacy and topk.bits_down < lmc.bits_down
+    with pytest.raises(ConfigError, match="P-ELF with privacy needs a given step_size"):
+        fb.fed_fit(gauss_model, data, fb.PELF(init="prior", privacy=dp), num_rounds=5)
+
+
+def test_private_d_elf_clips_each_clients_memory_at_the_server():
+    # Under error feedback the released sum is that of the clients' memories g^i (each the sum of the client's
+    # messages, which the server sees): the server keeps every g^i and releases sum_i clip(g^i, C). The server
+    # step by hand with top-1 messages: memories <- memories + messages, then
+    # x' = x - gamma (sum_i clip(g^i) + s e + grad(-log prior)(x)) + sqrt(2 gamma) z, with s = 0 here (sigma at
+    # the step's own multiplier). With the identity uplink (memory = gradient) private D-ELF is private LMC.
+    data, P, _ = gaussian_clients()
+    gamma, clip = 0.1 / np.linalg.eigvalsh(P).max(), 0.5
+    problem = Problem(fb.FedModel(gauss_model, data), data, 10)
+    dp = privacy.DP(clip=clip, noise_multiplier=0.0, noise_seed=4)
+    run = fb.DELF(uplink=fb.compress.top_k(1), step_size=gamma, num_chains=2, init="prior", privacy=dp).build(problem)
+    server, _, _ = run.init(jax.random.PRNGKey(0), problem)
+    memories = np.asarray(server.up)
+    assert memories.shape == (5, 2, D) and float(run._dp.added_std()) == 0
+    rows = np.zeros((5, 2, D))
+    rows[:, :, 0] = np.asarray([20.0, -20.0, 20.0, 0.0, 1e-3])[:, None]  # top-1 messages; client 3 sent nothing
+    key = jax.random.PRNGKey(2)
+    info = RoundInfo(jnp.asarray(0), jnp.arange(5), jnp.ones(5, bool), 5)
+    new, _, _ = run.server_step(key, server, Message(jnp.asarray(rows), jnp.asarray(0)), info)
+    after = memories + rows
+    np.testing.assert_allclose(new.up, after, rtol=1e-15)
+    norms = np.linalg.norm(after.reshape(5, -1), axis=1)
+    assert (norms > clip).sum() >= 3
+    g = np.sum(after * np.minimum(1.0, clip / norms * (1 - 2.0**-20))[:, None, None], 0)
+    prior_grad = np.asarray(server.x) / PRIOR_SD**2
+    z = np.asarray(jax.random.normal(jax.random.split(jax.random.split(key)[0])[0], (2, D)))
+    np.testing.assert_allclose(new.x, np.asarray(server.x) - gamma * (g + prior_grad) + np.sqrt(2 * gamma) * z,
+                               rtol=1e-6, atol=1e-9)  # the clip's own margin: 2^-20 relative on g
+    dp = privacy.DP(clip=clip, noise_multiplier=3 * privacy.langevin_noise_multiplier(gamma, clip), noise_seed=4)
+    kw = dict(step_size=gamma, num_chains=2, init="prior", privacy=dp)
+    lmc = fb.fed_fit(gauss_model, data, fb.LMC(**kw), num_rounds=30, seed=1)
+    delf = fb.fed_fit(gauss_model, data, fb.DELF(**kw), num_rounds=30, seed=1)
+    np.testing.assert_allclose(delf.global_samples["x"], lmc.global_samples["x"], rtol=1e-9, atol=1e-10)
+    assert delf.privacy == lmc.privacy
+    for algo in (fb.DELF, fb.BELF):
+        with pytest.raises(ConfigError, match="privacy is central"):
+            fb.fed_fit(gauss_model, data, algo(step_size=gamma, init="prior", privacy=privacy.DP(
+                clip=clip, noise_multiplier=1.0, mode="distributed")), num_rounds=5)
+
+
+def test_distributed_lmc_reports_the_epsilon_of_the_rounds_as_they_went():
+    # A client that drops out takes its share of the noise with it: a round with a of n answering is a
+    # Gaussian mechanism with multiplier sigma sqrt(a / n). The report's epsilon_realised composes exactly
+    # those rounds (and the set-up's, with every client) with dp-accounting, recomputed here from the
+    # history; with 30% dropouts it exceeds the planned epsilon, and without faults it equals it.
+    import dp_accounting as dpa
+
+    data, P, _ = gaussian_clients()
+    gamma, clip = 0.1 / np.linalg.eigvalsh(P).max(), 0.5
+    dp = privacy.DP(clip=clip, noise_multiplier=8.0, mode="distributed", noise_seed=1)
+    algo = fb.LMC(step_size=gamma, num_chains=2, init="prior", privacy=dp)
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        res = fb.fed_fit(gauss_model, data, algo, num_rounds=40, seed=0, faults=fb.Faults(drop=0.3))
+    answered = np.asarray(res.history["active"])
+    assert answered.min() < 5
+    acc = dpa.rdp.RdpAccountant()
+    acc.compose(dpa.ComposedDpEvent([dpa.GaussianDpEvent(8.0 * np.sqrt(a / 5)) for a in [5, *answered] if a > 0]))
+    rep = res.privacy
+    assert rep["epsilon_realised"] == pytest.approx(acc.get_epsilon(rep["delta"]), rel=1e-9)
+    assert rep["epsilon_realised"] > rep["epsilon"]
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        full = fb.fed_fit(gauss_model, data, algo, num_rounds=40, seed=0)
+    assert full.privacy["epsilon_realised"] == pytest.approx(full.privacy["epsilon"], rel=1e-9)
 
 
 def test_private_lmc_meets_a_target_epsilon_and_refuses_unaccounted_releases():
@@ -406,3 +516,185 @@ def test_private_fedsoul_fit_reports_its_epsilon_and_releases_nothing_else():
         fb.FedSOUL(privacy=privacy.DP(clip=1.0, noise_multiplier=1.0, mode="distributed"))
     with pytest.raises(ConfigError, match="FedRep has no privacy"):
         fb.FedRep(privacy=dp)
+
+
+# ----------------------------------------------------------------------------- FedMM with central DP
+K_GMM, D_GMM = 3, 2
+
+
+@pytest.fixture(scope="module")
+def gmm():
+    data, _ = fb.models.make_gaussian_mixture(6, num_components=K_GMM, dim=D_GMM, sizes=(30, 90), concentration=0.3,
+                                              seed=3)
+    y = np.asarray(data.pooled()["y"])
+    init = {"weights": np.ones(K_GMM) / K_GMM, "means": y[[0, 100, 200]],
+            "covs": np.broadcast_to(np.eye(D_GMM), (K_GMM, D_GMM, D_GMM)).copy()}
+    return data, init, fb.models.gaussian_mixture(K_GMM, D_GMM)
+
+
+def test_private_fedmm_with_a_loose_clip_and_no_noise_is_fedmm_without_control_variates(gmm):
+    # sigma = 0 and a clip no upload reaches: the private fit is the plain fit with the settings privacy
+    # implies (no control variates, no final exchange, the average over the last half), up to the
+    # rounding of n mu_i x / n (a few ulps per round over 40 rounds of EM)
+    data, init, model = gmm
+    plain = fb.fed_fit(model, data, fb.FedMM(init=init, alpha=0, uncertainty=False, average_from=0.5), num_rounds=40,
+                       seed=0)
+    private = fb.fed_fit(model, data, fb.FedMM(init=init, privacy=privacy.DP(clip=1e8, noise_multiplier=0.0)),
+                         num_rounds=40, seed=0)
+    for k in plain.params:
+        np.testing.assert_allclose(private.params[k], plain.params[k], rtol=1e-10, atol=1e-12)
+    assert private.settings["alpha"] == 0 and private.settings["uncertainty"] is False
+    assert not private.standard_errors and sum(private.final_bits) == 0
+
+
+def _fedmm_run(algo, data, model):
+    problem = Problem(fb.FedModel(model, data), data, 10)
+    run = algo.build(problem)
+    return run, run.init(jax.random.PRNGKey(0), problem)[0]
+
+
+def _fedmm_step(run, server, rows, active, key=1):
+    """S_{t+1} - S_t of one server step of ``run`` (FedEM: no projection; gamma = 1) on uploads ``rows``."""
+    n = rows.shape[0]
+    info = RoundInfo(jnp.asarray(0), jnp.arange(n), jnp.asarray(active), n)
+    new = run.server_step(jax.random.PRNGKey(key), server, Message(jnp.asarray(rows), jnp.asarray(0)), info)[0]
+    return np.asarray(new.s - server.s)
+
+
+def test_private_fedmm_clips_each_weighted_upload_and_noises_the_mean(gmm):
+    # The server's estimate of the mean statistic, (1/p) sum_i mu_i Q_i, under privacy is
+    # (1/(n p)) sum_i clip(n mu_i Q_i, C) + N(0, (sigma C / (n p))^2): by hand with sigma = 0 (FedEM: the
+    # step adds the estimate to S unprojected; a client that did not answer has mu_i = 0), and the noise's
+    # variance by Monte Carlo (200 server steps x q coordinates; 5 standard errors of the relative error
+    # of a variance, sqrt(2 / N))
+    data, init, model = gmm
+    clip, n = 0.3, data.num_clients
+    run, server = _fedmm_run(fb.FedEM(init=init, privacy=privacy.DP(clip=clip, noise_multiplier=0.0)), data, model)
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(n, run.q)) * np.where(np.arange(n) == 0, 1e-3, 0.5)[:, None]  # client 0 under the clip
+    active = np.arange(n) != 2
+    step = _fedmm_step(run, server, rows, active)
+    mu = np.asarray(data.sizes, float) / np.sum(data.sizes) * active
+    shares = n * mu[:, None] * rows
+    norms = np.linalg.norm(shares, axis=1)
+    assert (norms > clip).sum() >= 3 and norms[0] < clip
+    by_hand = np.sum(shares * np.minimum(1.0, clip / np.maximum(norms, 1e-300))[:, None], 0) / n
+    np.testing.assert_allclose(step, by_hand, rtol=1e-6, atol=1e-12)  # the clip's own margin: 2^-20 relative
+    run, server = _fedmm_run(fb.FedEM(init=init, privacy=privacy.DP(clip=clip, noise_multiplier=1.7)), data, model)
+    noise = np.stack([_fedmm_step(run, server, np.zeros((n, run.q)), np.ones(n, bool), key=k) for k in range(200)])
+    ratio = noise.var() / (1.7 * clip / n) ** 2
+    assert abs(ratio - 1) < 5 * np.sqrt(2 / noise.size), ratio
+
+
+def test_private_fedmm_reports_its_epsilon_and_refuses_unaccounted_releases(gmm):
+    data, init, model = gmm
+    dp = privacy.DP(clip=2.0, noise_multiplier=3.0, delta=1e-4)
+    res = fb.fed_fit(model, data, fb.FedMM(init=init, privacy=dp), num_rounds=20, clients_per_round=3, seed=0)
+    rep = res.privacy
+    # 20 sampled rounds and the set-up's E-step of every client
+    assert rep["releases"] == 21 and rep["relation"] == "replace" and rep["cohort"] == 3
+    assert rep["epsilon"] == privacy.epsilon(3.0, delta=1e-4, rounds=20, num_clients=6, cohort_size=3,
+                                             extra_rounds=1)
+    assert res.idata.fed_params.attrs["privacy_epsilon"] == rep["epsilon"]  # no posterior group: the estimate's
+    bad = [dict(compressor=fb.compress.qsgd(levels=4)), dict(alpha=0.5), dict(uncertainty=True),
+           dict(population_start=True), dict(init="map"), dict(privacy=privacy.DP(clip=1.0, noise_multiplier=1.0,
+                                                                                   mode="distributed"))]
+    for kw in bad:
+        with pytest.raises(ConfigError, match="privacy"):
+            fb.FedMM(**{"privacy": dp, **kw})
+    with pytest.raises(ConfigError, match="ParamAveragingEM has no privacy"):
+        fb.ParamAveragingEM(privacy=dp)
+
+
+def test_private_fedmm_on_flower_equals_fed_fit(float32, gmm):
+    # the server clips and noises with the same secret noise_seed on Flower as in fed_fit: the same
+    # estimates (FedMM's server step compiled alone differs from the fused rounds in the last float32
+    # bits, tests/test_flower.py; 1e-4 relative is ~800 ulps after 8 rounds, while another draw of the
+    # noise moves the estimate by far more). The noise is small, sd sigma C / n = 8e-5: a mixture component
+    # at mean (8, -10) with variances ~0.6 has raw second moments ~100 x its covariance, so noise on the
+    # statistic reaches the covariance amplified ~200 times (see FedMM's ``privacy``), and the clip is
+    # above every upload (|n mu_i s_i| reaches 180 at the start).
+    flower = pytest.importorskip("fedbayes.flower")
+    data, init, model = gmm
+    init32 = {k: np.asarray(v, np.float32) for k, v in init.items()}
+    algo = fb.FedMM(init=init32, privacy=privacy.DP(clip=500.0, noise_multiplier=1e-6, noise_seed=5))
+    ref = fb.fed_fit(model, data, algo, num_rounds=8, seed=2)
+    res = flower.simulate(model, data, algo, num_rounds=8, seed=2, backend="local")
+    for k in ref.params:
+        np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-4, atol=1e-5)
+    assert res.privacy == ref.privacy
+    other = fb.fed_fit(model, data, dataclasses.replace(algo, privacy=privacy.DP(clip=500.0, noise_multiplier=1e-6,
+                                                                                  noise_seed=6)), num_rounds=8, seed=2)
+    moved = max(np.max(np.abs(other.params[k] - ref.params[k]) / (1e-5 + 1e-4 * np.abs(ref.params[k])))
+                for k in ref.params)
+    assert moved > 10, moved  # another draw of the noise is 10x beyond the tolerance
+
+
+# ----------------------------------------------------------------------------- secure aggregation (SecAgg+)
+def _secagg_lmc(**kw):
+    data, _ = fb.models.make_glm_clients(5, 3, 20, seed=0)
+    algo = fb.LMC(step_size=0.01, num_chains=2, init="prior",
+                  privacy=privacy.DP(clip=0.5, noise_multiplier=30.0, mode="distributed", noise_seed=3, **kw))
+    return fb.models.logistic_regression(), data, algo
+
+
+@pytest.mark.parametrize("dropped", [None, 2])
+def test_lmc_with_secure_aggregation_equals_the_plain_run_and_shows_the_server_sums_only(float32, dropped):
+    # Flower's SecAgg+ gives the server the sum of the clients' uploads (here the gradients, clipped and
+    # noised by each client), never an upload. The sum is exact to the quantisation, 2 n R / Q per
+    # coordinate: R = C + 8 s / sqrt(n) = 54, Q = 2^30, n = 5: 5e-7 on the gradient sum, 5e-9 on a move
+    # of step 0.01; over 6 rounds that is far below float32's rounding of x (ulp 6e-8 at |x| ~ 0.6), so
+    # the draws agree to 1e-6 (16 ulps). With client 2 unreachable in round 2 (all four SecAgg+ stages),
+    # the sum of the four others is what the plain run's server sums.
+    flower = pytest.importorskip("fedbayes.flower")
+    model, data, algo = _secagg_lmc()
+    unreachable = None if dropped is None else (lambda k, client: k == 2 and client == dropped)
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        plain = flower.simulate(model, data, algo, num_rounds=6, seed=4, backend="local", unreachable=unreachable)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no warning that the server sees the uploads
+        res = flower.simulate(model, data, algo, num_rounds=6, seed=4, backend="local", unreachable=unreachable,
+                              secure_aggregation=flower.SecAggPlus())
+    np.testing.assert_allclose(res.global_samples["w"], plain.global_samples["w"], rtol=0, atol=1e-6)
+    assert not np.array_equal(res.global_samples["w"], plain.global_samples["w"])  # the quantisation's own mark
+    kinds = {kind for kind, *_ in res.flower_messages}
+    assert not kinds & {"upload", "setup-reply"}  # no upload reached the server as itself
+    assert {"secagg:collect_masked_vectors-reply", "secagg:unmask-reply"} <= kinds
+    assert res.history["active"][2] == (4 if dropped is not None else 5)  # the sum is over those who answered
+    assert res.faults.equals(plain.faults)
+    assert res.privacy["secure_aggregation"] == "SecAgg+ (Flower)" and res.privacy["epsilon"] == plain.privacy["epsilon"]
+    assert res.bits_up == plain.bits_up  # the ledger counts what the algorithm sends, SecAgg+ adds its own messages
+
+
+def test_secure_aggregation_refuses_servers_that_need_each_upload():
+    flower = pytest.importorskip("fedbayes.flower")
+    model, data, _ = _secagg_lmc()
+    central = fb.LMC(step_size=0.01, init="prior", privacy=privacy.DP(clip=0.5, noise_multiplier=30.0))
+    cases = [(central, "central DP clips each upload"),
+             (fb.DELF(uplink=fb.compress.top_k(1), init="prior"), "compressed"),
+             (fb.TAMUNA(s=2, local_steps=2), "only for the algorithms whose server needs"),
+             (fb.LMC(step_size=0.01, init="prior"), "needs clipping_range")]
+    for algo, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            flower.simulate(model, data, algo, num_rounds=2, backend="local", secure_aggregation=flower.SecAggPlus())
+    for bad in (dict(num_shares=0), dict(clipping_range=-1.0), dict(modulus_range=1000), dict(quantization_range=1.5)):
+        with pytest.raises(ConfigError, match="SecAggPlus"):
+            flower.SecAggPlus(**bad)
+    with pytest.raises(ConfigError, match="overflows"):
+        flower.simulate(model, data, fb.LMC(step_size=0.01, init="prior"), num_rounds=2, backend="local",
+                        secure_aggregation=flower.SecAggPlus(clipping_range=10.0, quantization_range=2**30,
+                                                             modulus_range=2**32))
+
+
+def test_p_elf_without_privacy_runs_with_secure_aggregation(float32):
+    # P-ELF's uplink is uncompressed, so its server, too, needs only the sum of the gradients; without DP the
+    # clipping range is given (50: every gradient coordinate here is below 10). 2 n R / Q = 1e-6 on the sum,
+    # 1e-8 on a move: the draws agree to float32 rounding (1e-6 is 16 ulps at |x| ~ 0.6).
+    flower = pytest.importorskip("fedbayes.flower")
+    model, data, _ = _secagg_lmc()
+    algo = fb.PELF(downlink=fb.compress.top_k(2), num_chains=2, init="prior", step_size=0.01)
+    plain = flower.simulate(model, data, algo, num_rounds=6, seed=4, backend="local")
+    res = flower.simulate(model, data, algo, num_rounds=6, seed=4, backend="local",
+                          secure_aggregation=flower.SecAggPlus(clipping_range=50.0))
+    np.testing.assert_allclose(res.global_samples["w"], plain.global_samples["w"], rtol=0, atol=1e-6)
+    assert not {kind for kind, *_ in res.flower_messages} & {"upload", "setup-reply"}

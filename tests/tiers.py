@@ -52,6 +52,14 @@ SECOND_TIER: dict[str, object] = {
         "test_private_lmc_has_the_widened_exact_stationary_law",  # 13-30 s each (4 000 chains), 2026-11-27
         "test_noise_multiplier_for_a_target_epsilon",  # 5-10 s each: the accountant over a bisection
         "test_private_fedsoul_fit_reports_its_epsilon_and_releases_nothing_else",  # two FedSOUL fits, ~30 s
+        "test_private_fedmm_on_flower_equals_fed_fit",  # ~30 s: compiles FedMM for Flower's server and clients
+        "test_private_fedmm_reports_its_epsilon_and_refuses_unaccounted_releases",  # ~15 s
+        "test_lmc_with_secure_aggregation_equals_the_plain_run_and_shows_the_server_sums_only",  # ~15 s each
+        "test_p_elf_without_privacy_runs_with_secure_aggregation",  # ~15 s
+        "test_private_p_elf_is_private_lmc_with_a_compressed_downlink",  # three 30-round fits, ~20 s
+        "test_private_d_elf_clips_each_clients_memory_at_the_server",  # ~30 s
+        "test_distributed_lmc_reports_the_epsilon_of_the_rounds_as_they_went",  # two fits, ~18 s
+        "test_private_lmc_noise_follows_the_rounds_fault_weight",  # 4 000 server steps, ~25 s
     ),
     "tests/test_expfam.py": (
         "test_gmm_statistics_and_m_step",
