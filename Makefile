@@ -54,7 +54,7 @@ fuzz: $(STAMP)
 	FEDBAYES_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) tests/test_fuzz.py tests/test_fuzz_regressions.py
 
 bench: $(STAMP)
-	for b in fedsoul nn langevin joint fedmm tamuna flower faults privacy; do $(PY) benchmarks/bench_$$b.py || exit 1; done
+	for b in fedsoul nn langevin joint fedmm tamuna flower faults privacy secagg; do $(PY) benchmarks/bench_$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .venv312 build *.egg-info .pytest_cache
