@@ -248,7 +248,8 @@ class DP:
     against the server itself this needs secure aggregation: on Flower, ``fb.flower.SecAggPlus``).
     ``accountant``: ``"rdp"`` or ``"pld"`` (see the module notes). ``noise_seed``: None (default)
     draws the noise from the operating system's entropy; an int makes it reproducible, and exactly as
-    secret as that int (:func:`secret_key`)."""
+    secret as that int (:func:`secret_key`): whoever holds the algorithm's configuration (on Flower every
+    node and the server) holds it, so use it for tests and audits only."""
 
     clip: float
     noise_multiplier: float | None = None
@@ -402,7 +403,9 @@ class LangevinPrivacy(_Mechanism):
             added_noise_std=float(self.added_std()),
             releases=self.releases,
             **extra,
-            relation="add-remove",
+            # distributed: a client's data zeroed while it still sends its share of the noise (removing the
+            # client would take its share too, and the others' (n - 1) / n of the variance would be left)
+            relation="zero-out" if self.distributed else "add-remove",
             mechanism=("central: uploads clipped at the server, the Langevin step's noise counted, Gaussian "
                        "noise added to the gradient sum where it falls short" if not self.distributed else
                        "distributed: each client clips its upload and adds 1/n of the noise the gradient sum "
@@ -424,9 +427,10 @@ class SumPrivacy(_Mechanism):
     def __init__(self, dp: DP, num_rounds: int, num_clients: int, cohort_size: int, extra_rounds: int = 0,
                  mechanism: str = "central: each client's gradient upload clipped at the server, Gaussian noise "
                                   "on the re-weighted sum; the clients' objectives are not used, and no standard "
-                                  "errors"):
+                                  "errors", public: str | None = None):
         self.dp, self.num_clients, self.cohort = dp, int(num_clients), int(cohort_size)
         self.rounds, self.extra, self.mechanism = int(num_rounds), int(extra_rounds), mechanism
+        self.public = public
         self.delta = dp.resolved_delta(self.num_clients)
         kw = dict(delta=self.delta, rounds=self.rounds, num_clients=self.num_clients, cohort_size=self.cohort,
                   extra_rounds=self.extra, accountant=dp.accountant)
@@ -443,6 +447,11 @@ class SumPrivacy(_Mechanism):
 
     def report(self) -> dict[str, Any]:
         """``res.privacy``."""
-        return self._report(
-            releases=self.rounds + self.extra, cohort=self.cohort,
-            relation=relation_for(self.num_clients, self.cohort), mechanism=self.mechanism)
+        relation = relation_for(self.num_clients, self.cohort)
+        extra = {}
+        if self.public is not None:  # weights that depend on the clients' sizes: those are public, a client is
+            # zeroed rather than removed (with full participation; a cohort's replace-one covers it)
+            relation = "zero-out" if relation == "add-remove" else relation
+            extra["public"] = self.public
+        return self._report(releases=self.rounds + self.extra, cohort=self.cohort, relation=relation,
+                            mechanism=self.mechanism, **extra)

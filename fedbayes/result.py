@@ -198,7 +198,8 @@ class Result:
         attrs = {"inference_library": "fedbayes", "algorithm": self.algorithm, "seed": self.seed}
         if self.privacy:  # netCDF attributes: numbers and strings
             attrs.update({f"privacy_{k}": v for k, v in self.privacy.items()})
-        params.attrs.update(attrs)  # a point-estimate fit has no posterior group: its report stays with the estimate
+        # a point-estimate fit has no posterior group: the privacy report stays with the estimate too
+        params.attrs.update({k: v for k, v in attrs.items() if k.startswith("privacy_")})
         if posterior is not None:
             posterior.attrs.update(attrs)
             if self.global_approx and not self.global_samples:

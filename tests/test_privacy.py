@@ -214,7 +214,8 @@ def test_private_lmc_clips_each_upload_and_adds_only_the_missing_noise():
     secret = privacy.secret_key(11)
     prior_grad = np.asarray(server.x) / PRIOR_SD**2  # -log N(0, PRIOR_SD^2 I): its gradient is x / PRIOR_SD^2
     g = clipped.sum(0) + s * np.asarray(jax.random.normal(privacy.folded(secret, k_dp), (2, D))) + prior_grad
-    z = np.asarray(jax.random.normal(jax.random.split(k_move)[0], (2, D)))
+    # the step's own noise counts towards the mechanism, so it too comes from the secret key
+    z = np.asarray(jax.random.normal(privacy.folded(secret, jax.random.split(k_move)[0]), (2, D)))
     np.testing.assert_allclose(new.x, np.asarray(server.x) - gamma * g + np.sqrt(2 * gamma) * z, rtol=1e-12, atol=1e-12)
     # distributed: the client clips its own upload and adds N(0, sigma^2 C^2 / 5) (all of the noise: the
     # step's own is the server's); the server adds only the prior's gradient. Over 20 000 keys the share's
@@ -238,6 +239,11 @@ def test_private_lmc_clips_each_upload_and_adds_only_the_missing_noise():
     weak = fb.LMC(step_size=gamma, num_chains=2, init="prior", privacy=privacy.DP(clip=clip, noise_multiplier=0.1))
     weak_run = weak.build(problem)
     assert weak_run._dp.sigma == privacy.langevin_noise_multiplier(gamma, clip) and float(weak_run._dp.added_std()) == 0
+    # ... and then the step's noise is all the protection there is: it must be secret (not from the public
+    # seed), so two noise seeds give two chains from the same public seed
+    a, b = (fb.fed_fit(gauss_model, problem.data, dataclasses.replace(weak, privacy=privacy.DP(
+        clip=clip, noise_multiplier=0.1, noise_seed=k)), num_rounds=3, seed=0) for k in (1, 2))
+    assert np.abs(a.global_samples["x"] - b.global_samples["x"]).min() > 0
 
 
 def test_private_lmc_noise_follows_the_rounds_fault_weight():
@@ -302,7 +308,8 @@ def test_private_d_elf_clips_each_clients_memory_at_the_server():
     assert (norms > clip).sum() >= 3
     g = np.sum(after * np.minimum(1.0, clip / norms * (1 - 2.0**-20))[:, None, None], 0)
     prior_grad = np.asarray(server.x) / PRIOR_SD**2
-    z = np.asarray(jax.random.normal(jax.random.split(jax.random.split(key)[0])[0], (2, D)))
+    z = np.asarray(jax.random.normal(privacy.folded(privacy.secret_key(4), jax.random.split(jax.random.split(key)[0])[0]),
+                                     (2, D)))
     np.testing.assert_allclose(new.x, np.asarray(server.x) - gamma * (g + prior_grad) + np.sqrt(2 * gamma) * z,
                                rtol=1e-6, atol=1e-9)  # the clip's own margin: 2^-20 relative on g
     dp = privacy.DP(clip=clip, noise_multiplier=3 * privacy.langevin_noise_multiplier(gamma, clip), noise_seed=4)
@@ -336,7 +343,7 @@ def test_distributed_lmc_reports_the_epsilon_of_the_rounds_as_they_went():
     acc.compose(dpa.ComposedDpEvent([dpa.GaussianDpEvent(8.0 * np.sqrt(a / 5)) for a in [5, *answered] if a > 0]))
     rep = res.privacy
     assert rep["epsilon_realised"] == pytest.approx(acc.get_epsilon(rep["delta"]), rel=1e-9)
-    assert rep["epsilon_realised"] > rep["epsilon"]
+    assert rep["epsilon_realised"] > rep["epsilon"] and rep["relation"] == "zero-out"
     with pytest.warns(UserWarning, match="no secure aggregation"):
         full = fb.fed_fit(gauss_model, data, algo, num_rounds=40, seed=0)
     assert full.privacy["epsilon_realised"] == pytest.approx(full.privacy["epsilon"], rel=1e-9)
@@ -544,6 +551,7 @@ def test_private_fedmm_with_a_loose_clip_and_no_noise_is_fedmm_without_control_v
     for k in plain.params:
         np.testing.assert_allclose(private.params[k], plain.params[k], rtol=1e-10, atol=1e-12)
     assert private.settings["alpha"] == 0 and private.settings["uncertainty"] is False
+    assert private.privacy["relation"] == "zero-out"  # the weights use the clients' sizes, which are public
     assert not private.standard_errors and sum(private.final_bits) == 0
 
 
@@ -592,7 +600,7 @@ def test_private_fedmm_reports_its_epsilon_and_refuses_unaccounted_releases(gmm)
     res = fb.fed_fit(model, data, fb.FedMM(init=init, privacy=dp), num_rounds=20, clients_per_round=3, seed=0)
     rep = res.privacy
     # 20 sampled rounds and the set-up's E-step of every client
-    assert rep["releases"] == 21 and rep["relation"] == "replace" and rep["cohort"] == 3
+    assert rep["releases"] == 21 and rep["relation"] == "replace" and rep["cohort"] == 3 and "N_i" in rep["public"]
     assert rep["epsilon"] == privacy.epsilon(3.0, delta=1e-4, rounds=20, num_clients=6, cohort_size=3,
                                              extra_rounds=1)
     assert res.idata.fed_params.attrs["privacy_epsilon"] == rep["epsilon"]  # no posterior group: the estimate's
@@ -651,10 +659,10 @@ def test_lmc_with_secure_aggregation_equals_the_plain_run_and_shows_the_server_s
     unreachable = None if dropped is None else (lambda k, client: k == 2 and client == dropped)
     with pytest.warns(UserWarning, match="no secure aggregation"):
         plain = flower.simulate(model, data, algo, num_rounds=6, seed=4, backend="local", unreachable=unreachable)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # no warning that the server sees the uploads
+    with pytest.warns(UserWarning, match="noise_seed") as caught:  # the test's seed is known to the server
         res = flower.simulate(model, data, algo, num_rounds=6, seed=4, backend="local", unreachable=unreachable,
                               secure_aggregation=flower.SecAggPlus())
+    assert not [w for w in caught if "no secure aggregation" in str(w.message)]  # the server sees only sums
     np.testing.assert_allclose(res.global_samples["w"], plain.global_samples["w"], rtol=0, atol=1e-6)
     assert not np.array_equal(res.global_samples["w"], plain.global_samples["w"])  # the quantisation's own mark
     kinds = {kind for kind, *_ in res.flower_messages}
@@ -666,7 +674,7 @@ def test_lmc_with_secure_aggregation_equals_the_plain_run_and_shows_the_server_s
     assert res.bits_up == plain.bits_up  # the ledger counts what the algorithm sends, SecAgg+ adds its own messages
 
 
-def test_secure_aggregation_refuses_servers_that_need_each_upload():
+def test_secure_aggregation_refuses_servers_that_need_each_upload(float32):
     flower = pytest.importorskip("fedbayes.flower")
     model, data, _ = _secagg_lmc()
     central = fb.LMC(step_size=0.01, init="prior", privacy=privacy.DP(clip=0.5, noise_multiplier=30.0))
@@ -677,9 +685,24 @@ def test_secure_aggregation_refuses_servers_that_need_each_upload():
     for algo, match in cases:
         with pytest.raises(ConfigError, match=match):
             flower.simulate(model, data, algo, num_rounds=2, backend="local", secure_aggregation=flower.SecAggPlus())
-    for bad in (dict(num_shares=0), dict(clipping_range=-1.0), dict(modulus_range=1000), dict(quantization_range=1.5)):
+    for bad in (dict(num_shares=0), dict(num_shares=2), dict(num_shares=1.5), dict(reconstruction_threshold=0.0),
+                dict(num_shares=5, reconstruction_threshold=5), dict(clipping_range=-1.0), dict(modulus_range=1000),
+                dict(quantization_range=1.5), dict(quantization_range=2**31)):
         with pytest.raises(ConfigError, match="SecAggPlus"):
             flower.SecAggPlus(**bad)
+    with pytest.raises(ConfigError, match="max_abs"):  # a bound on one upload cannot screen their sum
+        flower.simulate(model, data, fb.LMC(step_size=0.01, init="prior"), num_rounds=2, backend="local",
+                        fault_policy=fb.FaultPolicy(max_abs=10.0),
+                        secure_aggregation=flower.SecAggPlus(clipping_range=10.0))
+    # a client whose upload is not finite (gradients overflowing float32 on huge covariates) sends zeros and
+    # a flag instead of a NaN that Flower would quantise to a finite integer: the server counts it as failed,
+    # which at set-up stops the fit
+    xs = [np.asarray(data.client(i)["x"], np.float32) for i in range(5)]
+    xs[2] = xs[2] * (np.float32(1e38) / np.abs(xs[2]).max())
+    bad = fb.FederatedData({"x": xs, "y": [np.asarray(data.client(i)["y"]) for i in range(5)]})
+    with pytest.raises(fb.FedbayesError, match="non-finite"):
+        flower.simulate(model, bad, fb.LMC(step_size=0.01, init="prior"), num_rounds=2, backend="local",
+                        secure_aggregation=flower.SecAggPlus(clipping_range=10.0))
     with pytest.raises(ConfigError, match="overflows"):
         flower.simulate(model, data, fb.LMC(step_size=0.01, init="prior"), num_rounds=2, backend="local",
                         secure_aggregation=flower.SecAggPlus(clipping_range=10.0, quantization_range=2**30,

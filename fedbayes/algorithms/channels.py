@@ -176,7 +176,6 @@ class ClippedEF21Uplink(EF21Uplink):
     weight: the sensitivity stays C)."""
 
     clip: float = 1.0
-    per_client = True  # the server state holds each client's memory
 
     def server_start(self, rows: jax.Array) -> jax.Array:
         """Each client's g^i_0 = grad U_i(x_0), as sent at set-up (the rows of the uploads)."""

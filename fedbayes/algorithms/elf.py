@@ -45,7 +45,7 @@ from ..engine import run_jit, stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..kernels import curvature
 from ..minibatch import check_batch_size
-from ..privacy import DP, LangevinPrivacy
+from ..privacy import DP, LangevinPrivacy, folded
 from ..introspect import FedModel, serialized
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from ..faults import fault_weight
@@ -540,8 +540,12 @@ class LangevinRun(FederatedRun):
         return self._move(key, state, total, gamma)
 
     def _move(self, key, s: ServerState, g: jax.Array, gamma: jax.Array) -> tuple[ServerState, Message]:
-        """Langevin step x -> x - gamma g + sqrt(2 gamma) Z, sent through the downlink."""
+        """Langevin step x -> x - gamma g + sqrt(2 gamma) Z, sent through the downlink. Under central DP the
+        step's noise counts towards the mechanism, so Z, like the added noise, comes from the secret key:
+        drawn from the fit's public seed it could be recomputed and subtracted from the released x."""
         k_noise, k_comp = jax.random.split(key)
+        if self._dp is not None and not self._dp.distributed:
+            k_noise = folded(self._dp.secret, k_noise)
         z = jax.random.normal(k_noise, s.x.shape, s.x.dtype)
         if self._precond is None:
             x = s.x - gamma * g + jnp.sqrt(2 * gamma) * z

@@ -144,8 +144,9 @@ class FedMM:
         clips every upload, weighted by its client's share of the data, n mu_i Q_i (n clients, mu_i = N_i / N;
         1 for equal sizes), to L2 norm C, and adds N(0, (sigma C / (n p))^2) per coordinate to the estimate
         (1/p) sum mu_i Q_i, whose sensitivity to one client is then C / (n p): the Gaussian mechanism with noise
-        multiplier sigma, the fixed-denominator estimator of DP-FedAvg (McMahan et al., 2018; N and the clients'
-        sizes are public). The set-up's E-step at theta_0 is one more release of every client, by the same
+        multiplier sigma. The weights depend on the clients' sizes, which are public: the neighbouring data sets
+        are those where one client's uploads are zeroed (``res.privacy["relation"]`` "zero-out"; with a
+        cohort, replace-one), not those where it is removed, which would move every weight. The set-up's E-step at theta_0 is one more release of every client, by the same
         mechanism. What changes under privacy, and why:
 
         - no control variates (alpha = 0): the server's V is the sum of the clients' V_i only without noise;
@@ -298,7 +299,8 @@ class FedMMRun(FederatedRun):
             cfg.privacy, problem.num_rounds, n, m, extra_rounds=1,
             mechanism="central: each client's statistic upload, weighted by its share of the data, clipped at the "
                       "server; Gaussian noise on the estimate of the mean statistic; no control variates, no "
-                      "population start, no final exchange (no standard errors)")
+                      "population start, no final exchange (no standard errors)",
+            public="the clients' sizes N_i, their total N and their number n (the weights n N_i / N)")
         self.uncertainty = not self._private if cfg.uncertainty is None else bool(cfg.uncertainty)
         avg = cfg.average_from if cfg.average_from is not None else (
             0.5 if self.source.chain or self._private else None)

@@ -102,6 +102,12 @@ class _Runtime:
         self._setup_templates()
         if role == "server":
             policy = fit.fault_policy
+            if spec.secure_aggregation is not None:  # the server sees sums: a screen of single uploads cannot apply
+                policy = policy or FaultPolicy()
+                if policy.max_abs is not None:
+                    raise ConfigError("FaultPolicy(max_abs=...) bounds one upload; under secure aggregation the server "
+                                      "sees only their sum: leave max_abs=None (clients flag their own non-finite uploads)")
+                policy = dataclasses.replace(policy, relative=None)
 
             def serve(server_state, payload, bits, broadcast_bits, expected, received, k, cohort, k_server, k_shared):
                 return server_half(run, server_state, wire.decode_tree(payload), bits, broadcast_bits, expected,
@@ -414,8 +420,12 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
             upload = wire.decode_tree(payload)
         flat = [np.ravel(np.asarray(x, np.float64)) for x in jax.tree_util.tree_leaves(upload)]
         vector = np.concatenate(flat) if flat else np.zeros(0)
-        res = FitRes(status=Status(Code.OK, ""), parameters=ndarrays_to_parameters([vector]), num_examples=1,
-                     metrics={f"{_secagg.CONFIG}.bits": int(bits)})
+        # Flower would quantise a NaN to a finite integer and spoil the sum unseen: a non-finite upload is
+        # sent as zeros (adding nothing) and flagged, and the server counts this client as failed
+        nonfinite = not np.all(np.isfinite(vector))
+        res = FitRes(status=Status(Code.OK, ""), parameters=ndarrays_to_parameters([np.where(nonfinite, 0.0, vector)]),
+                     num_examples=1, metrics={f"{_secagg.CONFIG}.bits": int(bits),
+                                              f"{_secagg.CONFIG}.nonfinite": int(nonfinite)})
         return Message(recorddict_compat.fitres_to_recorddict(res, False), reply_to=msg)
 
     @app.train("resync")
@@ -497,6 +507,11 @@ class _Server:
             num = self.rt.data.num_clients
             cfg.check(self.rt.run, num)
             self.secure = _secagg.SecureSum(cfg, cfg.resolved_range(self.rt.run, num), spec.timeout)
+            dp = getattr(self.rt.run, "_dp", None)
+            if dp is not None and dp.dp.noise_seed is not None:
+                warnings.warn("secure aggregation with DP(noise_seed=...): the server holds the noise seed (it is in "
+                              "the algorithm's configuration), so it can recompute every client's noise share and "
+                              "remove it from the sum; leave noise_seed=None outside tests", UserWarning, stacklevel=2)
 
     def _secure_sum(self, k: int, configs: dict[int, dict[str, Any]]) -> tuple[np.ndarray | None, dict[int, int]]:
         """The sum of the uploads of the nodes in ``configs`` (node -> fedbayes' message fields) by SecAgg+,
@@ -567,7 +582,7 @@ class _Server:
                                                         for c in range(num)})
                 if total is None or len(answered) < num:
                     raise FedbayesError(f"{run.name}: {num - len(answered)} client(s) did not answer set-up stage {stage} "
-                                        "(secure aggregation); the set-up needs every client")
+                                        "(secure aggregation), or sent non-finite values; the set-up needs every client")
                 return _summed(rt.setup_uploads[stage], total, num, 0)
             uploads = self._to_every_client("setup", -1, data, bits, rt.setup_uploads[stage], {"stage": stage})
             missing = [c for c in range(num) if uploads[c] is None]
@@ -737,8 +752,10 @@ class _Server:
         for k in range(spec.num_rounds):
             self.round(k)
             if first_short_round(self.records[-1], min_clients) is not None:
+                before = {name: np.concatenate([r[name] for r in self.records[:-1]]) for name in self.records[0]
+                          if not name.startswith("_")} if k else {}
                 raise TooFewClientsError(f"{rt.run.name} on Flower: round {k} left fewer answering clients than "
-                                         f"min_clients={min_clients}")
+                                         f"min_clients={min_clients}", round=k, history=before)
             bar.update(k + 1)
         history = {name: np.concatenate([r[name] for r in self.records]) for name in self.records[0]}
         history = host_records(history, time.perf_counter() - t0)

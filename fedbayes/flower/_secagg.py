@@ -56,7 +56,13 @@ class SecAggPlus:
     distributed DP, C + 8 s / sqrt(n) (the clip C bounds the clipped upload's coordinates, and a client's
     share of the noise has sd s / sqrt(n)); without DP it must be given. ``quantization_range`` Q and
     ``modulus_range`` M: the levels of the quantisation and the masks' modulus (n Q < M, M a power of
-    two): the sum of n uploads is exact to about 2 n R / Q per coordinate."""
+    two): the sum of n uploads is exact to about 2 n R / Q per coordinate.
+
+    The threat model is Flower's SecAgg+: a server that follows the protocol but would read what it
+    receives (honest but curious). With ``reconstruction_threshold`` t of k shares, a server that lied
+    about which clients dropped out could ask for both kinds of share of one client and unmask its upload
+    when t <= k / 2 (the default 0.5); a threshold above one half closes that, at the price of tolerating
+    fewer dropouts."""
 
     num_shares: int | float = 1.0
     reconstruction_threshold: int | float = 0.5
@@ -65,10 +71,20 @@ class SecAggPlus:
     modulus_range: int = 2**40
 
     def __post_init__(self) -> None:
+        # Flower's own rules (SecAggPlusWorkflow._check_init_params), checked here as a ConfigError: an int
+        # counts (1 meaning all), a float is a fraction in (0, 1]
         for name in ("num_shares", "reconstruction_threshold"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not v > 0:
-                raise ConfigError(f"SecAggPlus {name} must be a positive int or a fraction, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise ConfigError(f"SecAggPlus {name} must be an int or a fraction, got {v!r}")
+            if isinstance(v, numbers.Integral) and not (v == 1 or v > 2 - (name == "reconstruction_threshold")):
+                raise ConfigError(f"SecAggPlus {name} as an int must be 1 (all) or > {2 - (name != 'num_shares')}, "
+                                  f"got {v!r}")
+            if not isinstance(v, numbers.Integral) and not 0 < v <= 1:
+                raise ConfigError(f"SecAggPlus {name} as a float is a fraction in (0, 1], got {v!r}")
+        t, k = self.reconstruction_threshold, self.num_shares
+        if isinstance(t, numbers.Integral) and isinstance(k, numbers.Integral) and 1 < t >= k > 1:
+            raise ConfigError(f"SecAggPlus reconstruction_threshold ({t}) must be less than num_shares ({k})")
         r = self.clipping_range
         if r is not None and (isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 < r < np.inf):
             raise ConfigError(f"SecAggPlus clipping_range must be a finite number > 0 or None, got {r!r}")
@@ -76,6 +92,9 @@ class SecAggPlus:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 2:
                 raise ConfigError(f"SecAggPlus {name} must be an integer >= 2, got {v!r}")
+        if self.quantization_range >= 2**31:  # Flower rounds to int32
+            raise ConfigError(f"SecAggPlus quantization_range must be below 2^31 (Flower rounds to int32), got "
+                              f"{self.quantization_range}")
         if self.modulus_range & (self.modulus_range - 1):
             raise ConfigError(f"SecAggPlus modulus_range must be a power of two, got {self.modulus_range}")
 
@@ -137,7 +156,9 @@ class _Sum(Strategy):
         if results:
             mean = parameters_to_ndarrays(results[0][1].parameters)[0]
             self.total = np.asarray(mean, np.float64) * len(results)
-            self.bits = {int(proxy.node_id): int(res.metrics[f"{CONFIG}.bits"]) for proxy, res in results}
+            # a client whose upload was not finite sent zeros (they add nothing) and says so: not counted
+            self.bits = {int(proxy.node_id): int(res.metrics[f"{CONFIG}.bits"]) for proxy, res in results
+                         if not int(res.metrics.get(f"{CONFIG}.nonfinite", 0))}
         return None, {}
 
     def configure_evaluate(self, *a):
