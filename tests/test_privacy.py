@@ -428,6 +428,44 @@ def test_privacy_audit_of_private_lmc_and_a_broken_mechanism_is_caught():
     assert broken > claimed
 
 
+def test_privacy_audit_of_a_private_d_elf_round_and_unclipped_memories_are_caught():
+    # A round of private D-ELF releases x' = x - gamma (sum_i clip(g^i, C) + s e + grad(-log prior)(x)) +
+    # sqrt(2 gamma) z, g^i the error-feedback memories the server keeps. The audit of the set-up's release
+    # (above) on a round: client 0's memory holds a canary 10 C u (D) or nothing (D'), the others' memories
+    # and this round's (empty) messages are the same; 200 000 server steps each, the statistic x''s
+    # projection on u. The measured lower bound stays below the exact epsilon of one release; with the
+    # memories summed unclipped (the mechanism one would get by clipping the messages instead) it exceeds
+    # the accountant's epsilon for the whole fit.
+    data, P, _ = gaussian_clients()
+    gamma, clip, sigma, delta, n = 0.1 / np.linalg.eigvalsh(P).max(), 20.0, 2.0, 1e-5, 200_000
+    problem = Problem(fb.FedModel(gauss_model, data), data, 1)
+    run = fb.DELF(uplink=fb.compress.top_k(1), step_size=gamma, num_chains=1, init="prior",
+                  privacy=privacy.DP(clip=clip, noise_multiplier=sigma, delta=delta)).build(problem)
+    server = run.init(jax.random.PRNGKey(0), problem)[0]
+    u = jnp.ones(D) / np.sqrt(D)
+    others = jax.random.normal(jax.random.PRNGKey(3), (4, 1, D))
+    with_canary = jnp.concatenate([10 * clip * u[None, None], others])
+    without = jnp.concatenate([jnp.zeros((1, 1, D)), others])
+    info = RoundInfo(jnp.asarray(0), jnp.arange(5), jnp.ones(5, bool), 5)
+    empty = Message(jnp.zeros((5, 1, D)), jnp.asarray(0))
+
+    def releases(memories, seed):
+        state = server._replace(x=jnp.zeros((1, D)), up=memories)
+        keys = jax.random.split(jax.random.PRNGKey(seed), n)
+        step = jax.jit(jax.vmap(lambda k: run.server_step(k, state, empty, info)[0].x[0]))
+        return np.asarray(step(keys) @ u) / (gamma * clip)
+
+    pos, neg = -releases(with_canary, 0), -releases(without, 1)
+    thresholds = np.linspace(-1, 4, 21) * np.std(neg) + neg.mean()
+    measured = _epsilon_lower_bound(pos, neg, delta, thresholds)
+    exact_one = privacy.epsilon(sigma, delta=delta, rounds=1, num_clients=5, accountant="pld")
+    assert 0.3 * exact_one < measured <= exact_one <= run._dp.epsilon
+    run.up = dataclasses.replace(run.up, clip=1e30)  # broken: the memories summed as they are
+    broken = _epsilon_lower_bound(-releases(with_canary, 0), neg, delta,
+                                  np.linspace(-1, 12, 53) * np.std(neg) + neg.mean())
+    assert broken > run._dp.epsilon
+
+
 @pytest.fixture
 def float32():
     before = jax.config.jax_enable_x64

@@ -60,6 +60,7 @@ SECOND_TIER: dict[str, object] = {
         "test_private_d_elf_clips_each_clients_memory_at_the_server",  # ~30 s
         "test_distributed_lmc_reports_the_epsilon_of_the_rounds_as_they_went",  # two fits, ~18 s
         "test_private_lmc_noise_follows_the_rounds_fault_weight",  # 4 000 server steps, ~25 s
+        "test_privacy_audit_of_a_private_d_elf_round_and_unclipped_memories_are_caught",  # 600 000 steps
     ),
     "tests/test_expfam.py": (
         "test_gmm_statistics_and_m_step",
