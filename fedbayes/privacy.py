@@ -409,7 +409,7 @@ class LangevinPrivacy(_Mechanism):
             mechanism=("central: uploads clipped at the server, the Langevin step's noise counted, Gaussian "
                        "noise added to the gradient sum where it falls short" if not self.distributed else
                        "distributed: each client clips its upload and adds 1/n of the noise the gradient sum "
-                       "needs; without secure aggregation the server sees each upload"),
+                       "needs; the server sees each upload unless secure aggregation sums them"),
         )
 
 

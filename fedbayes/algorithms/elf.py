@@ -144,6 +144,9 @@ class LangevinSampler:
         check_init(self.init, self.name)
         check_batch_size(self.batch_size, self.name)
         self._channels(None)  # refuse a compressor of the wrong kind now, not at fit time
+        privacy = getattr(self, "privacy", None)  # LMC, P-, D- and B-ELF have the option
+        if privacy is not None and not isinstance(privacy, DP):
+            raise ConfigError(f"{self.name} privacy must be a fb.privacy.DP or None, got {type(privacy).__name__}")
 
     def _channels(self, dim: int | None) -> tuple[Any, Any]:
         """(uplink, downlink) channels (:mod:`fedbayes.algorithms.channels`) for ``dim`` coordinates (None:
@@ -172,7 +175,32 @@ class LangevinSampler:
         return self._make_run(fm, problem)
 
     def _check_privacy(self, problem: Problem) -> None:
-        """Samplers without a ``privacy`` option have nothing to check."""
+        """Client-level DP of a sampler (its ``privacy`` option, where it has one) needs every release
+        accounted: a given step (the automatic one reads the clients' Hessians) and a start that asks the
+        clients nothing (the mode search does). With a full-gradient uplink (LMC, P-ELF) the distributed mode
+        needs it uncompressed; under error feedback (D-/B-ELF) the privacy is central only: a client's
+        contribution to the released sum is its memory, which only the server, keeping every client's, can
+        clip (``ClippedEF21Uplink``). A compressed downlink (P-/B-ELF) sends functions of the released
+        iterates only."""
+        privacy = getattr(self, "privacy", None)
+        if privacy is None:
+            return
+        up, _ = self._channels(None)
+        if isinstance(up, EF21Uplink) and privacy.mode != "central":
+            raise ConfigError(f"{self.name}'s privacy is central: a client's contribution to the released sum is its "
+                              "error-feedback memory, which the server clips (it keeps every client's); in the "
+                              "distributed mode nobody could bound it. Use mode='central', or LMC / P-ELF")
+        if self.step_size is None:
+            raise ConfigError(f"{self.name} with privacy needs a given step_size: the automatic step is computed from "
+                              "the clients' Hessians at set-up, a release the accountant does not cover")
+        if self.init is None or (isinstance(self.init, str) and self.init == "map"):
+            raise ConfigError(f"{self.name} with privacy needs init='prior' or given values (a dict or a Result): the "
+                              "default start searches the mode with the clients' gradients and Hessians, releases "
+                              "the accountant does not cover")
+        if privacy.mode == "distributed" and up.compressor != identity():
+            raise ConfigError(f"{self.name} with distributed DP sends each client's gradient clipped and noised in "
+                              f"full: compressing it afterwards ({up.compressor.name}) would change its norm and noise; "
+                              "use the identity compressor, or mode='central' (the server clips what it decodes)")
 
     def _check_latents(self, fm: FedModel) -> None:
         """The model's local latents (and what goes with them) refused or required."""
@@ -254,107 +282,47 @@ class LMC(LangevinSampler):
     privacy: Any = None
     name = "LMC"
 
-    def __post_init__(self):
-        super().__post_init__()
-        _check_privacy_type(self)
-
     def _channels(self, dim):
         return DirectUplink(self.compressor), FullDownlink()
-
-    def _check_privacy(self, problem: Problem) -> None:
-        _check_private_sampler(self, self.compressor)
-
-
-def _check_privacy_type(algo: LangevinSampler) -> None:
-    if algo.privacy is not None and not isinstance(algo.privacy, DP):
-        raise ConfigError(f"{algo.name} privacy must be a fb.privacy.DP or None, got {type(algo.privacy).__name__}")
-
-
-def _check_private_sampler(algo: LangevinSampler, uplink: Compressor, central_only: bool = False) -> None:
-    """Client-level DP of a sampler needs every release accounted: a given step (the automatic one reads the
-    clients' Hessians) and a start that asks the clients nothing (the mode search does); in the distributed
-    mode, the uplink uncompressed. ``central_only``: error feedback (D-/B-ELF), whose memories only the server
-    can clip."""
-    if algo.privacy is None:
-        return
-    if central_only and algo.privacy.mode != "central":
-        raise ConfigError(f"{algo.name}'s privacy is central: a client's contribution to the released sum is its "
-                          "error-feedback memory, which the server clips (it keeps every client's); in the "
-                          "distributed mode nobody could bound it. Use mode='central', or LMC / P-ELF")
-    if algo.step_size is None:
-        raise ConfigError(f"{algo.name} with privacy needs a given step_size: the automatic step is computed from the "
-                          "clients' Hessians at set-up, a release the accountant does not cover")
-    if algo.init is None or (isinstance(algo.init, str) and algo.init == "map"):
-        raise ConfigError(f"{algo.name} with privacy needs init='prior' or given values (a dict or a Result): the "
-                          "default start searches the mode with the clients' gradients and Hessians, releases the "
-                          "accountant does not cover")
-    if algo.privacy.mode == "distributed" and uplink != identity():
-        raise ConfigError(f"{algo.name} with distributed DP sends each client's gradient clipped and noised in full: "
-                          f"compressing it afterwards ({uplink.name}) would change its norm and noise; use the identity "
-                          "compressor, or mode='central' (the server clips what it decodes)")
 
 
 @dataclass(frozen=True)
 class DELF(LangevinSampler):
-    """D-ELF (Algorithm 1): EF21 error feedback on the uplink, full downlink."""
+    """D-ELF (Algorithm 1): EF21 error feedback on the uplink, full downlink. ``privacy``: central DP, each
+    client's memory clipped at the server (see ``LangevinSampler._check_privacy``)."""
 
     uplink: Compressor = identity()
     rescale: bool = False
     privacy: Any = None
     name = "D-ELF"
 
-    def __post_init__(self):
-        super().__post_init__()
-        _check_privacy_type(self)
-
     def _channels(self, dim):
         return EF21Uplink(_ef_compressor(self.uplink, self.rescale, self.name)), FullDownlink()
-
-    def _check_privacy(self, problem: Problem) -> None:
-        """Central DP clips each client's error-feedback memory at the server (``ClippedEF21Uplink``)."""
-        _check_private_sampler(self, self.uplink, central_only=True)
 
 
 @dataclass(frozen=True)
 class PELF(LangevinSampler):
-    """P-ELF (Algorithm 2): EF21-P error feedback on the downlink, full uplink."""
+    """P-ELF (Algorithm 2): EF21-P error feedback on the downlink, full uplink. ``privacy``: LMC's (its uplink
+    is LMC's; the downlink sends functions of the released iterates only)."""
 
     downlink: Compressor = identity()
     rescale: bool = False
     privacy: Any = None
     name = "P-ELF"
 
-    def __post_init__(self):
-        super().__post_init__()
-        _check_privacy_type(self)
-
     def _channels(self, dim):
         return DirectUplink(), EF21PDownlink(_ef_compressor(self.downlink, self.rescale, self.name))
-
-    def _check_privacy(self, problem: Problem) -> None:
-        """P-ELF's uplink is LMC's (full gradients), so its privacy is LMC's: the clipped, noised gradient sum
-        makes each released iterate x a Gaussian mechanism, and the compressed downlink sends functions of
-        the iterates alone (post-processing). See ``fb.LMC``."""
-        _check_private_sampler(self, identity())
 
 
 @dataclass(frozen=True)
 class BELF(LangevinSampler):
-    """B-ELF (Algorithm 3): EF21-P on the downlink and EF21 on the uplink."""
+    """B-ELF (Algorithm 3): EF21-P on the downlink and EF21 on the uplink. ``privacy``: D-ELF's."""
 
     uplink: Compressor = identity()
     downlink: Compressor = identity()
     rescale: bool = False
     privacy: Any = None
     name = "B-ELF"
-
-    def __post_init__(self):
-        super().__post_init__()
-        _check_privacy_type(self)
-
-    def _check_privacy(self, problem: Problem) -> None:
-        """D-ELF's uplink privacy (each memory clipped at the server); the downlink is post-processing."""
-        _check_private_sampler(self, self.uplink, central_only=True)
 
     def _channels(self, dim):
         return (EF21Uplink(_ef_compressor(self.uplink, self.rescale, self.name)),

@@ -294,16 +294,17 @@ class FedMMRun(FederatedRun):
         self._p = self.participation * m / n  # inclusion probability of a client in a round
         self._gamma = as_schedule(cfg.step_size, f"{cfg.name} step_size")
         self._num_rounds = problem.num_rounds
-        self._private = cfg.privacy is not None
-        self._dp = None if not self._private else SumPrivacy(
+        self._dp = None if cfg.privacy is None else SumPrivacy(
             cfg.privacy, problem.num_rounds, n, m, extra_rounds=1,
             mechanism="central: each client's statistic upload, weighted by its share of the data, clipped at the "
                       "server; Gaussian noise on the estimate of the mean statistic; no control variates, no "
                       "population start, no final exchange (no standard errors)",
             public="the clients' sizes N_i, their total N and their number n (the weights n N_i / N)")
-        self.uncertainty = not self._private if cfg.uncertainty is None else bool(cfg.uncertainty)
+        private = self._dp is not None
+        self.uncertainty = not private if cfg.uncertainty is None else bool(cfg.uncertainty)
         avg = cfg.average_from if cfg.average_from is not None else (
-            0.5 if self.source.chain or self._private else None)
+            0.5 if self.source.chain or private else None)
+        self._average_from = avg
         self._avg_start = None if avg is None else int(avg * problem.num_rounds)
         self._structure(problem)
         self._m_step_jit = jax.jit(self.m_step)
@@ -327,8 +328,8 @@ class FedMMRun(FederatedRun):
         self.dim = int(ravel_pytree(theta)[0].size)
         self._omega = float(cfg.compressor.omega(self.q))
         omega_p = self._omega + (1 + self._omega) * (1 - self._p) / self._p
-        self.alpha = float(cfg.alpha) if cfg.alpha is not None else 0.0 if self._private else 1.0 / (1.0 + omega_p)
-        population = not self._private if cfg.population_start is None else cfg.population_start
+        self.alpha = float(cfg.alpha) if cfg.alpha is not None else 0.0 if self._dp is not None else 1.0 / (1.0 + omega_p)
+        population = self._dp is None if cfg.population_start is None else cfg.population_start
         self._pop_sites = self.source.population_sites(set(cfg.init or ())) if population else ()
         self._stage0 = 1 if self._pop_sites else 0  # the population pass comes first
         self.setup_stages = self._stage0 + (2 if cfg.control_variates == "e_step" and self.alpha > 0 else 1)
@@ -529,8 +530,7 @@ class FedMMRun(FederatedRun):
         if self._dp is not None:
             parts.privacy = self._dp.report()
             parts["settings"] = {"uncertainty": self.uncertainty, "population_start": bool(self._pop_sites),
-                                 "alpha": self.alpha, "control_variates": "zero", "average_from": self.cfg.average_from
-                                 if self.cfg.average_from is not None else 0.5}
+                                 "alpha": self.alpha, "control_variates": "zero", "average_from": self._average_from}
         return parts
 
 

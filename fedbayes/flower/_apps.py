@@ -253,8 +253,10 @@ _SETTINGS = "fedbayes.settings"
 
 
 def pack_settings(settings: Any) -> bytes:
-    """The client settings on the wire: every element as a float64 (:data:`fedbayes.protocol.SETTING_BITS`)."""
-    return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree_util.tree_leaves(settings)]).tobytes()
+    """The client settings on the wire: every element as a float64 (:data:`fedbayes.protocol.SETTING_BITS`);
+    also the vector a client hands to secure aggregation."""
+    flat = [np.ravel(np.asarray(x, np.float64)) for x in jax.tree_util.tree_leaves(settings)]
+    return (np.concatenate(flat) if flat else np.zeros(0)).tobytes()
 
 
 def unpack_settings(data: bytes, template: Any) -> Any:
@@ -418,8 +420,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         else:
             payload, _, bits = _step(h, h["data"], context)
             upload = wire.decode_tree(payload)
-        flat = [np.ravel(np.asarray(x, np.float64)) for x in jax.tree_util.tree_leaves(upload)]
-        vector = np.concatenate(flat) if flat else np.zeros(0)
+        vector = np.frombuffer(pack_settings(upload), np.float64)
         # Flower would quantise a NaN to a finite integer and spoil the sum unseen: a non-finite upload is
         # sent as zeros (adding nothing) and flagged, and the server counts this client as failed
         nonfinite = not np.all(np.isfinite(vector))
@@ -752,13 +753,11 @@ class _Server:
         for k in range(spec.num_rounds):
             self.round(k)
             if first_short_round(self.records[-1], min_clients) is not None:
-                before = {name: np.concatenate([r[name] for r in self.records[:-1]]) for name in self.records[0]
-                          if not name.startswith("_")} if k else {}
+                before = {n: v for n, v in _concatenated(self.records[:-1]).items() if not n.startswith("_")}
                 raise TooFewClientsError(f"{rt.run.name} on Flower: round {k} left fewer answering clients than "
                                          f"min_clients={min_clients}", round=k, history=before)
             bar.update(k + 1)
-        history = {name: np.concatenate([r[name] for r in self.records]) for name in self.records[0]}
-        history = host_records(history, time.perf_counter() - t0)
+        history = host_records(_concatenated(self.records), time.perf_counter() - t0)
         problem = Problem(FedModel(rt.fit.model, rt.data, rt.fit.model_kwargs), rt.data, rt.fit.num_rounds, rt.cohort)
         if rt.run.final_exchange:
             parts = self.final(collect_locals)
@@ -769,9 +768,7 @@ class _Server:
             parts = rt.run.finalize(rt.k_final, (rt.server_state, None, rt.broadcast), problem, history=history)
         parts = engine.with_init_bits(parts, self.setup_bits)
         if self.secure is not None and parts.get("privacy"):
-            parts.privacy = {**parts.privacy, "secure_aggregation": "SecAgg+ (Flower)", "mechanism": (
-                "distributed, with secure aggregation: each client clips its upload and adds 1/n of the noise the "
-                "gradient sum needs; Flower's SecAgg+ gives the server their sum alone")}
+            parts.privacy = {**parts.privacy, "secure_aggregation": "SecAgg+ (Flower)"}
         fm = FedModel(rt.fit.model, rt.fit.data, rt.fit.model_kwargs)
         result = Result(model=fm, data=rt.fit.data, run=rt.run, algorithm=rt.run.name, seed=spec.seed, parts=parts,
                         history=public_history(history))
@@ -780,20 +777,24 @@ class _Server:
         return result
 
 
+def _concatenated(records: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The per-round records joined along the rounds (empty for no round)."""
+    return {name: np.concatenate([r[name] for r in records]) for name in records[0]} if records else {}
+
+
 def _summed(template: Any, total: Any, n: int, row: int) -> Any:
     """Uploads of ``template``'s structure stacked for ``n`` clients, zero but for row ``row``, which holds
     ``total`` (the flat sum of the uploads that secure aggregation returns): the server step sums its
     uploads, so it sees the same sum."""
-    leaves, treedef = jax.tree_util.tree_flatten(template)
-    total = np.broadcast_to(np.asarray(total, np.float64), (sum(int(np.prod(t.shape)) for t in leaves),))
-    out, start = [], 0
-    for t in leaves:
-        size = int(np.prod(t.shape, dtype=np.int64))
-        part = np.zeros((n,) + tuple(t.shape), t.dtype)
-        part[row] = total[start:start + size].reshape(t.shape)
-        out.append(part)
-        start += size
-    return jax.tree_util.tree_unflatten(treedef, out)
+    size = sum(int(np.prod(t.shape, dtype=np.int64)) for t in jax.tree_util.tree_leaves(template))
+    one = unpack_settings(np.broadcast_to(np.asarray(total, np.float64), (size,)).tobytes(), template)
+
+    def stacked(t, v):
+        rows = np.zeros((n,) + tuple(t.shape), t.dtype)
+        rows[row] = np.asarray(v)
+        return rows
+
+    return jax.tree_util.tree_map(stacked, template, one)
 
 
 def run_server(spec: FlowerSpec, grid: Grid, collect_locals: bool = False) -> Result:
