@@ -16,7 +16,12 @@ Point estimates (TAMUNA / Scaffnew / GD / FedAvg, FedSOUL's theta*, FedMM / FedE
     errors of the optimum. Per site the row holds delta_s' (I^-1)_ss^-1 delta_s: the shift of that
     site alone, in its marginal standard-error units. Tolerance :data:`DECREMENT_TOL` = 0.01, i.e.
     0.1 standard error: an optimisation error ten times smaller than the statistical one changes no
-    interval noticeably. When g is a Monte Carlo estimate with covariance Sigma_g
+    interval noticeably. Where the reported estimate is that Newton step itself (FedSOUL's
+    ``one_step``: ``res.params_averaged`` holds the iterate the gradient was taken at), the row measures
+    the averaged iterate, with threshold :data:`ONE_STEP_MAX` (the step's domain), and a row
+    ``one_step_noise`` checks the step's Monte Carlo error, E[eps' I^-1 eps] = tr(I^-1 Sigma_g) (the
+    expected squared error of the step in standard errors, per site its own block), against
+    :data:`DECREMENT_TOL`. When g is a Monte Carlo estimate with covariance Sigma_g
     (``parts["gradient_cov"]``, FedSOUL) the measured value carries the noise term
     E[eps' I^-1 eps] = tr(I^-1 Sigma_g) even at the optimum; its law is a weighted sum of chi^2_1
     variables (weights: eigenvalues of I^-1 Sigma_g), whose upper :data:`NOISE_LEVEL` quantile
@@ -82,6 +87,9 @@ from .errors import ConvergenceWarning
 
 DECREMENT_TOL = 0.01
 """Newton decrement tolerance: 0.1 standard error, squared."""
+ONE_STEP_MAX = 0.25
+"""The largest Newton decrement of FedSOUL's averaged iterate from which its one Newton step is taken
+(half a standard error, squared)."""
 TRACE_TOL_SE = 0.1
 """Largest drift of the estimate over the last quarter of the rounds, in standard errors."""
 TRACE_TOL_REL = 1e-3
@@ -296,6 +304,7 @@ def _decrement_rows(res: Any) -> list[dict[str, Any]]:
     theta = getattr(res, "_theta_u", None) or {}
     blocks = _site_blocks(theta) if sum(int(np.size(v)) for v in theta.values()) == np.size(grad) else {}
     out = newton_decrement(grad, info, inputs.get("gradient_cov"), blocks if len(blocks) > 1 else None)
+    stepped = getattr(res, "params_averaged", None) is not None
     rows = []
     for name, r in out.items():
         if not np.isfinite(r["value"]):
@@ -313,6 +322,15 @@ def _decrement_rows(res: Any) -> list[dict[str, Any]]:
             if r["noise_quantile"] > 10 * DECREMENT_TOL:
                 note += (f", so this check can only see a distance above about {math.sqrt(r['threshold']):.2g} "
                          "standard errors: more Monte Carlo draws in the final exchange sharpen it")
+        if stepped:
+            threshold = ONE_STEP_MAX + r["noise_quantile"]
+            rows.append(_row("newton_decrement", name, r["value"], threshold, r["value"] <= threshold,
+                             note + "; at the averaged iterate, from which the reported estimate is one Newton step"))
+            rows.append(_row("one_step_noise", name, r["noise_mean"], DECREMENT_TOL, r["noise_mean"] <= DECREMENT_TOL,
+                             "the Newton step's expected squared Monte Carlo error in standard errors"
+                             + ("" if r["noise_mean"] <= DECREMENT_TOL else
+                                ": more draws in the final exchange (num_samples) reduce it")))
+            continue
         rows.append(_row("newton_decrement", name, r["value"], r["threshold"], r["value"] <= r["threshold"], note))
     return rows
 

@@ -121,6 +121,8 @@ class FitParts:
     """Point estimate of the global sites, constrained (a posterior mean for the samplers)."""
     params_last: dict[str, Any]
     """The estimate of the last round alone (the samplers: the last draws' mean over chains)."""
+    params_averaged: dict[str, Any] | None = None
+    """The averaged iterate, where ``params`` is its one Newton step (FedSOUL's ``one_step``)."""
     theta: PyTree = None
     """The estimate in unconstrained coordinates (a dict of arrays), where the algorithm has one."""
     global_samples: dict[str, Any] | None = None

@@ -39,9 +39,13 @@ class Result:
     Attributes
     ----------
     params:
-        Point estimates of the global sites (constrained), e.g. FedSOUL's averaged iterate.
+        Point estimates of the global sites (constrained), e.g. FedSOUL's averaged iterate or its one
+        Newton step (``params_averaged``).
     params_last:
         The last iterate of the global sites.
+    params_averaged:
+        FedSOUL with ``one_step``: the averaged iterate theta_bar, when ``params`` is its one Newton step
+        from the final exchange (the clients' personal posteriors were drawn at theta_bar); else None.
     history:
         Per-round numpy arrays: ``bits_up``, ``bits_down`` (exact totals of the round), ``active``,
         ``objective``, ``theta/<site>`` (the trajectory), and algorithm diagnostics.
@@ -88,6 +92,8 @@ class Result:
         self._theta_u = parts.get("theta")
         self.params = {k: np.asarray(v) for k, v in parts["params"].items()}
         self.params_last = {k: np.asarray(v) for k, v in parts["params_last"].items()}
+        averaged = parts.get("params_averaged")
+        self.params_averaged = None if averaged is None else {k: np.asarray(v) for k, v in averaged.items()}
         self.global_samples = {k: np.asarray(v) for k, v in parts.get("global_samples", {}).items()}
         self.init_bits = tuple(int(b) for b in parts.get("init_bits", (0, 0)))
         self.final_bits = tuple(int(b) for b in parts.get("final_bits", (0, 0)))

@@ -233,8 +233,6 @@ THIRD_TIER: dict[str, object] = {
     "tests/test_flower_app.py": ALL,
     "tests/test_real_data.py": (
         "test_contraception_logistic_samplers_defaults",
-        "test_contraception_logistic_glmm_fedsoul_defaults",
-        "test_epil_poisson_glmm_fedsoul_defaults",  # the strict expected failure of the known gap
     ),
     "tests/test_stall.py": (  # the 1000-client run that hung stays in CI
         "test_no_lapack_call_is_batched_over_clients_or_rows",

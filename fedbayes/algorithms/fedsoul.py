@@ -18,15 +18,22 @@ and the server (eqs. 6-7, one projected step on all global sites)
 
     theta_{k+1} = Pi( theta_k + eta_{k+1} [ grad log p(theta_k) + (b / |A|) sum_{i in A} C(G_i) ] ).
 
-The global prior's gradient is added once, at the server. ``res.params`` reports the weighted
-average theta_bar = sum eta_k theta_k / sum eta_k over the last rounds (Theorem 1's iterate).
+The global prior's gradient is added once, at the server. The algorithm's estimate is the weighted
+average theta_bar = sum eta_k theta_k / sum eta_k over the last rounds (Theorem 1's iterate);
+``res.params`` reports it, or with ``uncertainty`` its one Newton step from the final exchange
+(``one_step``, below).
 
 Default server step (``server_optimizer="auto"``, at most ``information_max_dim`` global coordinates):
 Fisher scoring, the same step preconditioned by a running average H_k of the clients' complete-data
 information, theta_{k+1} = theta_k + eta_k H_k^-1 g_k (affine-invariant: no learning rate caps how far a
 global moves, and raw and standardised units give the same fit); ``"sgd"`` is eqs. 6-7 as written. The
-final exchange also returns Louis' observed information at theta_bar (standard errors, the globals'
-normal approximation).
+final exchange also returns Louis' observed information I at theta_bar (standard errors, the globals'
+normal approximation) and the gradient g there, from every client's long final chain with a Stein
+control variate (:func:`louis.draws_information`); the reported estimate is Le Cam's one-step estimator
+theta_bar + I^-1 g when theta_bar is within half a standard error of the optimum. This removes the
+averaged iterate's Monte Carlo error, which the rounds' short chains make large where the fraction of
+missing information is large (random intercepts of well-measured clients: 0.1 standard error after
+2000 rounds on MASS epil, 0.007 after the step).
 
 Corrections to the paper and its public code: the Langevin drift is +gamma grad log p (the text's
 sign is wrong), the server broadcasts theta_k (not theta_{k+1}), the Monte Carlo average excludes
@@ -50,6 +57,7 @@ from .. import minibatch, optim
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import client_key, final_exchange, run_jit, stack_clients
 from ..privacy import DP, SumPrivacy
+from ..convergence import ONE_STEP_MAX
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
 from ..wire import decode_tree
@@ -196,11 +204,20 @@ class FedSOUL:
     information_window:
         The running average of the information forgets at rate 1 / information_window once k exceeds it.
     uncertainty:
-        Standard errors of theta_bar by Louis' identity from the final exchange's draws (each client
-        uploads its mean score, its Louis estimate and the Monte Carlo covariance of its mean score:
-        d + d(d+1) floats): ``res.standard_errors``, ``res.information``, and theta_bar's normal
-        approximation N(theta_bar, I^-1) in ``res.idata.posterior``. None (default): when d <=
+        Standard errors by Louis' identity from the final exchange's draws (each client uploads its mean
+        score, its Louis estimate and the Monte Carlo covariance of its mean score: d + d(d+1) floats;
+        :func:`louis.draws_information`): ``res.standard_errors``, ``res.information``, and the normal
+        approximation N(theta_hat, I^-1) in ``res.idata.posterior``. None (default): when d <=
         ``information_max_dim``.
+    one_step:
+        With ``uncertainty``, report theta_hat = theta_bar + I^-1 g, one Newton step from the averaged
+        iterate with the final exchange's gradient g and information I (Le Cam's one-step estimator; no
+        further exchange), when theta_bar is within ``ONE_STEP_MAX`` (0.25) of the optimum in squared
+        standard errors (g' I^-1 g <= 0.25: there the log-likelihood is quadratic to the accuracy of its
+        normal approximation, and the step leaves a distance of the order of I's relative error times
+        the step). The step's own Monte Carlo error is the control-variate gradient's, checked by the
+        ``one_step_noise`` row of ``res.diagnostics``. ``res.params_averaged`` keeps theta_bar, at which
+        the clients' personal posteriors were drawn. False: theta_bar, the paper's estimate.
     compressor:
         Unbiased compressor of the uploaded gradient (default: none).
     exact_sites:
@@ -253,6 +270,7 @@ class FedSOUL:
     trust_radius: float | None = None
     information_window: int = 10
     uncertainty: bool | None = None
+    one_step: bool = True
     compressor: Compressor = identity()
     exact_sites: tuple[str, ...] = ()
     bounds: Mapping[str, tuple[float, float]] | None = None
@@ -297,6 +315,7 @@ class FedSOUL:
                 raise ConfigError("FedSOUL step_size must be a positive float or a 1-d sequence of them (one per client)")
         require_fraction(self.average_from, "FedSOUL average_from")
         require_choice(self.stateful, "FedSOUL stateful", (True, False))
+        require_choice(self.one_step, "FedSOUL one_step", (True, False))
         check_init(self.init, "FedSOUL")
         if self.server_lr is not None:
             optim.as_schedule(self.server_lr, "FedSOUL server_lr")
@@ -482,6 +501,9 @@ class FedSOULRun(FederatedRun):
         self._opt = None if self._fisher else optim.resolve(self.optimizer, lr)
         self._schedule = optim.as_schedule(lr)
         self.uncertainty = (small and dp is None) if cfg.uncertainty is None else bool(cfg.uncertainty)
+        # the one-step estimator needs the marginal likelihood's gradient and information: FedSOUL's own
+        # chains (FedRep's noise-free, prior-free chains have neither)
+        self._one_step = bool(cfg.one_step and cfg.local_prior and cfg.local_noise)
         self._nonlinear = self._nonlinear_coordinates(fm) if self._fisher else None
         q = ravel_pytree(fm.zeros_local())[0].size
         self._dense = cfg.local_metric == "dense" or (cfg.local_metric == "auto" and cfg.step_size is None
@@ -862,7 +884,11 @@ class FedSOULRun(FederatedRun):
             parts.local_samples = locals_["local_samples"]
             parts.client_info = {"step_size": locals_["step_size"], "acceptance": locals_["acceptance"]}
         if self.uncertainty and uploads is not None:
-            parts.update(self._uncertainty(key, theta, *uploads))
+            out = self._uncertainty(key, theta, *uploads)
+            stepped = out.pop("theta")
+            if out.pop("one_step"):
+                parts.update({"params_averaged": parts.params, "theta": stepped, "params": fm.constrain(stepped)})
+            parts.update(out)
         if self._dp is not None:
             parts.privacy = self._dp.report()
         return parts
@@ -870,6 +896,7 @@ class FedSOULRun(FederatedRun):
     def _uncertainty(self, key, theta: Params, grads, info_tris, cov_tris) -> dict[str, Any]:
         arrays = run_jit(self, "uncertainty", lambda: self._uncertainty_arrays)
         out = louis.finish_normal_approximation(arrays(key, theta, grads, info_tris, cov_tris))
+        out["one_step"] = bool(out["one_step"])
         if not out.pop("positive_definite"):
             warnings.warn(
                 f"FedSOUL: Louis' observed information at the estimate is not positive definite (smallest "
@@ -880,17 +907,24 @@ class FedSOULRun(FederatedRun):
         return out
 
     def _uncertainty_arrays(self, key, theta: Params, grads, info_tris, cov_tris) -> dict[str, Any]:
-        """The traceable part of :meth:`_uncertainty` (one compilation, not one per operation)."""
+        """The traceable part of :meth:`_uncertainty` (one compilation, not one per operation): the
+        information, the gradient at theta_bar with its noise, the one-step estimate ``theta`` (theta_bar
+        itself where the step is not taken: ``one_step`` false) and the normal approximation about it."""
         fm, d = self._fm, self.dim
         flat, unravel = ravel_pytree(theta)
         prior_grad = ravel_pytree(jax.grad(fm.log_prior)(theta))[0]
         prior_info = -jax.hessian(lambda x: fm.log_prior(unravel(x)))(flat)
         information = prior_info + _symmetric(jnp.sum(info_tris, 0), d)
+        gradient = prior_grad + jnp.sum(grads, 0)
+        lam, vec = jnp.linalg.eigh(0.5 * (information + information.T))
+        pd = jnp.all(jnp.isfinite(lam)) & (jnp.min(lam) > 0) & jnp.all(jnp.isfinite(gradient))
+        step = vec @ ((vec.T @ gradient) / jnp.where(pd, lam, 1.0))
+        take = pd & (gradient @ step <= ONE_STEP_MAX) & self._one_step
+        stepped = self._project(fm, unravel(jnp.where(take, flat + step, flat)))
         k_approx = jax.random.fold_in(key, 21)
         shape = (self.cfg.num_chains, self.cfg.num_samples)
-        out = louis.normal_approximation_arrays(fm, k_approx, theta, information, shape)
-        out["gradient"] = prior_grad + jnp.sum(grads, 0)
-        out["gradient_cov"] = _symmetric(jnp.sum(cov_tris, 0), d)
+        out = louis.normal_approximation_arrays(fm, k_approx, stepped, information, shape)
+        out.update(gradient=gradient, gradient_cov=_symmetric(jnp.sum(cov_tris, 0), d), theta=stepped, one_step=take)
         return out
 
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> FitParts:

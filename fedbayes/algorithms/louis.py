@@ -151,34 +151,39 @@ def draws_information(fm, theta_u: Params, zs: Params, client: ClientData,
                       num_batches: int = 10) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A client's Louis terms from draws of its local posterior at theta_u (FedSOUL's final exchange).
 
-    ``zs`` are unconstrained draws ``{site: (chains, S, ...)}`` (flattened: z, q numbers). With
-    ell(theta, z) = log p(D_i, z | theta), the scores g_m = grad_theta ell(theta, z_m) (flat, unconstrained
-    theta, d numbers) and the draws' mean z_bar, returns
+    ``zs`` are unconstrained draws ``{site: (chains, S, ...)}`` (flattened: z, q numbers) of
+    pi(z) = p(z | D_i, theta). With ell(theta, z) = log p(D_i, z | theta), the scores g_m =
+    grad_theta ell(theta, z_m) (flat, unconstrained theta, d numbers), the local gradients
+    u_m = grad_z ell(theta, z_m) (q numbers), J = mean_m d g / dz (d x q), P = mean_m[-grad^2_z ell] and
+    V = P^-1, returns
 
-    * the Fisher-identity gradient  G_i = mean_m g_m  ~ grad_theta log p(D_i | theta);
-    * Louis' term  E[-grad^2_theta ell] - C_i,  ~ -grad^2_theta log p(D_i | theta), where both moments are taken
-      under the local posterior's Laplace covariance V = P^-1, P = mean_m[-grad^2_z ell(theta, z_m)], by
-      second-order expansions about z_bar (J = mean_m d g / dz (d x q), T_a = d^2 g_a / dz^2 at z_bar):
+    * the Fisher-identity gradient  G_i = mean_m g~_m  ~ grad_theta log p(D_i | theta), with the Stein control
+      variate g~_m = g_m + J V u_m: E_pi[u] = 0 (the integral of a density's gradient vanishes), so g~ has
+      g's mean for any coefficient, and J V (the regression coefficient of g on u when pi is Gaussian)
+      removes every part of g linear in z: for a Gaussian pi and a score linear in z, g~ is constant;
+    * Louis' term  E[-grad^2_theta ell] - C_i,  ~ -grad^2_theta log p(D_i | theta), with the missing
+      information
 
-          C_i = J V J^T + 1/2 [tr(T_a V T_b V)]_ab,
-          E[-grad^2_theta ell] = -grad^2_theta ell(z_bar) - 1/2 sum_jk V_jk d^2/dz_j dz_k grad^2_theta ell(z_bar),
+          C_i = Cov_pi[g] = J V J^T + Cov_pi[g~],
 
-      exact for a Gaussian local posterior and a log-density quadratic in z (a linear mixed model's), as
-      in FedMM's per-client Gaussian latents; the draws enter through z_bar, P and J only, so a chain
-      that explores its posterior slowly costs only the error of its mean. Not the draws' sample
-      moments: where a client's data
-      determine its latents well, E[-grad^2] and Cov[g] are both close to the complete-data information
-      and the observed information is their small difference (the fraction of missing information
-      near 1), so a relative error of a few percent in Cov[g] (the Monte Carlo error of a few hundred
-      correlated draws, the O(step) covariance bias of unadjusted Langevin) would swamp it; V from
-      the curvature has neither, and the error of the Laplace form itself is small in that regime
-      (well-determined latents have nearly Gaussian posteriors) and matters little in the other
-      (there Cov[g] is a small part of the information);
-    * the Monte Carlo covariance of G_i by batch means: each chain cut into ``num_batches`` batches of
-      consecutive draws, Var(G_i) ~ Cov(batch means) / (number of batches) (valid when a batch is
-      longer than the chain's autocorrelation time),
+      an identity when J = E_pi[dg/dz] and V^-1 = E_pi[-grad^2_z ell] = E_pi[u u^T] (integration by parts
+      gives E_pi[g u^T] = -J, so Cov(g~, u) = 0 and Cov(J V u) = J V J^T); here with their draws' means,
+      and Cov[g~] the draws' covariance. Where the client's data determine its latents well, E[-grad^2] and
+      Cov[g] are both close to the complete-data information and the observed information is their
+      small difference (the fraction of missing information near 1): the draws' plain covariance of g,
+      whose relative error is sqrt(2 / draws), would swamp it; g~ is nearly constant there, and its
+      covariance, the only sampled second moment left, is a small part of C_i. (A second-order expansion
+      of Cov[g] about the draws' mean, the Laplace form, was 10% off the quadrature information of a
+      Poisson random-intercept model, MASS epil; this estimate 0.3%.) E[-grad^2_theta ell] by the
+      expansion -grad^2_theta ell(z_bar) - 1/2 sum_jk V_jk d^2/dz_j dz_k grad^2_theta ell(z_bar) about
+      the draws' mean z_bar (exact for a Gaussian pi and a log-density quadratic in z);
+    * the Monte Carlo covariance of G_i by batch means of g~: each chain cut into ``num_batches``
+      batches of consecutive draws, Var(G_i) ~ Cov(batch means) / (number of batches) (valid when a
+      batch is longer than the chain's autocorrelation time),
 
-    the two matrices as upper triangles (``jnp.triu_indices``; d(d+1)/2 floats each).
+    the two matrices as upper triangles (``jnp.triu_indices``; d(d+1)/2 floats each). Both identities
+    hold for exact draws of pi (FedSOUL's final exchange uses MALA by default); an unadjusted chain
+    (``local_kernel="ula"``) adds its O(step) bias.
     """
     flat, unravel = ravel_pytree(theta_u)
     d = flat.size
@@ -188,16 +193,16 @@ def draws_information(fm, theta_u: Params, zs: Params, client: ClientData,
     _, unravel_z = ravel_pytree(jax.tree_util.tree_map(lambda a: a[0], pooled))
     ell = lambda x, h: fm.client_log_joint(unravel(x), unravel_z(h), client.data, client.mask)  # noqa: E731
     score = jax.grad(ell, argnums=0)
-    g = jax.vmap(lambda h: score(flat, h))(zflat)  # (n, d)
+    g, u = jax.vmap(lambda h: jax.grad(ell, argnums=(0, 1))(flat, h))(zflat)  # (n, d), (n, q)
     p = jax.vmap(lambda h: -jax.hessian(ell, argnums=1)(flat, h))(zflat)  # (n, q, q)
     jac = jax.vmap(lambda h: jax.jacfwd(score, argnums=1)(flat, h))(zflat)  # (n, d, q)
     zbar = jnp.mean(zflat, 0)
-    third = jax.jacfwd(jax.jacfwd(score, argnums=1), argnums=1)(flat, zbar)  # (d, q, q)
     V = lapack_free_spd_inverse(0.5 * (jnp.mean(p, 0) + jnp.mean(p, 0).T))
     J = jnp.mean(jac, 0)
-    TV = third @ V
-    cov = J @ V @ J.T + 0.5 * jnp.einsum("aij,bji->ab", TV, TV)
-    # E[-grad^2_theta ell] by the same expansion: -grad^2_theta ell(z_bar) - 1/2 sum_r D^2_{v_r} grad^2_theta ell(z_bar),
+    g = g + u @ (J @ V).T  # the control-variate scores g~
+    centred = g - jnp.mean(g, 0)
+    cov = J @ V @ J.T + centred.T @ centred / max(chains * S - 1, 1)
+    # E[-grad^2_theta ell] by the expansion: -grad^2_theta ell(z_bar) - 1/2 sum_r D^2_{v_r} grad^2_theta ell(z_bar),
     # v_r the columns of chol(V) (second directional derivatives: q of them, each d x d)
     neg_hess = lambda h: -jax.hessian(ell, argnums=0)(flat, h)  # noqa: E731
 
