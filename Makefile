@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedbayes-installed
 
-.PHONY: demo test test-slow test-heavy test-arviz1 bench fuzz clean
+.PHONY: demo test test-slow test-heavy test-arviz1 lint dist-check bench fuzz clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,20 @@ test-slow: $(STAMP)
 
 test-heavy: $(STAMP)
 	MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 -m heavy tests
+
+# ruff's lint rules and formatting (pyproject.toml's [tool.ruff]) on the package.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check fedbayes
+	$(VENV)/bin/ruff format --check fedbayes
+
+# The sdist and the wheel, built from the source tree; the wheel installed alone in a fresh virtual environment
+# (build/dist-venv), imported from there and used for one fit (tests/wheel_smoke.py, run outside the tree).
+dist-check: $(STAMP)
+	rm -rf build/dist build/dist-venv
+	$(PY) -m build --sdist --wheel --outdir build/dist .
+	$(PYTHON) -m venv build/dist-venv
+	build/dist-venv/bin/python -m pip install --quiet --disable-pip-version-check build/dist/fedbayes-*.whl
+	cd build && MPLBACKEND=Agg dist-venv/bin/python ../tests/wheel_smoke.py
 
 # The ArviZ 1.x line (DataTree) needs Python >= 3.12: run the ArviZ-facing tests there.
 # Usage: make test-arviz1 PYTHON=python3.12

@@ -17,7 +17,7 @@ import contextlib
 import os
 import warnings
 from types import ModuleType
-from typing import Iterator
+from collections.abc import Iterator
 
 
 def _cache_dir() -> str | None:

@@ -9,7 +9,8 @@ import pickle
 import re
 import sys
 import warnings
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -19,9 +20,29 @@ from . import convergence
 from .seeds import require_seed, seed_key
 from .algorithms import ALGORITHMS
 from .data import FederatedData
-from .engine import (STALL_TIMEOUT, Problem, Stopped, concat_records, fault_events, resolve_cohort_size,
-                     resolve_devices, run_rounds, sharded_clients, staged_init, wait_ready, with_init_bits)
-from .errors import CheckpointError, ConfigError, DataError, DivergenceError, ModelError, TooFewClientsError, require_int
+from .engine import (
+    STALL_TIMEOUT,
+    Problem,
+    Stopped,
+    concat_records,
+    fault_events,
+    resolve_cohort_size,
+    resolve_devices,
+    run_rounds,
+    sharded_clients,
+    staged_init,
+    wait_ready,
+    with_init_bits,
+)
+from .errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    DivergenceError,
+    ModelError,
+    TooFewClientsError,
+    require_int,
+)
 from .errors import CallbackError, CheckpointWarning, is_real
 from .faults import FaultPolicy, Faults
 from .introspect import FedModel, serialized
@@ -33,15 +54,19 @@ def _resolve_algorithm(algorithm: Any) -> Any:
     if isinstance(algorithm, str):
         key = algorithm.lower().replace("_", "-")
         if key not in ALGORITHMS:
-            raise ConfigError(f"unknown algorithm '{algorithm}'; choose one of {sorted(ALGORITHMS)} or pass an instance")
+            raise ConfigError(
+                f"unknown algorithm '{algorithm}'; choose one of {sorted(ALGORITHMS)} or pass an instance"
+            )
         return ALGORITHMS[key]()
     if not hasattr(algorithm, "build"):
         raise ConfigError(f"algorithm must be a name or an algorithm instance such as fb.FedSOUL(), got {algorithm!r}")
     return algorithm
 
 
-_DEFAULT_HINT = ("The likely cause is a step size: lower the Langevin step_size (or leave it None for the per-client "
-                 "automatic step) or the server_lr.")
+_DEFAULT_HINT = (
+    "The likely cause is a step size: lower the Langevin step_size (or leave it None for the per-client "
+    "automatic step) or the server_lr."
+)
 
 
 def public_history(history: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -49,15 +74,30 @@ def public_history(history: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v for k, v in history.items() if not k.startswith("_")}
 
 
-def finalize_parts(run: FederatedRun, key: jax.Array, carry: Any, problem: Problem,
-                   history: dict[str, np.ndarray] | None, setup_bits: tuple[int, int]) -> FitParts:
+def finalize_parts(
+    run: FederatedRun,
+    key: jax.Array,
+    carry: Any,
+    problem: Problem,
+    history: dict[str, np.ndarray] | None,
+    setup_bits: tuple[int, int],
+) -> FitParts:
     """``run.finalize``'s parts of the Result, with ``init_bits``: the set-up exchange's bits and any the run
     spent before it (``start_bits``)."""
     return with_init_bits(run.finalize(key, carry, problem, history=history), setup_bits)
 
 
-def _stopped(err: Stopped, run: Any, problem: Problem, fm: FedModel, data: FederatedData, seed: int,
-             key: jax.Array, history: dict[str, np.ndarray], setup_bits: tuple[int, int]) -> Exception:
+def _stopped(
+    err: Stopped,
+    run: Any,
+    problem: Problem,
+    fm: FedModel,
+    data: FederatedData,
+    seed: int,
+    key: jax.Array,
+    history: dict[str, np.ndarray],
+    setup_bits: tuple[int, int],
+) -> Exception:
     """The user-facing error of a fit stopped early, with the fit finalised at the last good round."""
     hint = f"Likely fixes: {run.divergence_hint}." if run.divergence_hint else _DEFAULT_HINT
     if err.reason == "diverged":
@@ -65,19 +105,23 @@ def _stopped(err: Stopped, run: Any, problem: Problem, fm: FedModel, data: Feder
         kind = DivergenceError
     elif err.reason == "nonfinite_uploads":
         c = err.counts
-        message = (f"{run.name} diverged on the clients at round {err.round}: the global parameters were still "
-                   f"finite, but no client answered usefully and {c['nonfinite']} of the "
-                   f"{c['nonfinite'] + c['dropped'] + c['too_large']} taking part sent non-finite uploads, so their "
-                   f"local computation overflowed or produced NaN at these parameters. {hint} If that is not it, "
-                   "look for what else overflows on a client: a compressor whose wire format cannot hold the "
-                   "values, or a model term that is NaN/inf there (err.history['nonfinite'] counts such clients "
-                   "per round).")
+        message = (
+            f"{run.name} diverged on the clients at round {err.round}: the global parameters were still "
+            f"finite, but no client answered usefully and {c['nonfinite']} of the "
+            f"{c['nonfinite'] + c['dropped'] + c['too_large']} taking part sent non-finite uploads, so their "
+            f"local computation overflowed or produced NaN at these parameters. {hint} If that is not it, "
+            "look for what else overflows on a client: a compressor whose wire format cannot hold the "
+            "values, or a model term that is NaN/inf there (err.history['nonfinite'] counts such clients "
+            "per round)."
+        )
         kind = DivergenceError
     else:
-        message = (f"{run.name} stopped: at round {err.round} client faults left fewer answering clients than "
-                   f"fb.FaultPolicy(min_clients=...) allows; err.history['active'] and the fault counts "
-                   "('dropped', 'nonfinite', 'too_large') show the rounds before it. Lower min_clients, or "
-                   "find why clients fail (res.faults / err.result.faults list every event).")
+        message = (
+            f"{run.name} stopped: at round {err.round} client faults left fewer answering clients than "
+            f"fb.FaultPolicy(min_clients=...) allows; err.history['active'] and the fault counts "
+            "('dropped', 'nonfinite', 'too_large') show the rounds before it. Lower min_clients, or "
+            "find why clients fail (res.faults / err.result.faults list every event)."
+        )
         kind = TooFewClientsError
     if err.round:
         message += f" err.result holds the fit at round {err.round - 1}, the last good one."
@@ -85,11 +129,18 @@ def _stopped(err: Stopped, run: Any, problem: Problem, fm: FedModel, data: Feder
     if err.round > 0:
         try:
             parts = finalize_parts(run, key, err.carry, problem._replace(num_rounds=err.round), history, setup_bits)
-            result = Result(model=fm, data=data, run=run, algorithm=run.name, seed=seed, parts=parts,
-                            history=public_history(history))
+            result = Result(
+                model=fm,
+                data=data,
+                run=run,
+                algorithm=run.name,
+                seed=seed,
+                parts=parts,
+                history=public_history(history),
+            )
             if not all(np.all(np.isfinite(v)) for v in result.params.values()):
                 result = None
-        except Exception:  # noqa: BLE001 - an algorithm may need more rounds than were good to finalise
+        except Exception:
             result = None
     return kind(message, round=err.round, history=public_history(history), result=result)
 
@@ -109,8 +160,9 @@ class _Fit(NamedTuple):
     fault_policy: FaultPolicy | None
 
 
-def validate_fit(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults,
-                 fault_policy) -> _Fit:
+def validate_fit(
+    model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults, fault_policy
+) -> _Fit:
     """The arguments of a fit checked and normalised (``fb.fed_fit``'s and ``fb.flower``'s): a clear
     ``ModelError`` / ``DataError`` / ``ConfigError`` for bad input, before any computation."""
     if not callable(model):
@@ -124,14 +176,26 @@ def validate_fit(model, data, algorithm, num_rounds, clients_per_round, seed, mo
         require_int(value, what, low)
     require_seed(seed)
     if model_kwargs is not None and not isinstance(model_kwargs, Mapping):
-        raise ConfigError(f"model_kwargs must be a dict of keyword arguments or None, got {type(model_kwargs).__name__}")
+        raise ConfigError(
+            f"model_kwargs must be a dict of keyword arguments or None, got {type(model_kwargs).__name__}"
+        )
     if faults is not None and not isinstance(faults, Faults):
         raise ConfigError(f"faults must be fb.Faults(...) or None, got {faults!r}")
     if fault_policy is not None and not isinstance(fault_policy, FaultPolicy):
         raise ConfigError(f"fault_policy must be fb.FaultPolicy(...) or None, got {fault_policy!r}")
     resolve_cohort_size(clients_per_round, data.num_clients)
-    return _Fit(model, data, _resolve_algorithm(algorithm), int(num_rounds), clients_per_round, int(seed),
-                model_kwargs, int(chunk_size), faults, fault_policy)
+    return _Fit(
+        model,
+        data,
+        _resolve_algorithm(algorithm),
+        int(num_rounds),
+        clients_per_round,
+        int(seed),
+        model_kwargs,
+        int(chunk_size),
+        faults,
+        fault_policy,
+    )
 
 
 @serialized
@@ -215,13 +279,21 @@ def fed_fit(
     the rest may differ): see :func:`fedbayes.clear_cache`, and :func:`fedbayes.compilation_cache` to keep
     compilations across processes.
     """
-    fit = validate_fit(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults,
-                     fault_policy)
+    fit = validate_fit(
+        model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, chunk_size, faults, fault_policy
+    )
     _check_run_options(checkpoint, checkpoint_every, callback)
     _check_stall_timeout(stall_timeout)
     chosen = resolve_devices(devices, fit.data.num_clients)
-    return _execute(fit, progress=progress, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-                    callback=callback, stall_timeout=stall_timeout, devices=chosen)
+    return _execute(
+        fit,
+        progress=progress,
+        checkpoint=checkpoint,
+        checkpoint_every=checkpoint_every,
+        callback=callback,
+        stall_timeout=stall_timeout,
+        devices=chosen,
+    )
 
 
 def _check_stall_timeout(stall_timeout: Any) -> None:
@@ -255,8 +327,18 @@ def _fingerprints(fit: _Fit, fm: FedModel, cohort: int, data_digest: str) -> dic
     """What a checkpoint must agree on with the fit that resumes it."""
     model = ";".join(f"{n}:{s.role}:{list(s.shape)}" for n, s in sorted(fm.sites.items()))
     with np.printoptions(threshold=sys.maxsize):  # whole arrays, not "..." summaries
-        options = repr((fit.algorithm, fit.num_rounds, cohort, fit.seed, fit.chunk_size, fit.faults, fit.fault_policy,
-                        sorted((fit.model_kwargs or {}).items())))
+        options = repr(
+            (
+                fit.algorithm,
+                fit.num_rounds,
+                cohort,
+                fit.seed,
+                fit.chunk_size,
+                fit.faults,
+                fit.fault_policy,
+                sorted((fit.model_kwargs or {}).items()),
+            )
+        )
     options = re.sub(r" at 0x[0-9a-fA-F]+", "", options)  # a function's address changes from process to process
     return {"model": model, "data": data_digest, "options": options}
 
@@ -264,7 +346,7 @@ def _fingerprints(fit: _Fit, fm: FedModel, cohort: int, data_digest: str) -> dic
 BUILD_CACHE_SIZE = 4
 """How many built runs ``fed_fit`` keeps for later calls with the same model, data and algorithm."""
 
-_BUILDS: "collections.OrderedDict[tuple, tuple[FedModel, Any, list]]" = collections.OrderedDict()
+_BUILDS: collections.OrderedDict[tuple, tuple[FedModel, Any, list]] = collections.OrderedDict()
 
 
 def clear_cache() -> None:
@@ -286,10 +368,18 @@ def _build(fit: _Fit, data: FederatedData, cohort: int, data_digest: str) -> tup
     ``BUILD_CACHE_SIZE`` builds are kept."""
     with np.printoptions(threshold=sys.maxsize):  # whole arrays, not "..." summaries
         try:
-            key = (fit.model, repr(sorted((fit.model_kwargs or {}).items())), data_digest, repr(fit.algorithm),
-                   fit.num_rounds, cohort, bool(jax.config.jax_enable_x64), jax.default_backend())
+            key = (
+                fit.model,
+                repr(sorted((fit.model_kwargs or {}).items())),
+                data_digest,
+                repr(fit.algorithm),
+                fit.num_rounds,
+                cohort,
+                bool(jax.config.jax_enable_x64),
+                jax.default_backend(),
+            )
             hash(key)
-        except Exception:  # noqa: BLE001 - an unhashable model callable: build afresh
+        except Exception:
             key = None
     if key is not None and key in _BUILDS:
         _BUILDS.move_to_end(key)
@@ -312,7 +402,7 @@ def _spec_bytes(fit: _Fit) -> bytes:
     """The fit specification pickled (model by reference), or b"" when something in it does not pickle."""
     try:
         return pickle.dumps(fit._asdict(), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - lambdas, closures, open handles: resume asks for the arguments instead
+    except Exception:
         return b""
 
 
@@ -322,8 +412,9 @@ def _execute(fit: _Fit, *, devices: Sequence[Any] | None = None, **options: Any)
         return _execute_here(fit, **options)
 
 
-def _execute_here(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, stall_timeout=STALL_TIMEOUT,
-                  resumed: Any = None) -> Result:
+def _execute_here(
+    fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, stall_timeout=STALL_TIMEOUT, resumed: Any = None
+) -> Result:
     data = fit.data
     cohort = resolve_cohort_size(fit.clients_per_round, data.num_clients)
     data_digest = _data_digest(data)
@@ -331,11 +422,21 @@ def _execute_here(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback
     problem = Problem(fm, data, fit.num_rounds, cohort)
     k_init, k_rounds, k_final = jax.random.split(seed_key(fit.seed), 3)
     carry, setup_bits = wait_ready(staged_init(run, k_init, problem), stall_timeout, f"{run.name}: the set-up exchange")
-    plain = {"clients_per_round": fit.clients_per_round, "chunk_size": fit.chunk_size,
-             "faults": None if fit.faults is None else dataclasses.asdict(fit.faults),
-             "fault_policy": None if fit.fault_policy is None else dataclasses.asdict(fit.fault_policy)}
-    meta = {"algorithm": run.name, "num_rounds": fit.num_rounds, "seed": fit.seed, "versions": checkpoint_io.versions(), "plain": plain,
-            "fingerprints": _fingerprints(fit, fm, cohort, data_digest), "init_digest": checkpoint_io.tree_digest(carry)}
+    plain = {
+        "clients_per_round": fit.clients_per_round,
+        "chunk_size": fit.chunk_size,
+        "faults": None if fit.faults is None else dataclasses.asdict(fit.faults),
+        "fault_policy": None if fit.fault_policy is None else dataclasses.asdict(fit.fault_policy),
+    }
+    meta = {
+        "algorithm": run.name,
+        "num_rounds": fit.num_rounds,
+        "seed": fit.seed,
+        "versions": checkpoint_io.versions(),
+        "plain": plain,
+        "fingerprints": _fingerprints(fit, fm, cohort, data_digest),
+        "init_digest": checkpoint_io.tree_digest(carry),
+    }
     start, past = 0, []
     if resumed is not None:
         _check_match(resumed, meta)
@@ -351,24 +452,46 @@ def _execute_here(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback
                 checkpoint_io.save(checkpoint, dict(meta, round=done), spec, state, concat_records(past + records))
                 last_saved[0] = done
             except CheckpointError as err:  # the fit goes on in memory; the next chunk tries again
-                warnings.warn(f"{err}. The fit goes on in memory (round {done} of {fit.num_rounds}) and tries to "
-                              "write the checkpoint again after the next chunk", CheckpointWarning, stacklevel=2)
+                warnings.warn(
+                    f"{err}. The fit goes on in memory (round {done} of {fit.num_rounds}) and tries to "
+                    "write the checkpoint again after the next chunk",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
         if callback is not None:
             try:
                 callback(done, public_history(records[-1]))
-            except Exception as err:  # noqa: BLE001 - KeyboardInterrupt & co. pass through unchanged
-                kept = (f" The checkpoint {os.fspath(checkpoint)!r} holds round {last_saved[0]}; fb.resume continues "
-                        "from it." if checkpoint is not None and last_saved[0] > start else "")
-                raise CallbackError(f"the callback failed after round {done} of {fit.num_rounds} "
-                                    f"({type(err).__name__}: {err}); the fit is stopped.{kept} Fix the callback "
-                                    "(its traceback is above).", round=done) from err
+            except Exception as err:
+                kept = (
+                    f" The checkpoint {os.fspath(checkpoint)!r} holds round {last_saved[0]}; fb.resume continues "
+                    "from it."
+                    if checkpoint is not None and last_saved[0] > start
+                    else ""
+                )
+                raise CallbackError(
+                    f"the callback failed after round {done} of {fit.num_rounds} "
+                    f"({type(err).__name__}: {err}); the fit is stopped.{kept} Fix the callback "
+                    "(its traceback is above).",
+                    round=done,
+                ) from err
 
     try:
         if start < fit.num_rounds:
-            carry, history = run_rounds(run, problem, carry, base_key=k_rounds, cohort_size=cohort, start=start,
-                                        chunk_size=fit.chunk_size, progress=progress, stop_on_divergence=True,
-                                        faults=fit.faults, policy=fit.fault_policy, on_chunk=on_chunk,
-                                        stall_timeout=stall_timeout)
+            carry, history = run_rounds(
+                run,
+                problem,
+                carry,
+                base_key=k_rounds,
+                cohort_size=cohort,
+                start=start,
+                chunk_size=fit.chunk_size,
+                progress=progress,
+                stop_on_divergence=True,
+                faults=fit.faults,
+                policy=fit.fault_policy,
+                on_chunk=on_chunk,
+                stall_timeout=stall_timeout,
+            )
             history = concat_records(past + [history])
         else:
             history = past[0]
@@ -379,8 +502,9 @@ def _execute_here(fit: _Fit, *, progress, checkpoint, checkpoint_every, callback
             stopped.result.faults = fault_table(full, k_rounds, data.num_clients, cohort)
         raise stopped from None
     parts = finalize_parts(run, k_final, carry, problem, history, setup_bits)
-    result = Result(model=fm, data=data, run=run, algorithm=run.name, seed=fit.seed, parts=parts,
-                    history=public_history(history))
+    result = Result(
+        model=fm, data=data, run=run, algorithm=run.name, seed=fit.seed, parts=parts, history=public_history(history)
+    )
     result.faults = fault_table(history, k_rounds, data.num_clients, cohort)
     convergence.report(result)  # res.diagnostics; one fb.ConvergenceWarning per failed check
     return result
@@ -398,15 +522,21 @@ def _check_match(ck: checkpoint_io.Checkpoint, meta: dict[str, Any]) -> None:
     """Refuse a checkpoint written by a different fit, version or machine set-up."""
     saved = ck.meta
     if saved.get("versions") != meta["versions"]:
-        raise CheckpointError(f"checkpoint was written with {saved.get('versions')}, this run has {meta['versions']}; "
-                              "an exact continuation needs the same library versions, float width and backend")
+        raise CheckpointError(
+            f"checkpoint was written with {saved.get('versions')}, this run has {meta['versions']}; "
+            "an exact continuation needs the same library versions, float width and backend"
+        )
     for field, what in (("model", "model structure"), ("data", "data"), ("options", "algorithm or fit options")):
         if saved["fingerprints"][field] != meta["fingerprints"][field]:
-            raise CheckpointError(f"checkpoint does not match this fit: its {what} differ "
-                                  f"(saved {saved['fingerprints'][field][:200]!r}, now {meta['fingerprints'][field][:200]!r})")
+            raise CheckpointError(
+                f"checkpoint does not match this fit: its {what} differ "
+                f"(saved {saved['fingerprints'][field][:200]!r}, now {meta['fingerprints'][field][:200]!r})"
+            )
     if saved["init_digest"] != meta["init_digest"]:
-        raise CheckpointError("checkpoint does not match this fit: the initial state differs (a different model "
-                              "function body, data or initialisation)")
+        raise CheckpointError(
+            "checkpoint does not match this fit: the initial state differs (a different model "
+            "function body, data or initialisation)"
+        )
     if not 0 <= ck.round <= meta["num_rounds"]:
         raise CheckpointError(f"checkpoint round {ck.round} is outside the fit's 0..{meta['num_rounds']}")
 
@@ -440,27 +570,44 @@ def resume(
     ck = checkpoint_io.load(path)
     try:
         spec = ck.unpickle_spec() or {}
-    except Exception as err:  # noqa: BLE001 - e.g. a model defined in a script that is not importable here
+    except Exception as err:
         if model is None:
-            raise CheckpointError(f"the checkpoint's fit specification cannot be loaded here ({type(err).__name__}: "
-                                  f"{err}); pass model=, data=, algorithm= and model_kwargs= to fb.resume") from None
+            raise CheckpointError(
+                f"the checkpoint's fit specification cannot be loaded here ({type(err).__name__}: "
+                f"{err}); pass model=, data=, algorithm= and model_kwargs= to fb.resume"
+            ) from None
         spec = {}
     plain = ck.meta["plain"]
-    fields = {"num_rounds": ck.meta["num_rounds"], "seed": ck.meta["seed"], "model_kwargs": None,
-              "clients_per_round": plain["clients_per_round"], "chunk_size": plain["chunk_size"],
-              "faults": None if plain["faults"] is None else Faults(**plain["faults"]),
-              "fault_policy": None if plain["fault_policy"] is None else FaultPolicy(**plain["fault_policy"])}
+    fields = {
+        "num_rounds": ck.meta["num_rounds"],
+        "seed": ck.meta["seed"],
+        "model_kwargs": None,
+        "clients_per_round": plain["clients_per_round"],
+        "chunk_size": plain["chunk_size"],
+        "faults": None if plain["faults"] is None else Faults(**plain["faults"]),
+        "fault_policy": None if plain["fault_policy"] is None else FaultPolicy(**plain["fault_policy"]),
+    }
     fields.update(spec)
     given = {"model": model, "data": data, "algorithm": algorithm, "model_kwargs": model_kwargs}
     fields.update({name: value for name, value in given.items() if value is not None})
     missing = [n for n in ("model", "data", "algorithm") if n not in fields]
     if missing:
-        raise CheckpointError(f"the checkpoint does not carry {missing} (they did not pickle when it was written); "
-                              f"pass them to fb.resume({', '.join(m + '=...' for m in missing)})")
+        raise CheckpointError(
+            f"the checkpoint does not carry {missing} (they did not pickle when it was written); "
+            f"pass them to fb.resume({', '.join(m + '=...' for m in missing)})"
+        )
     fit = validate_fit(**fields)
     target = path if checkpoint is True else (None if checkpoint is False else checkpoint)
     _check_run_options(target, checkpoint_every, callback)
     _check_stall_timeout(stall_timeout)
     chosen = resolve_devices(devices, fit.data.num_clients)
-    return _execute(fit, progress=progress, checkpoint=target, checkpoint_every=checkpoint_every, callback=callback,
-                    stall_timeout=stall_timeout, resumed=ck, devices=chosen)
+    return _execute(
+        fit,
+        progress=progress,
+        checkpoint=target,
+        checkpoint_every=checkpoint_every,
+        callback=callback,
+        stall_timeout=stall_timeout,
+        resumed=ck,
+        devices=chosen,
+    )

@@ -9,7 +9,8 @@ has, so no other module branches on the version.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 import xarray as xr
@@ -42,10 +43,18 @@ def loo_summary(data: Any) -> dict[str, float]:
         warnings.simplefilter("ignore")  # ArviZ warns on large Pareto k: it is reported in the row instead
         out = az.loo(data, pointwise=True)
     if ARVIZ_1:
-        return {"elpd_loo": float(out.elpd), "se": float(out.se), "p_loo": float(out.p),
-                "max_pareto_k": float(np.max(np.asarray(out.pareto_k)))}
-    return {"elpd_loo": float(out["elpd_loo"]), "se": float(out["se"]), "p_loo": float(out["p_loo"]),
-            "max_pareto_k": float(np.max(np.asarray(out["pareto_k"])))}
+        return {
+            "elpd_loo": float(out.elpd),
+            "se": float(out.se),
+            "p_loo": float(out.p),
+            "max_pareto_k": float(np.max(np.asarray(out.pareto_k))),
+        }
+    return {
+        "elpd_loo": float(out["elpd_loo"]),
+        "se": float(out["se"]),
+        "p_loo": float(out["p_loo"]),
+        "max_pareto_k": float(np.max(np.asarray(out["pareto_k"]))),
+    }
 
 
 def site_dims(name: str, shape: tuple[int, ...]) -> list[str]:

@@ -39,7 +39,7 @@ def _flat(draws: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
 
 def _split(a: np.ndarray) -> np.ndarray:
     half = a.shape[1] // 2
-    return np.concatenate([a[:, :half], a[:, a.shape[1] - half:]], axis=0)
+    return np.concatenate([a[:, :half], a[:, a.shape[1] - half :]], axis=0)
 
 
 def _z_scale(a: np.ndarray) -> np.ndarray:

@@ -96,9 +96,11 @@ def write_sealed(path: str | os.PathLike, entries: dict[str, np.ndarray], what: 
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as err:
-        raise CheckpointError(f"cannot write the {what} {path!r} ({type(err).__name__}: {err}); the previous "
-                              f"{what} there, if any, is unchanged. Free disk space, make {directory!r} "
-                              f"writable, or choose another {what} path") from err
+        raise CheckpointError(
+            f"cannot write the {what} {path!r} ({type(err).__name__}: {err}); the previous "
+            f"{what} there, if any, is unchanged. Free disk space, make {directory!r} "
+            f"writable, or choose another {what} path"
+        ) from err
     finally:
         try:
             if os.path.exists(tmp):
@@ -115,7 +117,9 @@ def write_sealed(path: str | os.PathLike, entries: dict[str, np.ndarray], what: 
         pass
 
 
-def save(path: str | os.PathLike, meta: dict[str, Any], spec: bytes, carry: Any, history: dict[str, np.ndarray]) -> None:
+def save(
+    path: str | os.PathLike, meta: dict[str, Any], spec: bytes, carry: Any, history: dict[str, np.ndarray]
+) -> None:
     """Write a checkpoint atomically (:func:`write_sealed`).
 
     Raises
@@ -127,8 +131,10 @@ def save(path: str | os.PathLike, meta: dict[str, Any], spec: bytes, carry: Any,
     """
     leaves = jax.tree_util.tree_leaves(carry)
     meta = dict(meta, format=FORMAT, weak=[bool(getattr(x, "weak_type", False)) for x in leaves])
-    entries = {"meta": np.frombuffer(json.dumps(meta, sort_keys=True, default=_plain).encode(), np.uint8),
-               "spec": np.frombuffer(spec, np.uint8)}
+    entries = {
+        "meta": np.frombuffer(json.dumps(meta, sort_keys=True, default=_plain).encode(), np.uint8),
+        "spec": np.frombuffer(spec, np.uint8),
+    }
     entries.update({f"carry/{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})
     entries.update({f"history/{k}": np.asarray(v) for k, v in history.items()})
     write_sealed(path, entries)
@@ -152,30 +158,48 @@ class Checkpoint:
             return None
         spec = pickle.loads(self.spec)
         if not isinstance(spec, dict) or not all(isinstance(k, str) for k in spec):
-            raise CheckpointError(f"the checkpoint's fit specification is a {type(spec).__name__}, not a dict of "
-                                  "the fit's arguments; it was not written by fedbayes")
+            raise CheckpointError(
+                f"the checkpoint's fit specification is a {type(spec).__name__}, not a dict of "
+                "the fit's arguments; it was not written by fedbayes"
+            )
         return spec
 
     def restore_carry(self, template: Any) -> Any:
         """The saved carry in the structure of ``template`` (a freshly initialised carry of the same fit)."""
         leaves, treedef = jax.tree_util.tree_flatten(template)
         if len(leaves) != len(self.leaves):
-            raise CheckpointError(f"checkpoint has {len(self.leaves)} state arrays, the fit has {len(leaves)}: "
-                                  "it was written by a different model, algorithm or version")
+            raise CheckpointError(
+                f"checkpoint has {len(self.leaves)} state arrays, the fit has {len(leaves)}: "
+                "it was written by a different model, algorithm or version"
+            )
         out = []
         for i, (fresh, saved, weak) in enumerate(zip(leaves, self.leaves, self.meta["weak"])):
             fresh = np.asarray(fresh)
             if fresh.shape != saved.shape or fresh.dtype != saved.dtype:
-                raise CheckpointError(f"checkpoint state array {i} is {saved.dtype}{list(saved.shape)}, the fit's is "
-                                      f"{fresh.dtype}{list(fresh.shape)}: it was written by a different fit")
+                raise CheckpointError(
+                    f"checkpoint state array {i} is {saved.dtype}{list(saved.shape)}, the fit's is "
+                    f"{fresh.dtype}{list(fresh.shape)}: it was written by a different fit"
+                )
             out.append(_weak_array(saved, saved.dtype) if weak else jnp.asarray(saved))
         return jax.tree_util.tree_unflatten(treedef, out)
 
 
-_META_TYPES = {"format": int, "round": int, "num_rounds": int, "seed": int, "algorithm": str, "versions": dict,
-               "plain": dict, "fingerprints": dict, "init_digest": str, "weak": list}
-_NESTED_KEYS = {"plain": ("clients_per_round", "chunk_size", "faults", "fault_policy"),
-                "fingerprints": ("model", "data", "options")}
+_META_TYPES = {
+    "format": int,
+    "round": int,
+    "num_rounds": int,
+    "seed": int,
+    "algorithm": str,
+    "versions": dict,
+    "plain": dict,
+    "fingerprints": dict,
+    "init_digest": str,
+    "weak": list,
+}
+_NESTED_KEYS = {
+    "plain": ("clients_per_round", "chunk_size", "faults", "fault_policy"),
+    "fingerprints": ("model", "data", "options"),
+}
 
 
 def _check_meta(meta: dict[str, Any], num_leaves: int) -> str | None:
@@ -196,8 +220,9 @@ def _check_meta(meta: dict[str, Any], num_leaves: int) -> str | None:
     return None
 
 
-def read_sealed(path: str | os.PathLike, fmt: int,
-                what: str = "checkpoint") -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def read_sealed(
+    path: str | os.PathLike, fmt: int, what: str = "checkpoint"
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Read and verify a file of :func:`write_sealed`: its JSON ``meta`` (a dict of format ``fmt``) and its
     other entries (digest removed). ``what`` names the file in error messages.
 
@@ -222,19 +247,24 @@ def read_sealed(path: str | os.PathLike, fmt: int,
     try:
         with np.load(io.BytesIO(raw), allow_pickle=False) as z:
             entries = {name: z[name] for name in z.files}
-    except Exception as err:  # noqa: BLE001 - whatever a damaged zip raises (BadZipFile, NotImplementedError for
+    except Exception as err:
         # an unknown compression, zlib.error, EOFError, ValueError, MemoryError for an absurd size, ...)
-        raise CheckpointError(f"{what} {path!r} is corrupted or incomplete ({type(err).__name__}: {err}); "
-                              "it cannot be used") from err
+        raise CheckpointError(
+            f"{what} {path!r} is corrupted or incomplete ({type(err).__name__}: {err}); it cannot be used"
+        ) from err
     digest = entries.pop("digest", None)
-    if (digest is None or "meta" not in entries
-            or np.asarray(digest).tobytes().decode(errors="replace") != _entries_digest(entries)):
+    if (
+        digest is None
+        or "meta" not in entries
+        or np.asarray(digest).tobytes().decode(errors="replace") != _entries_digest(entries)
+    ):
         raise CheckpointError(f"{what} {path!r} fails its integrity check (altered or corrupted); it cannot be used")
     try:
         meta = json.loads(entries.pop("meta").tobytes().decode())
     except ValueError as err:  # UnicodeDecodeError and JSONDecodeError
-        raise CheckpointError(f"{what} {path!r} has unreadable metadata ({err}); it was not written by "
-                              "fedbayes") from err
+        raise CheckpointError(
+            f"{what} {path!r} has unreadable metadata ({err}); it was not written by fedbayes"
+        ) from err
     if not isinstance(meta, dict) or meta.get("format") != fmt:
         found = meta.get("format") if isinstance(meta, dict) else None
         raise CheckpointError(f"{what} {path!r} has format {found}, this version reads {fmt}")
@@ -258,7 +288,7 @@ def load(path: str | os.PathLike) -> Checkpoint:
     problem = _check_meta(meta, len(leaves))
     if problem:
         raise CheckpointError(f"checkpoint {path!r} is not a valid fedbayes checkpoint: {problem}")
-    history = {k[len("history/"):]: v for k, v in entries.items() if k.startswith("history/")}
+    history = {k[len("history/") :]: v for k, v in entries.items() if k.startswith("history/")}
     return Checkpoint(meta, spec, leaves, history)
 
 
@@ -269,15 +299,21 @@ def info(path: str | os.PathLike) -> dict[str, Any]:
 
 
 RESULT_FORMAT = 1
-"""Version of the file format of :meth:`fedbayes.Result.save`; :func:`load_result` (``fb.load``) reads this version only."""
+"""Version of the file format of :meth:`fedbayes.Result.save`; :func:`load_result` (``fb.load``) reads this version
+only."""
 
 
 def versions() -> dict[str, Any]:
     """Library versions, float width and backend, as checkpoints and saved results record them."""
     from . import __version__
 
-    return {"fedbayes": __version__, "jax": jax.__version__, "numpy": np.__version__,
-            "x64": bool(jax.config.jax_enable_x64), "backend": jax.default_backend()}
+    return {
+        "fedbayes": __version__,
+        "jax": jax.__version__,
+        "numpy": np.__version__,
+        "x64": bool(jax.config.jax_enable_x64),
+        "backend": jax.default_backend(),
+    }
 
 
 def load_result(path: Any) -> Any:
@@ -309,17 +345,25 @@ def load_result(path: Any) -> Any:
     meta, entries = read_sealed(path, RESULT_FORMAT, what="saved result")
     path = os.fspath(path)
     if meta.get("kind") != "fedbayes.Result" or "result" not in entries:
-        raise CheckpointError(f"{path!r} is not a saved fedbayes result (kind {meta.get('kind')!r}); a fit's "
-                              "checkpoint is read by fb.resume")
+        raise CheckpointError(
+            f"{path!r} is not a saved fedbayes result (kind {meta.get('kind')!r}); a fit's "
+            "checkpoint is read by fb.resume"
+        )
     if meta.get("versions") != versions():
-        warnings.warn(f"{path!r} was saved with {meta.get('versions')}, this process has {versions()}; predictions "
-                      "may differ in the last bits", CheckpointWarning, stacklevel=2)
+        warnings.warn(
+            f"{path!r} was saved with {meta.get('versions')}, this process has {versions()}; predictions "
+            "may differ in the last bits",
+            CheckpointWarning,
+            stacklevel=2,
+        )
     try:
         res = pickle.loads(entries["result"].tobytes())
-    except Exception as err:  # noqa: BLE001 - e.g. a model defined in a script that is not importable here
-        raise CheckpointError(f"the saved result {path!r} cannot be loaded here ({type(err).__name__}: {err}); its "
-                              "model function (and algorithm) must be importable under the names they had when "
-                              "it was saved") from err
+    except Exception as err:
+        raise CheckpointError(
+            f"the saved result {path!r} cannot be loaded here ({type(err).__name__}: {err}); its "
+            "model function (and algorithm) must be importable under the names they had when "
+            "it was saved"
+        ) from err
     if not isinstance(res, Result):
         raise CheckpointError(f"{path!r} holds a {type(res).__name__}, not a fedbayes Result")
     return res
@@ -329,12 +373,25 @@ def save_result(result: Any, path: Any) -> None:
     """Write a :class:`~fedbayes.Result` to one sealed file (:meth:`fedbayes.Result.save` documents it)."""
     try:
         blob = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as err:  # noqa: BLE001 - PicklingError, AttributeError (local object), TypeError
-        raise CheckpointError(f"this result cannot be saved: part of it does not pickle ({type(err).__name__}: "
-                              f"{err}). The model function must be importable by name (a top-level function "
-                              "of a module, not a lambda or a closure), and so must anything in the "
-                              "algorithm's options") from err
-    meta = {"format": RESULT_FORMAT, "kind": "fedbayes.Result", "versions": versions(),
-            "algorithm": result.algorithm, "seed": result.seed}
-    write_sealed(path, {"meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8),
-                        "result": np.frombuffer(blob, np.uint8)}, what="saved result")
+    except Exception as err:
+        raise CheckpointError(
+            f"this result cannot be saved: part of it does not pickle ({type(err).__name__}: "
+            f"{err}). The model function must be importable by name (a top-level function "
+            "of a module, not a lambda or a closure), and so must anything in the "
+            "algorithm's options"
+        ) from err
+    meta = {
+        "format": RESULT_FORMAT,
+        "kind": "fedbayes.Result",
+        "versions": versions(),
+        "algorithm": result.algorithm,
+        "seed": result.seed,
+    }
+    write_sealed(
+        path,
+        {
+            "meta": np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8),
+            "result": np.frombuffer(blob, np.uint8),
+        },
+        what="saved result",
+    )

@@ -207,8 +207,9 @@ def _ldexp(x: jax.Array, n: Any) -> jax.Array:
     t = q + jnp.asarray(n, jnp.int32)  # |x 2^n| = m 2^t
     length = _bit_length(m)
     p = t + length - 1  # the result's binade
-    normal = (((p - minexp + 1).astype(uint) << _uint(nmant, uint))
-              | ((m << (nmant + 1 - length).astype(uint)) & _uint(2**nmant - 1, uint)))
+    normal = ((p - minexp + 1).astype(uint) << _uint(nmant, uint)) | (
+        (m << (nmant + 1 - length).astype(uint)) & _uint(2**nmant - 1, uint)
+    )
     # A subnormal result is its mantissa field alone: m 2^(t - t_min), t_min the exponent of the
     # smallest subnormal, shifted left exactly or right with rounding to nearest even (a carry into
     # the exponent field gives the smallest normal number, as it should).
@@ -219,8 +220,7 @@ def _ldexp(x: jax.Array, n: Any) -> jax.Array:
     rest, half = m - (kept << s), _uint(1, uint) << (s - _uint(1, uint))
     kept = kept + ((rest > half) | ((rest == half) & ((kept & _uint(1, uint)) == 1))).astype(uint)
     largest = _uint(((2**nexp - 2) << nmant) | (2**nmant - 1), uint)
-    magnitude = jnp.where(p > maxexp - 1, largest,
-                          jnp.where(p >= minexp, normal, jnp.where(shift <= 0, left, kept)))
+    magnitude = jnp.where(p > maxexp - 1, largest, jnp.where(p >= minexp, normal, jnp.where(shift <= 0, left, kept)))
     out = jax.lax.bitcast_convert_type(sign | jnp.where(m == 0, _uint(0, uint), magnitude), x.dtype)
     return jnp.where(special, x, out)
 
@@ -235,8 +235,7 @@ def _power_bits(e: jax.Array, dtype: Any, mant: int = 0) -> jax.Array:
     minexp, maxexp = int(info.minexp), int(info.maxexp)
     uint = jnp.dtype(f"uint{width}")
     significand = _uint(mant | 2**nmant, uint)
-    normal = ((jnp.clip(e - minexp + 1, 0, 2**nexp - 2).astype(uint) << _uint(nmant, uint))
-              | _uint(mant, uint))
+    normal = (jnp.clip(e - minexp + 1, 0, 2**nexp - 2).astype(uint) << _uint(nmant, uint)) | _uint(mant, uint)
     # Subnormal: the significand times 2^(e - nmant), in units of the smallest subnormal
     # 2^(minexp - nmant), i.e. shifted right by minexp - e with rounding; past nmant + 2 places it is
     # below half the smallest subnormal and rounds to 0.
@@ -298,8 +297,7 @@ def _pack_floats(writer: BitWriter, codes: tuple[np.ndarray, ...], float_bits: i
     writer.put_floats(np.reshape(codes[-1], (-1,)), float_bits)
 
 
-def _unpack_floats(reader: BitReader, shape: tuple[int, ...], float_bits: int,
-                   dtype: Any) -> tuple[np.ndarray, ...]:
+def _unpack_floats(reader: BitReader, shape: tuple[int, ...], float_bits: int, dtype: Any) -> tuple[np.ndarray, ...]:
     binade = (_take_binade(reader),) if float_bits == 16 else ()
     values = reader.take_floats(math.prod(shape), float_bits).astype(dtype).reshape(shape)
     return (*binade, values)
@@ -354,7 +352,9 @@ class Compressor(abc.ABC):
             try:
                 x = np.asarray(x)
             except (TypeError, ValueError) as err:
-                raise ConfigError(f"{self.name} compresses 1-D floating vectors, got {type(x).__name__}: {err}") from None
+                raise ConfigError(
+                    f"{self.name} compresses 1-D floating vectors, got {type(x).__name__}: {err}"
+                ) from None
         if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.floating):
             raise ConfigError(
                 f"{self.name} compresses 1-D floating vectors, got shape {x.shape} and dtype "
@@ -362,9 +362,7 @@ class Compressor(abc.ABC):
             )
         bits = self.bits(x.shape[0])
         if bits > _INT32_MAX:
-            raise ConfigError(
-                f"a {self.name} message of {bits} bits overflows int32; compress smaller blocks"
-            )
+            raise ConfigError(f"a {self.name} message of {bits} bits overflows int32; compress smaller blocks")
         return jnp.asarray(x), jnp.asarray(bits, dtype=jnp.int32)
 
     def __repr__(self) -> str:
@@ -391,7 +389,8 @@ class Compressor(abc.ABC):
         """Append the message of ``codes`` (host numpy arrays) to ``writer``: ``bits(d)`` bits."""
         raise ConfigError(
             f"{self.name} has no wire format (only _compress): define encode, decode, pack and unpack to send it "
-            "over a network")
+            "over a network"
+        )
 
     def unpack(self, reader: BitReader, d: int, dtype: Any) -> tuple[np.ndarray, ...]:
         """Read the codes of one message of a d-vector of ``dtype`` from ``reader`` (inverse of ``pack``)."""
@@ -440,7 +439,7 @@ class BitReader:
         end = self.pos + count * width
         if end > self._bits.size:
             raise ValueError(f"message too short: needs {end} bits, has {self._bits.size}")
-        chunk = self._bits[self.pos:end].reshape(count, width).astype(np.uint64)
+        chunk = self._bits[self.pos : end].reshape(count, width).astype(np.uint64)
         self.pos = end
         return (chunk << np.arange(width - 1, -1, -1, dtype=np.uint64)).sum(axis=1, dtype=np.uint64)
 
@@ -480,7 +479,7 @@ class Coded:
 
     def decoded(self) -> Any:
         batch = self.batch_shape()
-        flat = [jnp.reshape(c, (-1,) + c.shape[len(batch):]) for c in self.codes]
+        flat = [jnp.reshape(c, (-1,) + c.shape[len(batch) :]) for c in self.codes]
         out = jax.vmap(lambda *cs: self.compressor.decode(tuple(cs), self.d))(*flat)
         out = jnp.reshape(out, batch + (self.d,))
         if self.layout is None:
@@ -489,7 +488,7 @@ class Coded:
         leaves, start = [], 0
         for shape in shapes:
             size = math.prod(shape)
-            leaves.append(jnp.reshape(out[..., start:start + size], batch + tuple(shape)))
+            leaves.append(jnp.reshape(out[..., start : start + size], batch + tuple(shape)))
             start += size
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -499,13 +498,15 @@ class Coded:
     def with_layout(self, tree: Any) -> Coded:
         """This message, decoding to a pytree shaped like ``tree`` (whose leaves hold d values in all)."""
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        return Coded(self.codes, self.compressor, self.d, self.dtype, (treedef, tuple(tuple(np.shape(x)) for x in leaves)))
+        return Coded(
+            self.codes, self.compressor, self.d, self.dtype, (treedef, tuple(tuple(np.shape(x)) for x in leaves))
+        )
 
 
 jax.tree_util.register_pytree_node(Coded, Coded.tree_flatten, Coded.tree_unflatten)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _code_shapes(compressor: Compressor, d: int, dtype: np.dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
     x = jax.ShapeDtypeStruct((d,), dtype)
     return tuple(jax.eval_shape(compressor.encode, jax.random.key(0), x))
@@ -581,9 +582,7 @@ class _Sparsifier(Compressor):
         if self.k is None:
             return max(1, round(self.fraction * d))
         if self.k > d:
-            raise ConfigError(
-                f"{self.name} keeps more coordinates than the vector has (d={d}); use k <= {d}"
-            )
+            raise ConfigError(f"{self.name} keeps more coordinates than the vector has (d={d}); use k <= {d}")
         return self.k
 
     def bits(self, d: int) -> int:
@@ -812,7 +811,8 @@ class _Natural(_UnbiasedQuantizer):
     bits = 12 + d (1 + E): 12 + 6d, 12 + 9d, 12 + 12d.
 
     Range: the rounding is done on x 2^(hi - 1 - b) (exactly, on the integers of x's bits: see
-    ``encode``), whose largest |x_j| lies in [2^(hi - 1), 2^hi), on the grid 0, 2^lo..2^hi of the powers that are normal numbers of both the
+    ``encode``), whose largest |x_j| lies in [2^(hi - 1), 2^hi), on the grid 0, 2^lo..2^hi of the powers that are normal
+    numbers of both the
     wire format and x's dtype (lo, hi = -14, 15 at 16 bits; -126, 127 for float32 at 32 or 64
     bits): the largest coordinate never rounds beyond the grid, and a nonzero x keeps it nonzero.
     A coordinate below 2^lo on that scale is rounded the same way between 0 and 2^lo: unbiased, with
@@ -904,8 +904,13 @@ class _Natural(_UnbiasedQuantizer):
         b, y = codes
         dtype = y.dtype
         info = jnp.finfo(dtype)
-        width, nmant, nexp, minexp, maxexp = (int(info.bits), int(info.nmant), int(info.nexp),
-                                              int(info.minexp), int(info.maxexp))
+        width, nmant, nexp, minexp, maxexp = (
+            int(info.bits),
+            int(info.nmant),
+            int(info.nexp),
+            int(info.minexp),
+            int(info.maxexp),
+        )
         uint = jnp.dtype(f"uint{width}")
         npuint = np.dtype(f"uint{width}")
         # The quotient 1 / scale in dtype (IEEE division, as XLA divides): its mantissa field and binade.
@@ -1010,17 +1015,13 @@ def identity(float_bits: int = 32) -> Compressor:
     return _Identity(_float_bits(float_bits))
 
 
-def rand_k(
-    k: int | None = None, *, fraction: float | None = None, float_bits: int = 32
-) -> Compressor:
+def rand_k(k: int | None = None, *, fraction: float | None = None, float_bits: int = 32) -> Compressor:
     """Unbiased random-k sparsification keeping k (or max(1, round(fraction * d))) coordinates."""
     k, fraction = _sparsity("rand_k", k, fraction)
     return _RandK(k, fraction, _float_bits(float_bits))
 
 
-def rand_k_unscaled(
-    k: int | None = None, *, fraction: float | None = None, float_bits: int = 32
-) -> Compressor:
+def rand_k_unscaled(k: int | None = None, *, fraction: float | None = None, float_bits: int = 32) -> Compressor:
     """Contractive random-k sparsification without the d/k scaling: alpha = k/d, biased.
 
     Keeps k (or max(1, round(fraction * d))) uniformly chosen coordinates as they are.
@@ -1029,9 +1030,7 @@ def rand_k_unscaled(
     return _RandKUnscaled(k, fraction, _float_bits(float_bits))
 
 
-def top_k(
-    k: int | None = None, *, fraction: float | None = None, float_bits: int = 32
-) -> Compressor:
+def top_k(k: int | None = None, *, fraction: float | None = None, float_bits: int = 32) -> Compressor:
     """Contractive top-k sparsification: keep the k largest |x_j|; alpha = k/d, deterministic."""
     k, fraction = _sparsity("top_k", k, fraction)
     return _TopK(k, fraction, _float_bits(float_bits))
@@ -1102,10 +1101,7 @@ def scale_to_contractive(c: Compressor) -> Compressor:
     if c.contractive:
         return c
     if not c.unbiased:
-        raise ConfigError(
-            f"scale_to_contractive needs an unbiased or contractive compressor, but {c.name} is "
-            "neither"
-        )
+        raise ConfigError(f"scale_to_contractive needs an unbiased or contractive compressor, but {c.name} is neither")
     return _Scaled(c)
 
 

@@ -75,7 +75,8 @@ import math
 import os
 import sys
 import warnings
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -130,8 +131,9 @@ def chi2_mix_quantile(weights: np.ndarray, level: float = NOISE_LEVEL) -> float:
     return float(c * stats.chi2.isf(level, nu))
 
 
-def newton_decrement(gradient: Any, information: Any, gradient_cov: Any = None,
-                     blocks: Mapping[str, np.ndarray] | None = None) -> dict[str, dict[str, float]]:
+def newton_decrement(
+    gradient: Any, information: Any, gradient_cov: Any = None, blocks: Mapping[str, np.ndarray] | None = None
+) -> dict[str, dict[str, float]]:
     """Newton decrements of the estimate, jointly and per block of coordinates.
 
     ``{name: {"value", "noise_mean", "noise_quantile", "threshold", "min_eig"}}`` with ``name``
@@ -150,16 +152,20 @@ def newton_decrement(gradient: Any, information: Any, gradient_cov: Any = None,
     names.update({k: np.asarray(v) for k, v in (blocks or {}).items()})
     if not (np.all(np.isfinite(info)) and np.all(np.isfinite(g))):
         nan = float("nan")
-        return {n: {"value": nan, "noise_mean": nan, "noise_quantile": nan, "threshold": DECREMENT_TOL,
-                    "min_eig": nan} for n in names}
+        return {
+            n: {"value": nan, "noise_mean": nan, "noise_quantile": nan, "threshold": DECREMENT_TOL, "min_eig": nan}
+            for n in names
+        }
     info = (info + info.T) / 2
     eig, vec = np.linalg.eigh(info)
     scale = float(np.max(np.abs(eig))) if d else 0.0
     rel_min = float(eig[0] / scale) if d and scale > 0 else 0.0
     if d == 0 or rel_min <= d * np.finfo(np.float64).eps:
         nan = float("nan")
-        return {n: {"value": nan, "noise_mean": nan, "noise_quantile": nan, "threshold": DECREMENT_TOL,
-                    "min_eig": rel_min} for n in names}
+        return {
+            n: {"value": nan, "noise_mean": nan, "noise_quantile": nan, "threshold": DECREMENT_TOL, "min_eig": rel_min}
+            for n in names
+        }
     cov = (vec / eig) @ vec.T  # I^-1
     delta = cov @ g
     sigma_g = None if gradient_cov is None else np.asarray(gradient_cov, dtype=np.float64)
@@ -176,8 +182,13 @@ def newton_decrement(gradient: Any, information: Any, gradient_cov: Any = None,
             root = np.linalg.cholesky(prec)
             w = np.linalg.eigvalsh(root.T @ noise_delta[np.ix_(idx, idx)] @ root)
             mean, quant = float(np.sum(np.clip(w, 0, None))), chi2_mix_quantile(w)
-        out[name] = {"value": value, "noise_mean": mean, "noise_quantile": quant,
-                     "threshold": DECREMENT_TOL + quant, "min_eig": rel_min}
+        out[name] = {
+            "value": value,
+            "noise_mean": mean,
+            "noise_quantile": quant,
+            "threshold": DECREMENT_TOL + quant,
+            "min_eig": rel_min,
+        }
     return out
 
 
@@ -227,8 +238,14 @@ def trace_check(trace: Any, se: Any = None, first: Any = None, num_coords: int =
     value = np.where(np.isnan(value), np.inf, value)
     threshold = np.maximum(tol, np.nan_to_num(noise, nan=np.inf))
     j = int(np.argmax(value / threshold))
-    return {"value": float(value[j]), "threshold": float(threshold[j]), "ok": bool(np.all(value <= threshold)),
-            "unit": unit, "coordinate": j, "change": float(change[j])}
+    return {
+        "value": float(value[j]),
+        "threshold": float(threshold[j]),
+        "ok": bool(np.all(value <= threshold)),
+        "unit": unit,
+        "coordinate": j,
+        "change": float(change[j]),
+    }
 
 
 def statistic_check(field_norm: Any, statistic_norm: float, gamma: float = 1.0) -> dict[str, Any]:
@@ -254,12 +271,24 @@ def statistic_check(field_norm: Any, statistic_norm: float, gamma: float = 1.0) 
     if b < 0 and b + tcrit * se_b < 0:
         rho = math.exp(b)
         remaining = gamma * r_last * rho / (1 - rho)
-        return {"value": remaining, "threshold": STATISTIC_TOL, "ok": remaining <= STATISTIC_TOL,
-                "note": (f"the EM mean field |h|/|S| = {r_last:.3g} decays by {rho:.6g} per round: S is still about "
-                         f"{remaining:.3g} (relative) from its fixed point (Aitken extrapolation)")}
-    return {"value": r_last, "threshold": STATISTIC_TOL, "ok": True,
-            "note": (f"the EM mean field |h|/|S| = {r_last:.3g} no longer decays: its Monte Carlo noise floor "
-                     "(stochastic E-step, compression or partial participation); the trace check decides")}
+        return {
+            "value": remaining,
+            "threshold": STATISTIC_TOL,
+            "ok": remaining <= STATISTIC_TOL,
+            "note": (
+                f"the EM mean field |h|/|S| = {r_last:.3g} decays by {rho:.6g} per round: S is still about "
+                f"{remaining:.3g} (relative) from its fixed point (Aitken extrapolation)"
+            ),
+        }
+    return {
+        "value": r_last,
+        "threshold": STATISTIC_TOL,
+        "ok": True,
+        "note": (
+            f"the EM mean field |h|/|S| = {r_last:.3g} no longer decays: its Monte Carlo noise floor "
+            "(stochastic E-step, compression or partial participation); the trace check decides"
+        ),
+    }
 
 
 def _chain_stats(draws: Mapping[str, np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
@@ -270,9 +299,12 @@ def _chain_stats(draws: Mapping[str, np.ndarray]) -> dict[str, dict[str, np.ndar
         a = np.asarray(a, dtype=np.float64)
         if a.shape[0] == 1:
             half = a.shape[1] // 2
-            a = np.stack([a[0, :half], a[0, half:2 * half]])
-        out[name] = {"rhat": np.asarray(chain_stats.rhat(a)), "ess_bulk": np.asarray(chain_stats.ess_bulk(a)),
-                     "ess_tail": np.asarray(chain_stats.ess_tail(a))}
+            a = np.stack([a[0, :half], a[0, half : 2 * half]])
+        out[name] = {
+            "rhat": np.asarray(chain_stats.rhat(a)),
+            "ess_bulk": np.asarray(chain_stats.ess_bulk(a)),
+            "ess_tail": np.asarray(chain_stats.ess_tail(a)),
+        }
     return out
 
 
@@ -280,8 +312,14 @@ def _chain_stats(draws: Mapping[str, np.ndarray]) -> dict[str, dict[str, np.ndar
 
 
 def _row(check: str, site: str, value: float, threshold: float, ok: bool, note: str) -> dict[str, Any]:
-    return {"check": check, "site": site, "value": float(value), "threshold": float(threshold), "ok": bool(ok),
-            "note": note}
+    return {
+        "check": check,
+        "site": site,
+        "value": float(value),
+        "threshold": float(threshold),
+        "ok": bool(ok),
+        "note": note,
+    }
 
 
 def _site_blocks(theta: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -308,28 +346,57 @@ def _decrement_rows(res: Any) -> list[dict[str, Any]]:
     rows = []
     for name, r in out.items():
         if not np.isfinite(r["value"]):
-            why = ("the gradient or the information matrix is not finite" if not np.isfinite(r["min_eig"]) else
-                   f"the information matrix is not positive definite (smallest eigenvalue {r['min_eig']:.3g} of the "
-                   "largest): the estimate is not at a strict maximum (a saddle, a flat direction or a parameter "
-                   "the data do not identify)")
+            why = (
+                "the gradient or the information matrix is not finite"
+                if not np.isfinite(r["min_eig"])
+                else f"the information matrix is not positive definite (smallest eigenvalue {r['min_eig']:.3g} of the "
+                "largest): the estimate is not at a strict maximum (a saddle, a flat direction or a parameter "
+                "the data do not identify)"
+            )
             rows.append(_row("newton_decrement", name, r["value"], r["threshold"], False, why))
             continue
-        note = "g' I^-1 g: squared distance to the optimum in standard errors" if name == JOINT else \
-            "the site's Newton step in its marginal standard errors, squared"
+        note = (
+            "g' I^-1 g: squared distance to the optimum in standard errors"
+            if name == JOINT
+            else "the site's Newton step in its marginal standard errors, squared"
+        )
         if r["noise_quantile"] > 0:
-            note += (f"; the gradient's Monte Carlo noise alone gives {r['noise_mean']:.3g} on average, "
-                     f"{r['noise_quantile']:.3g} at its {1 - NOISE_LEVEL:.1%} quantile (in the threshold)")
+            note += (
+                f"; the gradient's Monte Carlo noise alone gives {r['noise_mean']:.3g} on average, "
+                f"{r['noise_quantile']:.3g} at its {1 - NOISE_LEVEL:.1%} quantile (in the threshold)"
+            )
             if r["noise_quantile"] > 10 * DECREMENT_TOL:
-                note += (f", so this check can only see a distance above about {math.sqrt(r['threshold']):.2g} "
-                         "standard errors: more Monte Carlo draws in the final exchange sharpen it")
+                note += (
+                    f", so this check can only see a distance above about {math.sqrt(r['threshold']):.2g} "
+                    "standard errors: more Monte Carlo draws in the final exchange sharpen it"
+                )
         if stepped:
             threshold = ONE_STEP_MAX + r["noise_quantile"]
-            rows.append(_row("newton_decrement", name, r["value"], threshold, r["value"] <= threshold,
-                             note + "; at the averaged iterate, from which the reported estimate is one Newton step"))
-            rows.append(_row("one_step_noise", name, r["noise_mean"], DECREMENT_TOL, r["noise_mean"] <= DECREMENT_TOL,
-                             "the Newton step's expected squared Monte Carlo error in standard errors"
-                             + ("" if r["noise_mean"] <= DECREMENT_TOL else
-                                ": more draws in the final exchange (num_samples) reduce it")))
+            rows.append(
+                _row(
+                    "newton_decrement",
+                    name,
+                    r["value"],
+                    threshold,
+                    r["value"] <= threshold,
+                    note + "; at the averaged iterate, from which the reported estimate is one Newton step",
+                )
+            )
+            rows.append(
+                _row(
+                    "one_step_noise",
+                    name,
+                    r["noise_mean"],
+                    DECREMENT_TOL,
+                    r["noise_mean"] <= DECREMENT_TOL,
+                    "the Newton step's expected squared Monte Carlo error in standard errors"
+                    + (
+                        ""
+                        if r["noise_mean"] <= DECREMENT_TOL
+                        else ": more draws in the final exchange (num_samples) reduce it"
+                    ),
+                )
+            )
             continue
         rows.append(_row("newton_decrement", name, r["value"], r["threshold"], r["value"] <= r["threshold"], note))
     return rows
@@ -337,7 +404,7 @@ def _decrement_rows(res: Any) -> list[dict[str, Any]]:
 
 def _trace_rows(res: Any, decrement_available: bool) -> list[dict[str, Any]]:
     history = res.history
-    sites = [k[len("theta/"):] for k in history if k.startswith("theta/")]
+    sites = [k[len("theta/") :] for k in history if k.startswith("theta/")]
     if not sites:
         return []
     rounds = len(history[f"theta/{sites[0]}"])
@@ -359,8 +426,10 @@ def _trace_rows(res: Any, decrement_available: bool) -> list[dict[str, Any]]:
             se = None
         r = trace_check(trace[-window:], se=se, first=trace[0], num_coords=coords)
         change = "standard errors" if r["unit"] == "standard errors" else "units of the estimate's scale"
-        note = (f"change of the estimate's trend over the last {window} rounds, in {change} (worst coordinate "
-                f"{r['coordinate']}: {r['change']:.3g}); the threshold allows for its Monte Carlo noise (batch means)")
+        note = (
+            f"change of the estimate's trend over the last {window} rounds, in {change} (worst coordinate "
+            f"{r['coordinate']}: {r['change']:.3g}); the threshold allows for its Monte Carlo noise (batch means)"
+        )
         rows.append(_row("trace", s, r["value"], r["threshold"], r["ok"], note))
     return rows
 
@@ -378,9 +447,9 @@ def _statistic_rows(res: Any) -> list[dict[str, Any]]:
     try:
         step = res._algorithm_config().step_size
         gamma = float(step(len(field) - 1)) if callable(step) else float(step)
-    except Exception:  # noqa: BLE001 - an unusual configuration: the conservative gamma = 1
+    except Exception:
         gamma = 1.0
-    r = statistic_check(field[-max(MIN_ROUNDS, len(field) // 4):], norm, gamma)
+    r = statistic_check(field[-max(MIN_ROUNDS, len(field) // 4) :], norm, gamma)
     return [_row("statistic_change", JOINT, r["value"], r["threshold"], r["ok"], r["note"])]
 
 
@@ -404,12 +473,28 @@ def _sampler_rows(res: Any) -> list[dict[str, Any]]:
     rows = []
     for s, st in stats.items():
         rhat = float(np.max(st["rhat"])) if st["rhat"].size else float("nan")
-        rows.append(_row("rhat", s, rhat, RHAT_MAX, bool(rhat <= RHAT_MAX),
-                         f"rank-normalised split R-hat of {chains} chain(s) x {n} draws (worst element)"))
+        rows.append(
+            _row(
+                "rhat",
+                s,
+                rhat,
+                RHAT_MAX,
+                bool(rhat <= RHAT_MAX),
+                f"rank-normalised split R-hat of {chains} chain(s) x {n} draws (worst element)",
+            )
+        )
         for key, what in (("ess_bulk", "bulk"), ("ess_tail", "tail")):
             ess = float(np.min(st[key])) if st[key].size else float("nan")
-            rows.append(_row(key, s, ess, need, bool(ess >= need),
-                             f"{what} effective sample size (smallest element); {ESS_PER_CHAIN} per chain"))
+            rows.append(
+                _row(
+                    key,
+                    s,
+                    ess,
+                    need,
+                    bool(ess >= need),
+                    f"{what} effective sample size (smallest element); {ESS_PER_CHAIN} per chain",
+                )
+            )
     return rows
 
 
@@ -435,7 +520,9 @@ def _local_rows(res: Any) -> list[dict[str, Any]]:
     rhats: dict[str, list[np.ndarray]] = {s: [] for s in chains_by_site}
     esss: dict[str, list[np.ndarray]] = {s: [] for s in chains_by_site}
     for start in range(0, num_clients, LOCAL_BLOCK):
-        draws = {s: np.moveaxis(v[start:start + LOCAL_BLOCK], 0, 2) for s, v in chains_by_site.items()}  # (chain, draw, client, ...)
+        draws = {
+            s: np.moveaxis(v[start : start + LOCAL_BLOCK], 0, 2) for s, v in chains_by_site.items()
+        }  # (chain, draw, client, ...)
         size = next(iter(draws.values())).shape[2]
         stats = _chain_stats(draws)
         within = _chain_stats(_per_chain(draws))
@@ -452,10 +539,18 @@ def _local_rows(res: Any) -> list[dict[str, Any]]:
         ratio = rhat / limit
         c, j = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
         bad = int(np.sum(np.any(ratio > 1, axis=1)))
-        rows.append(_row("local_rhat", s, rhat[c, j], limit[c, j], bad == 0,
-                         f"split R-hat of each client's {chains} local chain(s) x {n} draws: worst client "
-                         f"{names[c]!r} (bulk ESS {ess[c, j]:.0f}); {bad} of {num_clients} clients above "
-                         f"their threshold (1.01, or the R-hat that chance alone reaches at the client's ESS)"))
+        rows.append(
+            _row(
+                "local_rhat",
+                s,
+                rhat[c, j],
+                limit[c, j],
+                bad == 0,
+                f"split R-hat of each client's {chains} local chain(s) x {n} draws: worst client "
+                f"{names[c]!r} (bulk ESS {ess[c, j]:.0f}); {bad} of {num_clients} clients above "
+                f"their threshold (1.01, or the R-hat that chance alone reaches at the client's ESS)",
+            )
+        )
     return rows
 
 
@@ -465,7 +560,7 @@ def _per_chain(draws: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     out = {}
     for s, a in draws.items():
         half = a.shape[1] // 2
-        b = a[:, :2 * half].reshape((a.shape[0], 2, half) + a.shape[2:])  # (chain, 2, half, client, ...)
+        b = a[:, : 2 * half].reshape((a.shape[0], 2, half) + a.shape[2:])  # (chain, 2, half, client, ...)
         out[s] = np.moveaxis(b, 0, 3)  # (2, half, client, chain, ...)
     return out
 
@@ -509,25 +604,37 @@ def diagnose(res: Any) -> Any:
 
 def _fix(algorithm: str, check: str) -> str:
     if check == "local_rhat":
-        return ("longer local chains after the last round: more num_samples, warmup or thinning (e.g. "
-                "fb.FedSOUL(num_samples=1000, warmup=500)), or more num_chains to see it; with many local "
-                "coordinates (a network's head) on the identity metric, local_metric='dense' (chains whose "
-                "directions have very different spreads mix at the pace of the narrowest)")
+        return (
+            "longer local chains after the last round: more num_samples, warmup or thinning (e.g. "
+            "fb.FedSOUL(num_samples=1000, warmup=500)), or more num_chains to see it; with many local "
+            "coordinates (a network's head) on the identity metric, local_metric='dense' (chains whose "
+            "directions have very different spreads mix at the pace of the narrowest)"
+        )
     if algorithm in _SAMPLERS:
-        return ("more num_rounds (more draws), a warmup that drops the chains' transient, or a smaller step_size "
-                "if R-hat stays high; thinning does not raise the ESS")
+        return (
+            "more num_rounds (more draws), a warmup that drops the chains' transient, or a smaller step_size "
+            "if R-hat stays high; thinning does not raise the ESS"
+        )
     if algorithm == "FedSOUL":
-        return ("more num_rounds, a start nearer the optimum (init=res.params continues from this fit, or "
-                "init='map'), or a larger server_lr; more local_steps lower the gradient's noise")
+        return (
+            "more num_rounds, a start nearer the optimum (init=res.params continues from this fit, or "
+            "init='map'), or a larger server_lr; more local_steps lower the gradient's noise"
+        )
     if algorithm in ("FedMM", "FedEM", "ParamAveragingEM"):
-        return ("more num_rounds (EM converges linearly, slowly where much information is missing), a start "
-                "nearer the optimum (init=res.params continues from this fit, or init='map'), or step_size=1.0 "
-                "with full participation")
-    fix = ("more num_rounds, a start nearer the optimum (init=res.params continues from this fit), or a step "
-           "that suits the curvature (step_size <= 1 / L)")
+        return (
+            "more num_rounds (EM converges linearly, slowly where much information is missing), a start "
+            "nearer the optimum (init=res.params continues from this fit, or init='map'), or step_size=1.0 "
+            "with full participation"
+        )
+    fix = (
+        "more num_rounds, a start nearer the optimum (init=res.params continues from this fit), or a step "
+        "that suits the curvature (step_size <= 1 / L)"
+    )
     if algorithm == "FedAvg":
-        fix += ("; FedAvg's fixed point is not the optimum when clients differ (client drift): fb.Scaffnew or "
-                "fb.TAMUNA converge to it")
+        fix += (
+            "; FedAvg's fixed point is not the optimum when clients differ (client drift): fb.Scaffnew or "
+            "fb.TAMUNA converge to it"
+        )
     return fix
 
 
@@ -537,8 +644,10 @@ _CRITERIA = {
     "trace": "the drift of the estimate over the last quarter of the rounds",
     "rounds": "the number of rounds (too few to check the trace)",
     "statistic_change": "the EM statistic's extrapolated remaining change (relative)",
-    "rhat": "split R-hat", "draws": "the number of draws",
-    "ess_bulk": "the bulk effective sample size", "ess_tail": "the tail effective sample size",
+    "rhat": "split R-hat",
+    "draws": "the number of draws",
+    "ess_bulk": "the bulk effective sample size",
+    "ess_tail": "the tail effective sample size",
     "local_rhat": "split R-hat of the clients' local chains",
     "checks": "any check",
 }
@@ -552,19 +661,24 @@ def messages(res: Any, table: Any) -> list[str]:
     point = any(c in _POINT_CHECKS for c in failed["check"])
     se_note = ""
     if point and (getattr(res, "standard_errors", None) or getattr(res, "global_approx", None)):
-        se_note = (" The standard errors (res.standard_errors) and the normal approximation in res.idata were "
-                   "computed at this non-converged point and are not reliable.")
+        se_note = (
+            " The standard errors (res.standard_errors) and the normal approximation in res.idata were "
+            "computed at this non-converged point and are not reliable."
+        )
     out = []
     for check, rows in failed.groupby("check", sort=False):
         below = check.startswith("ess") or check in ("rounds", "draws")
         worst = rows.sort_values("value", ascending=below)
-        items = "; ".join(f"{r.site}: {r.value:.4g} {'<' if below else '>'} {r.threshold:.4g}"
-                          for r in worst.head(5).itertuples())
+        items = "; ".join(
+            f"{r.site}: {r.value:.4g} {'<' if below else '>'} {r.threshold:.4g}" for r in worst.head(5).itertuples()
+        )
         more = f" (and {len(rows) - 5} more sites)" if len(rows) > 5 else ""
         note = worst.iloc[0]["note"]
-        out.append(f"{res.algorithm} has not converged by {_CRITERIA.get(check, check)}: {items}{more} ({note}). "
-                   f"Fix: {_fix(res.algorithm, check)}.{se_note if check in _POINT_CHECKS else ''} "
-                   "res.diagnostics has the full table.")
+        out.append(
+            f"{res.algorithm} has not converged by {_CRITERIA.get(check, check)}: {items}{more} ({note}). "
+            f"Fix: {_fix(res.algorithm, check)}.{se_note if check in _POINT_CHECKS else ''} "
+            "res.diagnostics has the full table."
+        )
     return out
 
 
@@ -584,12 +698,22 @@ def report(res: Any) -> Any:
     ``checks`` row saying why (so ``res.converged`` is False) and the warning says so."""
     try:
         table = res.diagnostics
-    except Exception as err:  # noqa: BLE001 - the fit itself is fine; its convergence is unknown
+    except Exception as err:
         import pandas as pd
 
-        table = pd.DataFrame([_row("checks", JOINT, float("nan"), float("nan"), False,
-                                   f"the convergence checks failed ({type(err).__name__}: {err}); convergence is "
-                                   "unknown")], columns=COLUMNS)
+        table = pd.DataFrame(
+            [
+                _row(
+                    "checks",
+                    JOINT,
+                    float("nan"),
+                    float("nan"),
+                    False,
+                    f"the convergence checks failed ({type(err).__name__}: {err}); convergence is unknown",
+                )
+            ],
+            columns=COLUMNS,
+        )
         res._diagnostics = table
     for message in messages(res, table):
         warnings.warn(message, ConvergenceWarning, stacklevel=_stacklevel())

@@ -1,10 +1,10 @@
-"""Federated data containers and partitioners.
+"""Federated data containers.
 
 :class:`FederatedData` holds one dictionary of arrays per client. Clients have ragged sizes, so the
 arrays are also stored padded to a common length with a boolean mask, letting algorithms
-``jax.vmap`` over clients. The partitioners split a pooled data set into clients (IID, Dirichlet
-label skew, or a fixed number of classes per client) and return one client id per item, ready for
-:meth:`FederatedData.from_pooled`.
+``jax.vmap`` over clients. The partitioners that split a pooled data set into clients (IID, Dirichlet
+label skew, or a fixed number of classes per client) are in :mod:`fedbayes.partition`; their client
+ids are ready for :meth:`FederatedData.from_pooled`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from numpy.typing import ArrayLike
 
-from fedbayes.errors import ClientIndexError, ConfigError, DataError, PrecisionWarning
+from fedbayes.errors import ClientIndexError, DataError, PrecisionWarning
 
-__all__ = ["FederatedData", "partition_dirichlet", "partition_iid", "partition_shards"]
+__all__ = ["FederatedData"]
 
 
 def _check_keys(data: Mapping[str, object]) -> None:
@@ -33,8 +33,7 @@ def _check_keys(data: Mapping[str, object]) -> None:
     for key in data:
         if not isinstance(key, str):
             raise DataError(
-                f"data keys must be str; got {key!r} of type {type(key).__name__}. "
-                "Rename the key to a string."
+                f"data keys must be str; got {key!r} of type {type(key).__name__}. Rename the key to a string."
             )
 
 
@@ -82,9 +81,7 @@ def _as_array(value: ArrayLike, where: str) -> np.ndarray:
     try:
         return np.asarray(value)
     except (TypeError, ValueError) as err:
-        raise DataError(
-            f"{where}: cannot be converted to an array ({err}); pass a rectangular numeric array."
-        ) from err
+        raise DataError(f"{where}: cannot be converted to an array ({err}); pass a rectangular numeric array.") from err
 
 
 def _to_numpy(value: ArrayLike, where: str) -> np.ndarray:
@@ -142,8 +139,11 @@ def _warn_if_rounded(array: np.ndarray, dtype: np.dtype, where: str) -> None:
             f"{where}: {rounded.size} integer values are not exactly representable as {dtype} and "
             f"were rounded (e.g. {int(example)} -> {int(example.astype(dtype))}): integers and floats "
             f"of one key all become {dtype}. To keep them exact, "
-            + ("" if jax.config.jax_enable_x64 else f"{_ENABLE_X64}, where float64 holds integers exactly up to "
-               "2**53, or ")
+            + (
+                ""
+                if jax.config.jax_enable_x64
+                else f"{_ENABLE_X64}, where float64 holds integers exactly up to 2**53, or "
+            )
             + "pass the key as integers in every client.",
             PrecisionWarning,
             stacklevel=_caller_stacklevel(),
@@ -158,8 +158,11 @@ def _cast(array: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
         if int(array.min()) < info.min or int(array.max()) > info.max:
             raise DataError(
                 f"{where}: integer values outside the {dtype} range [{info.min}, {info.max}]; "
-                + ("rescale or re-encode the values." if jax.config.jax_enable_x64
-                   else f"{_ENABLE_X64} or rescale the values.")
+                + (
+                    "rescale or re-encode the values."
+                    if jax.config.jax_enable_x64
+                    else f"{_ENABLE_X64} or rescale the values."
+                )
             )
     _warn_if_rounded(array, dtype, where)
     with np.errstate(over="ignore"):
@@ -168,8 +171,7 @@ def _cast(array: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
         bad = int(np.count_nonzero(~np.isfinite(out)))
         if bad:
             raise DataError(
-                f"{where}: {bad} NaN/inf entries (as {dtype}); remove or impute them before "
-                "building federated data."
+                f"{where}: {bad} NaN/inf entries (as {dtype}); remove or impute them before building federated data."
             )
     return out
 
@@ -184,13 +186,9 @@ def _check_index(value: object, size: int) -> int:
         except TypeError:
             i = None
     if i is None:
-        raise ClientIndexError(
-            f"a client index must be an integer; got {value!r} of type {type(value).__name__}."
-        )
+        raise ClientIndexError(f"a client index must be an integer; got {value!r} of type {type(value).__name__}.")
     if not -size <= i < size:
-        raise ClientIndexError(
-            f"client index {i} out of range for {size} clients; use -{size}..{size - 1}."
-        )
+        raise ClientIndexError(f"client index {i} out of range for {size} clients; use -{size}..{size - 1}.")
     return i % size
 
 
@@ -215,8 +213,7 @@ def _check_names(names: object, num_clients: int) -> tuple:
         )
     if len(items) != num_clients:
         raise DataError(
-            f"client_names has {len(items)} names but there are {num_clients} clients; give one "
-            "name per client."
+            f"client_names has {len(items)} names but there are {num_clients} clients; give one name per client."
         )
     seen: dict = {}
     for i, name in enumerate(items):
@@ -224,13 +221,11 @@ def _check_names(names: object, num_clients: int) -> tuple:
             j = seen.setdefault(name, i)
         except TypeError as err:
             raise DataError(
-                f"client_names[{i}] = {name!r} is not hashable ({type(name).__name__}); use str or "
-                "int names."
+                f"client_names[{i}] = {name!r} is not hashable ({type(name).__name__}); use str or int names."
             ) from err
         if j != i:
             raise DataError(
-                f"client_names[{j}] and client_names[{i}] are both {name!r}; client names must be "
-                "distinct."
+                f"client_names[{j}] and client_names[{i}] are both {name!r}; client names must be distinct."
             )
     return items
 
@@ -243,9 +238,7 @@ def _factorize(ids: object) -> tuple[np.ndarray, tuple]:
     try:
         codes, uniques = pd.factorize(ids, sort=True)
     except TypeError as err:
-        raise DataError(
-            f"client ids cannot be used as names ({err}); use str or int ids."
-        ) from err
+        raise DataError(f"client ids cannot be used as names ({err}); use str or int ids.") from err
     return codes.astype(np.int64), tuple(uniques.tolist())
 
 
@@ -305,11 +298,7 @@ class FederatedData:
     ) -> None:
         _check_keys(clients)
         for key, value in clients.items():
-            if (
-                isinstance(value, (str, bytes))
-                or hasattr(value, "shape")
-                or not isinstance(value, Sequence)
-            ):
+            if isinstance(value, (str, bytes)) or hasattr(value, "shape") or not isinstance(value, Sequence):
                 raise DataError(
                     f"key {key!r}: expected a list with one array per client, got "
                     f"{type(value).__name__}. Wrap a single client's array as [array], or use "
@@ -317,8 +306,7 @@ class FederatedData:
                 )
         num_clients = _common_count(
             {key: len(value) for key, value in clients.items()},
-            "keys have different numbers of clients ({listing}); every key needs exactly one "
-            "array per client.",
+            "keys have different numbers of clients ({listing}); every key needs exactly one array per client.",
         )
         if num_clients == 0:
             raise DataError("federated data has zero clients; pass at least one array per key.")
@@ -342,8 +330,7 @@ class FederatedData:
                     )
             if n == 0:
                 raise DataError(
-                    f"client {i} has 0 rows (keys {list(keys)}); drop the client or give it at "
-                    "least one observation."
+                    f"client {i} has 0 rows (keys {list(keys)}); drop the client or give it at least one observation."
                 )
         for key in keys:
             trailing = raw[key][0].shape[1:]
@@ -358,9 +345,7 @@ class FederatedData:
         self._data: dict[str, list[np.ndarray]] = {}
         for key in keys:
             dtype = _target_dtype(raw[key])
-            self._data[key] = [
-                _cast(a, dtype, f"key {key!r}, client {i}") for i, a in enumerate(raw[key])
-            ]
+            self._data[key] = [_cast(a, dtype, f"key {key!r}, client {i}") for i, a in enumerate(raw[key])]
         self._sizes = sizes
         max_size = int(sizes.max())
         padded = {}
@@ -424,8 +409,7 @@ class FederatedData:
         arrays = {key: _to_numpy(value, f"pooled key {key!r}") for key, value in data.items()}
         n = _common_count(
             {key: len(a) for key, a in arrays.items()},
-            "pooled arrays have different leading lengths ({listing}); each needs one row per "
-            "observation.",
+            "pooled arrays have different leading lengths ({listing}); each needs one row per observation.",
         )
         ids = _as_array(client_ids, "client_ids")
         names = None
@@ -443,9 +427,7 @@ class FederatedData:
             )
         if n and int(ids.min()) < -1:
             row = int(np.argmax(ids < -1))
-            raise DataError(
-                f"client_ids[{row}] is {ids[row]}; ids must be >= 0, or -1 for unassigned rows."
-            )
+            raise DataError(f"client_ids[{row}] is {ids[row]}; ids must be >= 0, or -1 for unassigned rows.")
         needed = int(ids.max()) + 1 if n else 0
         if num_clients is None:
             num_clients = needed
@@ -526,19 +508,21 @@ class FederatedData:
         elif isinstance(columns, Mapping):
             spec = columns
         elif isinstance(columns, (str, bytes)):
-            raise DataError(f"columns must be a list or dict of column names; got the string {columns!r} "
-                            f"(for one column pass [{columns!r}]).")
+            raise DataError(
+                f"columns must be a list or dict of column names; got the string {columns!r} "
+                f"(for one column pass [{columns!r}])."
+            )
         else:
             spec = {c: c for c in columns}
         if not spec:
-            raise DataError(f"the DataFrame has no data column besides the client column {client!r}; "
-                            "pass columns with at least one.")
+            raise DataError(
+                f"the DataFrame has no data column besides the client column {client!r}; "
+                "pass columns with at least one."
+            )
         wanted = [client] + [c for v in spec.values() for c in (v if isinstance(v, (list, tuple)) else [v])]
         missing = [c for c in dict.fromkeys(wanted) if c not in df.columns]
         if missing:
-            raise DataError(
-                f"columns {missing} are not in the DataFrame; its columns are {list(df.columns)}."
-            )
+            raise DataError(f"columns {missing} are not in the DataFrame; its columns are {list(df.columns)}.")
         for c in wanted[1:]:
             if not (pd.api.types.is_numeric_dtype(df[c]) or pd.api.types.is_bool_dtype(df[c])):
                 raise DataError(

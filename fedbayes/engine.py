@@ -48,7 +48,8 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,11 +59,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .data import FederatedData
 from .errors import ConfigError, FedbayesError, StalledError
 from .faults import DROPPED, KIND_NAMES, NONFINITE, OK, TOO_LARGE, FaultPolicy, Faults, screen
-from .protocol import (FLOAT_BITS, SETTING_BITS, ClientData, FederatedRun, FitParts, Message, Problem, PyTree,  # noqa: F401
-                       RoundInfo, dense_bits)
+from .protocol import (
+    FLOAT_BITS,  # noqa: F401 (re-exported: fedbayes.engine.FLOAT_BITS)
+    SETTING_BITS,
+    ClientData,
+    FederatedRun,
+    FitParts,
+    Message,
+    Problem,
+    PyTree,
+    RoundInfo,
+    dense_bits,
+)
 from .wire import decode_tree
 
-_JITTED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_JITTED: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
 
 def run_jit(run: Any, key: Any, make: Callable[[], Callable]) -> Callable:
@@ -91,8 +102,9 @@ def setup_client_key(k_clients: jax.Array, index: jax.Array, stage: int) -> jax.
     return jax.random.fold_in(jax.random.fold_in(k_clients, index), stage)
 
 
-def staged_setup(run: FederatedRun, key: jax.Array, num_clients: int,
-                 exchange: Callable[[int, jax.Array, PyTree], PyTree]) -> tuple[PyTree, Message, tuple[int, int]]:
+def staged_setup(
+    run: FederatedRun, key: jax.Array, num_clients: int, exchange: Callable[[int, jax.Array, PyTree], PyTree]
+) -> tuple[PyTree, Message, tuple[int, int]]:
     """The server's side of the set-up exchange: ``exchange(stage, clients_key, payload)`` delivers
     the payload to every client and returns their uploads stacked in client order (vectorised in
     :func:`staged_init`, messages on a network). Returns ``(server_state, first broadcast, (up, down))``
@@ -106,8 +118,9 @@ def staged_setup(run: FederatedRun, key: jax.Array, num_clients: int,
         uploads = exchange(stage, k_clients, payload)
         down += num_clients * dense_bits(payload)
         up += dense_bits(uploads)
-        server_step = run_jit(run, ("setup_server_step", stage),
-                              lambda s=stage: lambda k, st, u: run.setup_server_step(s, k, st, u))
+        server_step = run_jit(
+            run, ("setup_server_step", stage), lambda s=stage: lambda k, st, u: run.setup_server_step(s, k, st, u)
+        )
         state, payload = server_step(jax.random.fold_in(k_server, stage + 1), state, uploads)
     state = run.setup_done(state, uploads)
     down += num_clients * setting_bits(run.client_settings(state))
@@ -141,9 +154,11 @@ def final_bits(payload: PyTree, uploads: PyTree, num_clients: int) -> tuple[int,
     return dense_bits(uploads), num_clients * dense_bits(payload)
 
 
-def final_exchange(run: Any, key: jax.Array, server_state: PyTree, client_states: PyTree,
-                   clients: ClientData) -> dict[str, Any]:
-    """The final exchange (:class:`fedbayes.protocol.FederatedRun`) with every client at once (vectorised), local parts collected;
+def final_exchange(
+    run: Any, key: jax.Array, server_state: PyTree, client_states: PyTree, clients: ClientData
+) -> dict[str, Any]:
+    """The final exchange (:class:`fedbayes.protocol.FederatedRun`) with every client at once (vectorised), local parts
+    collected;
     the parts carry ``final_bits``."""
     payload = run_jit(run, "final_message", lambda: run.final_message)(key, server_state)
     clients = clients._replace(settings=run.client_settings(server_state))
@@ -177,7 +192,9 @@ def _in_blocks(final_client: Callable) -> Callable:
     return blocks
 
 
-def staged_init(run: FederatedRun, key: jax.Array, problem: Problem) -> tuple[tuple[PyTree, PyTree, Message], tuple[int, int]]:
+def staged_init(
+    run: FederatedRun, key: jax.Array, problem: Problem
+) -> tuple[tuple[PyTree, PyTree, Message], tuple[int, int]]:
     """The set-up exchange with every client at once (vectorised): ``((server_state, client_states, first
     broadcast), (bits up, bits down))``."""
     clients = stack_clients(problem.data)
@@ -188,9 +205,12 @@ def staged_init(run: FederatedRun, key: jax.Array, problem: Problem) -> tuple[tu
             def step(k_clients, payload, states, clients):
                 one = lambda p, c, cl: run.setup_client(stage, setup_client_key(k_clients, cl.index, stage), p, c, cl)  # noqa: E731
                 return jax.vmap(one, in_axes=(None, 0, 0))(payload, states, clients)
+
             return step
 
-        box["states"], uploads = run_jit(run, ("setup_clients", stage), make)(k_clients, payload, box["states"], clients)
+        box["states"], uploads = run_jit(run, ("setup_clients", stage), make)(
+            k_clients, payload, box["states"], clients
+        )
         return uploads
 
     state, broadcast, bits = staged_setup(run, key, problem.data.num_clients, exchange)
@@ -200,9 +220,9 @@ def staged_init(run: FederatedRun, key: jax.Array, problem: Problem) -> tuple[tu
 def stack_clients(data: FederatedData) -> ClientData:
     """All clients' padded data, stacked on a leading client axis (laid over the devices of
     :func:`sharded_clients` where it is active)."""
-    return shard_clients(ClientData(
-        dict(data.padded), data.mask, jnp.asarray(data.sizes), jnp.arange(data.num_clients)
-    ))
+    return shard_clients(
+        ClientData(dict(data.padded), data.mask, jnp.asarray(data.sizes), jnp.arange(data.num_clients))
+    )
 
 
 # ------------------------------------------------------------------------------ clients over devices
@@ -222,28 +242,38 @@ def resolve_devices(devices: Any, num_clients: int) -> list[Any]:
     if devices is None:
         count = _most_devices(num_clients, len(available))
         if count < len(available):
-            warnings.warn(f"{num_clients} clients cannot be split equally over the {len(available)} devices; the fit "
-                          f"uses {count} of them (pass devices= to choose, or a number of clients that "
-                          f"{len(available)} divides)", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"{num_clients} clients cannot be split equally over the {len(available)} devices; the fit "
+                f"uses {count} of them (pass devices= to choose, or a number of clients that "
+                f"{len(available)} divides)",
+                UserWarning,
+                stacklevel=3,
+            )
         return available[:count]
     if isinstance(devices, numbers.Integral) and not isinstance(devices, bool):
         if not 1 <= devices <= len(available):
-            raise ConfigError(f"devices={devices}: this process has {len(available)} device(s) "
-                              f"({available[0].platform}); give a number from 1 to {len(available)}")
-        chosen = available[:int(devices)]
+            raise ConfigError(
+                f"devices={devices}: this process has {len(available)} device(s) "
+                f"({available[0].platform}); give a number from 1 to {len(available)}"
+            )
+        chosen = available[: int(devices)]
     else:
         try:
             chosen = list(devices)
         except TypeError:
-            raise ConfigError(f"devices must be None, a number of devices or a sequence of jax devices, got "
-                              f"{devices!r}") from None
+            raise ConfigError(
+                f"devices must be None, a number of devices or a sequence of jax devices, got {devices!r}"
+            ) from None
         if not chosen or not all(isinstance(d, jax.Device) for d in chosen) or len(set(chosen)) != len(chosen):
-            raise ConfigError(f"devices must be a non-empty sequence of distinct jax devices (jax.devices()), got "
-                              f"{devices!r}")
+            raise ConfigError(
+                f"devices must be a non-empty sequence of distinct jax devices (jax.devices()), got {devices!r}"
+            )
     if num_clients % len(chosen):
-        raise ConfigError(f"{num_clients} clients cannot be split equally over {len(chosen)} devices: give a number "
-                          f"of devices that divides the number of clients (here at most "
-                          f"{_most_devices(num_clients, len(chosen))})")
+        raise ConfigError(
+            f"{num_clients} clients cannot be split equally over {len(chosen)} devices: give a number "
+            f"of devices that divides the number of clients (here at most "
+            f"{_most_devices(num_clients, len(chosen))})"
+        )
     return chosen
 
 
@@ -325,7 +355,9 @@ _CLIENT_AXES = ClientData(0, 0, 0, 0, 0, None, None)  # vmap axes: the shared ke
 
 def _where_active(active: jax.Array, new: PyTree, old: PyTree) -> PyTree:
     """Commit the new client states of active clients only (inactive ones keep theirs)."""
-    return jax.tree_util.tree_map(lambda n, o: jnp.where(jnp.reshape(active, (-1,) + (1,) * (n.ndim - 1)), n, o), new, old)
+    return jax.tree_util.tree_map(
+        lambda n, o: jnp.where(jnp.reshape(active, (-1,) + (1,) * (n.ndim - 1)), n, o), new, old
+    )
 
 
 def _roll_back(algorithm: FederatedRun, active: jax.Array, new: PyTree, old: PyTree) -> PyTree:
@@ -336,7 +368,8 @@ def _roll_back(algorithm: FederatedRun, active: jax.Array, new: PyTree, old: PyT
         return _where_active(active, new, old)
     none = dict.fromkeys(names)
     return _where_active(active, new._replace(**none), old._replace(**none))._replace(
-        **{n: getattr(new, n) for n in names})
+        **{n: getattr(new, n) for n in names}
+    )
 
 
 class Progress:
@@ -377,9 +410,21 @@ def round_plan(base_key: jax.Array, k: jax.Array, num_clients: int, cohort_size:
     return rk, cohort, keys, k_server, k_shared, expected
 
 
-def server_half(algorithm: FederatedRun, server_state: PyTree, payload: PyTree, upload_bits: jax.Array,
-                broadcast_bits: jax.Array, expected: jax.Array, received: jax.Array, policy: FaultPolicy | None,
-                k: jax.Array, cohort: jax.Array, num_clients: int, k_server: jax.Array, k_shared: jax.Array):
+def server_half(
+    algorithm: FederatedRun,
+    server_state: PyTree,
+    payload: PyTree,
+    upload_bits: jax.Array,
+    broadcast_bits: jax.Array,
+    expected: jax.Array,
+    received: jax.Array,
+    policy: FaultPolicy | None,
+    k: jax.Array,
+    cohort: jax.Array,
+    num_clients: int,
+    k_server: jax.Array,
+    k_shared: jax.Array,
+):
     """The server's half of a round, from the decoded uploads (stacked over the cohort; rows not
     ``received`` are ignored): screen, zero the faulty rows, ``server_step``. Returns
     ``(server_state, new_broadcast, zeroed payload, record)``; the record holds the round's ledger and
@@ -390,9 +435,12 @@ def server_half(algorithm: FederatedRun, server_state: PyTree, payload: PyTree, 
     faulty = kind != OK
     active = expected & ~faulty
     payload = jax.tree_util.tree_map(
-        lambda p: jnp.where(jnp.reshape(active, (-1,) + (1,) * (p.ndim - 1)), p, jnp.zeros_like(p)), payload)
+        lambda p: jnp.where(jnp.reshape(active, (-1,) + (1,) * (p.ndim - 1)), p, jnp.zeros_like(p)), payload
+    )
     info = RoundInfo(k, cohort, active, num_clients, k_shared, faulty)
-    server_state, new_broadcast, diag = algorithm.server_step(k_server, server_state, Message(payload, upload_bits), info)
+    server_state, new_broadcast, diag = algorithm.server_step(
+        k_server, server_state, Message(payload, upload_bits), info
+    )
     sent = expected & (kind != DROPPED)  # rejected uploads crossed the network all the same
     record = {
         "bits_up": jnp.where(sent, upload_bits, 0),
@@ -410,8 +458,15 @@ def server_half(algorithm: FederatedRun, server_state: PyTree, payload: PyTree, 
     return server_state, new_broadcast, payload, record
 
 
-def make_round(algorithm: FederatedRun, clients: ClientData, num_clients: int, cohort_size: int, base_key: jax.Array,
-               faults: Faults | None = None, policy: FaultPolicy | None = None):
+def make_round(
+    algorithm: FederatedRun,
+    clients: ClientData,
+    num_clients: int,
+    cohort_size: int,
+    base_key: jax.Array,
+    faults: Faults | None = None,
+    policy: FaultPolicy | None = None,
+):
     """The pure function of one round: ``(carry, k) -> (carry, record)``.
 
     Every upload is screened (:func:`fedbayes.faults.screen`); ``faults`` injects simulated ones
@@ -425,9 +480,12 @@ def make_round(algorithm: FederatedRun, clients: ClientData, num_clients: int, c
     def round_fn(carry, k):
         server_state, client_states, broadcast = carry
         opening = server_state  # the state that opened the round (a faulty client's resync is built from it)
-        rk, cohort, keys, k_server, k_shared, expected = round_plan(base_key, k, num_clients, cohort_size, participation)
-        members = _take(clients, cohort)._replace(slot=jnp.arange(cohort_size), shared_key=k_shared,
-                                                  settings=algorithm.client_settings(server_state))
+        rk, cohort, keys, k_server, k_shared, expected = round_plan(
+            base_key, k, num_clients, cohort_size, participation
+        )
+        members = _take(clients, cohort)._replace(
+            slot=jnp.arange(cohort_size), shared_key=k_shared, settings=algorithm.client_settings(server_state)
+        )
         step = jax.vmap(algorithm.client_step, in_axes=(0, None, 0, _CLIENT_AXES))
         full = cohort_size == num_clients  # every client, in order: no gather or scatter of the client states
         old_states = client_states if full else _take(client_states, cohort)
@@ -439,8 +497,20 @@ def make_round(algorithm: FederatedRun, clients: ClientData, num_clients: int, c
             payload = faults.corrupt(payload, injected)
         received = expected & (injected != DROPPED)
         server_state, new_broadcast, payload, record = server_half(
-            algorithm, server_state, payload, uploads.bits, broadcast.bits, expected, received, policy, k, cohort,
-            num_clients, k_server, k_shared)
+            algorithm,
+            server_state,
+            payload,
+            uploads.bits,
+            broadcast.bits,
+            expected,
+            received,
+            policy,
+            k,
+            cohort,
+            num_clients,
+            k_server,
+            k_shared,
+        )
         active, faulty = record.pop("_active"), record.pop("_faulty")
         replied = resent = jnp.zeros((cohort_size,), jnp.int32)
         if algorithm.replies:  # the server's reply to this round's answering members
@@ -450,8 +520,9 @@ def make_round(algorithm: FederatedRun, clients: ClientData, num_clients: int, c
         kept = _roll_back(algorithm, active, new_states, old_states)
         if algorithm.resyncs:  # a faulty member's copy of server state is re-sent
             again = algorithm.resync_message(opening)
-            resynced = jax.vmap(algorithm.resync, in_axes=(0, None), axis_size=cohort_size)(old_states,
-                                                                                        decode_tree(again.payload))
+            resynced = jax.vmap(algorithm.resync, in_axes=(0, None), axis_size=cohort_size)(
+                old_states, decode_tree(again.payload)
+            )
             kept = _where_active(faulty, resynced, kept)
             resent = jnp.where(faulty, again.bits, 0)
         client_states = kept if full else _put(client_states, cohort, kept)
@@ -461,7 +532,9 @@ def make_round(algorithm: FederatedRun, clients: ClientData, num_clients: int, c
     return round_fn
 
 
-def downlink_bits(broadcast_bits: Any, expected: Any, reply_bits: Any, resync_bits: Any, reached: Any = None) -> jax.Array:
+def downlink_bits(
+    broadcast_bits: Any, expected: Any, reply_bits: Any, resync_bits: Any, reached: Any = None
+) -> jax.Array:
     """A round's downlink bits per cohort slot, the ledger's one rule (``fed_fit`` and Flower): to every
     expected member the broadcast (not to one a re-sent copy of server state did not reach:
     ``reached`` False), plus the server's reply (``replies``) and a re-sent copy (``resyncs``), each given
@@ -470,19 +543,24 @@ def downlink_bits(broadcast_bits: Any, expected: Any, reply_bits: Any, resync_bi
     return jnp.where(expected, sent + reply_bits + resync_bits, 0)
 
 
-def fault_events(records: dict[str, np.ndarray], base_key: jax.Array, num_clients: int, cohort_size: int,
-                 start: int = 0) -> list[tuple[int, int, str]]:
+def fault_events(
+    records: dict[str, np.ndarray], base_key: jax.Array, num_clients: int, cohort_size: int, start: int = 0
+) -> list[tuple[int, int, str]]:
     """``(round, client, kind)`` of every fault in the records of rounds ``start, start + 1, ...``
     (the cohort of a round is a function of the seed and the round, so it is recomputed here)."""
     kinds = np.asarray(records.get("_fault_kind", np.zeros((0, 0))))
     rows = np.flatnonzero(kinds.any(axis=1)) if kinds.size else np.zeros(0, int)
     if not len(rows):
         return []
-    cohort_of = jax.vmap(lambda r: sample_cohort(jax.random.split(jax.random.fold_in(base_key, r), 3)[0],
-                                                 num_clients, cohort_size))
+    cohort_of = jax.vmap(
+        lambda r: sample_cohort(jax.random.split(jax.random.fold_in(base_key, r), 3)[0], num_clients, cohort_size)
+    )
     cohorts = np.asarray(jax.jit(cohort_of)(jnp.asarray(start + rows)))
-    return [(start + int(r), int(cohort[j]), KIND_NAMES[int(kinds[r, j])])
-            for r, cohort in zip(rows, cohorts) for j in np.flatnonzero(kinds[r])]
+    return [
+        (start + int(r), int(cohort[j]), KIND_NAMES[int(kinds[r, j])])
+        for r, cohort in zip(rows, cohorts)
+        for j in np.flatnonzero(kinds[r])
+    ]
 
 
 def chunk_plan(start: int, end: int, size: int) -> list[tuple[int, int]]:
@@ -505,17 +583,24 @@ def chunk_plan(start: int, end: int, size: int) -> list[tuple[int, int]]:
     return plan
 
 
-def _compiled_chunk(algorithm: FederatedRun, num_clients: int, cohort_size: int, faults: Faults | None = None,
-                    policy: FaultPolicy | None = None):
+def _compiled_chunk(
+    algorithm: FederatedRun,
+    num_clients: int,
+    cohort_size: int,
+    faults: Faults | None = None,
+    policy: FaultPolicy | None = None,
+):
     """The jitted scan over a chunk of rounds, cached with the run (:func:`run_jit`) so that later calls of
     :func:`run_rounds` (a run continued in segments, or a later identical ``fed_fit`` that reuses the built
     run) reuse its compilation. A run is immutable after ``build`` and its settings travel in the carry, so
     when the chunk is traced does not matter."""
+
     def make():
         def chunk(carry, ks, clients, base_key):
             # The client data enter as arguments, not closure constants, so XLA does not constant-fold them.
             round_fn = make_round(algorithm, clients, num_clients, cohort_size, base_key, faults, policy)
             return jax.lax.scan(round_fn, carry, ks)
+
         return chunk
 
     return run_jit(algorithm, ("chunk", num_clients, cohort_size, faults, policy), make)
@@ -549,8 +634,9 @@ class Stopped(FedbayesError):
     round, ``history`` the records of the good rounds and ``counts`` the bad round's ``active``,
     ``dropped``, ``nonfinite`` and ``too_large`` counts."""
 
-    def __init__(self, reason: str, round: int, carry: Any, history: dict[str, np.ndarray],
-                 counts: dict[str, int] | None = None):
+    def __init__(
+        self, reason: str, round: int, carry: Any, history: dict[str, np.ndarray], counts: dict[str, int] | None = None
+    ):
         super().__init__(f"{reason} at round {round}")
         self.reason, self.round, self.carry, self.history = reason, round, carry, history
         self.counts = counts if counts is not None else {}
@@ -580,23 +666,26 @@ _IDLE_CPU = 0.02  # the process is idle when it uses less than 2% of one core
 def stall_advice(stall_timeout: float) -> str:
     """What a :class:`StalledError` message says after naming what stalled: the likely cause, what to
     try, and what becomes of the process."""
-    return (f"made no progress for {stall_timeout:g} s: it is unfinished and the process has used no CPU in that "
-            "time, so the computation is deadlocked, not slow. The known cause is jaxlib's CPU LAPACK kernels "
-            "(Cholesky, triangular solves, LU, eigh over a batch of matrices): they split a large batch over "
-            "XLA's thread pool and deadlock when several such batches run at once. fedbayes' own E-steps avoid "
-            "them, but a model can still reach them (e.g. a MultivariateNormal whose covariance differs per "
-            "client or per row). Try fewer clients per round (clients_per_round=), which keeps the batches "
-            "small; or run the process on one core (e.g. `taskset -c 0 python ...`: slower, but XLA then never "
-            "splits a batch); or another jax/jaxlib version; and please report the model to the fedbayes "
-            "issue tracker. If the computation is legitimately idle that long (a host callback waiting, a long "
-            "accelerator kernel), raise stall_timeout or pass None. The stalled computation cannot be "
-            "cancelled: its threads stay blocked in this process, which will not exit normally (the interpreter "
-            "waits for them at shutdown); keep what you need and end it with os._exit(), or run fits in a "
-            "subprocess.")
+    return (
+        f"made no progress for {stall_timeout:g} s: it is unfinished and the process has used no CPU in that "
+        "time, so the computation is deadlocked, not slow. The known cause is jaxlib's CPU LAPACK kernels "
+        "(Cholesky, triangular solves, LU, eigh over a batch of matrices): they split a large batch over "
+        "XLA's thread pool and deadlock when several such batches run at once. fedbayes' own E-steps avoid "
+        "them, but a model can still reach them (e.g. a MultivariateNormal whose covariance differs per "
+        "client or per row). Try fewer clients per round (clients_per_round=), which keeps the batches "
+        "small; or run the process on one core (e.g. `taskset -c 0 python ...`: slower, but XLA then never "
+        "splits a batch); or another jax/jaxlib version; and please report the model to the fedbayes "
+        "issue tracker. If the computation is legitimately idle that long (a host callback waiting, a long "
+        "accelerator kernel), raise stall_timeout or pass None. The stalled computation cannot be "
+        "cancelled: its threads stay blocked in this process, which will not exit normally (the interpreter "
+        "waits for them at shutdown); keep what you need and end it with os._exit(), or run fits in a "
+        "subprocess."
+    )
 
 
-def wait_ready(tree: PyTree, stall_timeout: float | None, what: str, *,
-               rounds: tuple[int, int] | None = None) -> PyTree:
+def wait_ready(
+    tree: PyTree, stall_timeout: float | None, what: str, *, rounds: tuple[int, int] | None = None
+) -> PyTree:
     """``tree`` once its arrays are computed; :class:`StalledError` (naming ``what``) if they are not and the
     process has been idle for ``stall_timeout`` seconds (None: wait as long as it takes).
 
@@ -638,7 +727,9 @@ def wait_ready(tree: PyTree, stall_timeout: float | None, what: str, *,
     return jax.block_until_ready(tree)  # an error raised by the computation surfaces here
 
 
-def placed(carry: tuple[PyTree, PyTree, Message], base_key: jax.Array) -> tuple[tuple[PyTree, PyTree, Message], jax.Array]:
+def placed(
+    carry: tuple[PyTree, PyTree, Message], base_key: jax.Array
+) -> tuple[tuple[PyTree, PyTree, Message], jax.Array]:
     """The carry and the round key laid out as the rounds use them: the client states over the active
     mesh's devices (:func:`sharded_clients`), the server state, the broadcast and the key replicated."""
     server_state, client_states, broadcast = carry
@@ -708,8 +799,12 @@ def run_rounds(
         before, current = carry, ahead
         ahead = dispatch(current[0], *plan[i + 1]) if i + 1 < len(plan) else None
         try:
-            carry, rec = wait_ready(current, stall_timeout, f"{bar.label}: the chunk of rounds {first}..{first + length - 1}",
-                                    rounds=(first, first + length - 1))
+            carry, rec = wait_ready(
+                current,
+                stall_timeout,
+                f"{bar.label}: the chunk of rounds {first}..{first + length - 1}",
+                rounds=(first, first + length - 1),
+            )
         except StalledError as err:
             err.history = concat_records(records)
             raise
@@ -730,7 +825,11 @@ def run_rounds(
         if checks:  # the earliest bad round; on a tie, the fault count's verdict (it explains the other)
             bad, reason = min(checks, key=lambda c: (c[0], c[1] == "diverged"))
             records.append({name: v[:bad] for name, v in rec.items()})
-            good = run_chunk(before, np.arange(first, first + bad, dtype=np.int32), clients, base_key)[0] if bad else before
+            good = (
+                run_chunk(before, np.arange(first, first + bad, dtype=np.int32), clients, base_key)[0]
+                if bad
+                else before
+            )
             counts = {name: int(rec[name][bad]) for name in ("active", "dropped", "nonfinite", "too_large")}
             raise Stopped(reason, first + bad, good, concat_records(records), counts)
         records.append(rec)

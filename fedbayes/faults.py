@@ -58,7 +58,8 @@ class Faults:
 
     ``drop``: the upload is lost; ``nan``: every float of the upload becomes NaN; ``large``: the upload
     is multiplied by ``large_scale`` (finite and absurd by default; a moderate negative scale such as
-    -10 is a simple Byzantine attack that passes the screen, for testing robust aggregation). The draws use a key stream of their own, a
+    -10 is a simple Byzantine attack that passes the screen, for testing robust aggregation). The draws use a key stream
+    of their own, a
     function of the seed and the round, so a fit with faults is reproducible and the fault-free key
     streams (cohort, client, server) are unchanged.
     """
@@ -69,8 +70,10 @@ class Faults:
     large_scale: float = 1e20
 
     def __post_init__(self):
-        total = sum(float(require_fraction(getattr(self, n), f"Faults.{n} (a probability)", closed_high=True))
-                    for n in ("drop", "nan", "large"))
+        total = sum(
+            float(require_fraction(getattr(self, n), f"Faults.{n} (a probability)", closed_high=True))
+            for n in ("drop", "nan", "large")
+        )
         if total > 1.0:
             raise ConfigError(f"Faults probabilities sum to {total:g} > 1; each member has one fault at most")
         if not is_real(self.large_scale) or not abs(self.large_scale) > 1:
@@ -80,7 +83,9 @@ class Faults:
         """The injected fault kind of each of ``size`` members (OK, DROPPED, NONFINITE or TOO_LARGE)."""
         u = jax.random.uniform(key, (size,))
         edges = jnp.cumsum(jnp.asarray([self.drop, self.nan, self.large]))
-        return jnp.where(u < edges[0], DROPPED, jnp.where(u < edges[1], NONFINITE, jnp.where(u < edges[2], TOO_LARGE, OK)))
+        return jnp.where(
+            u < edges[0], DROPPED, jnp.where(u < edges[1], NONFINITE, jnp.where(u < edges[2], TOO_LARGE, OK))
+        )
 
     def corrupt(self, payload: Any, kind: jax.Array) -> Any:
         """The uploads as the server receives them: NaN or scaled rows where injected."""
@@ -154,8 +159,11 @@ def upper_median(values: jax.Array, mask: jax.Array) -> jax.Array:
 
 def screen(payload: Any, received: jax.Array, policy: FaultPolicy) -> jax.Array:
     """The fault kind of each received upload: NONFINITE, TOO_LARGE or OK (not-received rows: OK)."""
-    leaves = [jnp.reshape(x, (x.shape[0], -1)) for x in jax.tree_util.tree_leaves(payload)
-              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    leaves = [
+        jnp.reshape(x, (x.shape[0], -1))
+        for x in jax.tree_util.tree_leaves(payload)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
     if not leaves:
         return jnp.zeros(received.shape, jnp.int32)
     flat = jnp.concatenate(leaves, axis=1)
@@ -201,7 +209,9 @@ class Aggregation:
     def __call__(self, values: jax.Array, include: jax.Array) -> jax.Array:
         """Coordinate-wise centre of the included rows of ``values`` (axis 0); ``include`` broadcasts
         against ``values``. Coordinates with no included row give 0."""
-        include = jnp.broadcast_to(jnp.reshape(include, include.shape + (1,) * (values.ndim - include.ndim)), values.shape)
+        include = jnp.broadcast_to(
+            jnp.reshape(include, include.shape + (1,) * (values.ndim - include.ndim)), values.shape
+        )
         k = jnp.sum(include, axis=0)
         if self.rule == "mean":
             return jnp.sum(jnp.where(include, values, 0.0), axis=0) / jnp.maximum(k, 1)
@@ -224,7 +234,9 @@ def as_aggregation(value: Any) -> Aggregation:
         return Aggregation(value)
     if is_real(value):
         return Aggregation("trimmed", float(value))
-    raise ConfigError(f"aggregation must be 'mean', 'median', 'trimmed', a trim fraction or fb.Aggregation, got {value!r}")
+    raise ConfigError(
+        f"aggregation must be 'mean', 'median', 'trimmed', a trim fraction or fb.Aggregation, got {value!r}"
+    )
 
 
 def fault_weight(info: Any, dtype: Any) -> jax.Array:

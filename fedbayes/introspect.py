@@ -39,7 +39,8 @@ import threading
 import warnings
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,7 @@ def serialized(fn: _F) -> _F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
 
 _LOCAL_FLAG = "fedbayes_local"
 
@@ -389,7 +391,6 @@ def sum_log_prob(site: dict[str, Any]) -> jax.Array:
     return jnp.sum(lp)
 
 
-
 def _event_ok(fn: Any, value: jax.Array, transform: Transform) -> jax.Array:
     """Per element of ``value`` (broadcast to its shape): True where the value's event is finite,
     inside the support and maps to a finite unconstrained point."""
@@ -401,8 +402,6 @@ def _event_ok(fn: Any, value: jax.Array, transform: Transform) -> jax.Array:
     u_axes = tuple(range(len(fn.batch_shape), jnp.ndim(u)))
     ok = ok & jnp.all(jnp.isfinite(u), axis=u_axes)
     return jnp.reshape(ok, ok.shape + (1,) * len(fn.event_shape))
-
-
 
 
 def _median(fn: Any) -> jax.Array | None:
@@ -421,7 +420,7 @@ def _median(fn: Any) -> jax.Array | None:
             med = base.loc
         else:
             med = base.icdf(jnp.full(base.batch_shape, 0.5))
-    except Exception:  # noqa: BLE001 - no closed-form quantile (e.g. it needs tensorflow_probability)
+    except Exception:
         return None
     return jnp.broadcast_to(jnp.asarray(med, jnp.result_type(float)), shape)
 
@@ -441,13 +440,13 @@ def prior_centre(fn: Any, transform: Transform | None = None) -> jax.Array:
     if getattr(fn.support, "is_discrete", False):  # discrete globals are refused by FedModel.require
         try:
             return jnp.broadcast_to(jnp.asarray(fn.enumerate_support(expand=False)[0], dtype), shape)
-        except Exception:  # noqa: BLE001
+        except Exception:
             return fallback
     out = fallback
     for candidate in (_median, lambda f: f.mean):  # the later candidate wins where it is valid
         try:
             value = candidate(fn)
-        except Exception:  # noqa: BLE001 - e.g. NotImplementedError, a ZeroDivisionError in a formula
+        except Exception:
             value = None
         if value is None:
             continue
@@ -500,8 +499,9 @@ class FedModel:
                 f"The model is called as model(**client_data, **model_kwargs) with data keys {list(data.keys)}."
             ) from err
         self.subsample_size = self._subsample_size(whole.subsampled)
-        self.pytree_params = {name: pytree_leaf_names(name, site["value"]) for name, site in tr.items()
-                              if site["type"] == "pytree_param"}
+        self.pytree_params = {
+            name: pytree_leaf_names(name, site["value"]) for name, site in tr.items() if site["type"] == "pytree_param"
+        }
         self.data_plates = self._find_data_plates(tr, tr_longer)
         self._check_subsampled_plates(whole.subsampled)
         self.sites: dict[str, Site] = {}
@@ -524,17 +524,21 @@ class FedModel:
         which the algorithms that take them draw themselves (:mod:`fedbayes.minibatch`); the others
         refuse the model (:meth:`require`)."""
         if len(set(subsampled.values())) > 1:
-            raise ModelError(f"plates {sorted(subsampled)} subsample different numbers of rows ({dict(subsampled)}); "
-                             "fedbayes draws one minibatch of each client's rows per step: give one subsample_size")
+            raise ModelError(
+                f"plates {sorted(subsampled)} subsample different numbers of rows ({dict(subsampled)}); "
+                "fedbayes draws one minibatch of each client's rows per step: give one subsample_size"
+            )
         return next(iter(subsampled.values()), None)
 
     def _check_subsampled_plates(self, subsampled: Mapping[str, int]) -> None:
         """A plate with ``subsample_size`` must run over the client's rows (a data plate)."""
         for name, size in subsampled.items():
             if name not in self.data_plates:
-                raise ModelError(f"plate '{name}' has subsample_size={size} but does not run over the "
-                                 "client's rows; fedbayes draws minibatches of a client's rows only (subsample the "
-                                 "plate over the observations)")
+                raise ModelError(
+                    f"plate '{name}' has subsample_size={size} but does not run over the "
+                    "client's rows; fedbayes draws minibatches of a client's rows only (subsample the "
+                    "plate over the observations)"
+                )
 
     @staticmethod
     def _find_data_plates(tr, tr_longer) -> frozenset[str]:
@@ -556,7 +560,8 @@ class FedModel:
                 raise ModelError(
                     f"site '{name}' is mutable state (numpyro.mutable, e.g. a flax module's batch_stats through "
                     "flax_module(..., mutable=[...])), which fedbayes does not carry between clients and rounds; "
-                    "use a module without mutable collections (e.g. LayerNorm instead of BatchNorm)")
+                    "use a module without mutable collections (e.g. LayerNorm instead of BatchNorm)"
+                )
             if site["type"] not in ("sample", "param"):
                 continue
             in_data_plate = any(f.name in self.data_plates for f in site["cond_indep_stack"])
@@ -564,7 +569,8 @@ class FedModel:
                 raise ModelError(
                     f"{site['type']} site '{name}' holds a pytree of arrays, which fedbayes handles only as a "
                     "numpyro.param with an initial value (one site per leaf, e.g. flax_module's parameters): give a "
-                    "sample site one array each, and a param its initial value rather than an init function")
+                    "sample site one array each, and a param its initial value rather than an init function"
+                )
             shape = tuple(jnp.shape(site["value"]))
             grows = tuple(jnp.shape(tr_longer[name]["value"])) != shape if name in tr_longer else False
             if site["type"] == "sample" and site["is_observed"]:
@@ -613,7 +619,9 @@ class FedModel:
         def density(values):
             t = _trace(self.model, example, substitutions=values)
             terms = [jnp.sum(site["fn"].log_prob(site["value"])) for site in t.values() if site["type"] == "sample"]
-            terms += [jnp.sum(jnp.asarray(site["value"], float)) for site in t.values() if site["type"] == "deterministic"]
+            terms += [
+                jnp.sum(jnp.asarray(site["value"], float)) for site in t.values() if site["type"] == "deterministic"
+            ]
             return sum(terms, jnp.zeros(()))
 
         shapes = {n: jax.ShapeDtypeStruct(jnp.shape(tr[n]["value"]), jnp.result_type(tr[n]["value"])) for n in leaves}
@@ -621,8 +629,11 @@ class FedModel:
         inert = [n for n in leaves if n not in used]
         for n in inert:
             del self.sites[n]
-        self.pytree_params = {name: (names, treedef) for name, (names, treedef) in self.pytree_params.items()
-                              if any(n in used for n in names)}
+        self.pytree_params = {
+            name: (names, treedef)
+            for name, (names, treedef) in self.pytree_params.items()
+            if any(n in used for n in names)
+        }
 
     def _classify_deterministic(self, tr, tr_longer) -> None:
         """Record the ``numpyro.deterministic`` sites (:attr:`deterministic`) and the row axis of every
@@ -644,8 +655,9 @@ class FedModel:
             return
         leaf = lambda n: jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(tr[n]["value"]))  # noqa: E731
         arrays = [n for n in names if leaf(n)]
-        latents = {n: jax.ShapeDtypeStruct(jnp.shape(tr[n]["value"]), jnp.result_type(tr[n]["value"]))
-                   for n in self.sites}
+        latents = {
+            n: jax.ShapeDtypeStruct(jnp.shape(tr[n]["value"]), jnp.result_type(tr[n]["value"])) for n in self.sites
+        }
         example = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self._example.items()}
 
         def values(latents, data):
@@ -655,13 +667,13 @@ class FedModel:
         labels = jax.tree_util.tree_leaves(({n: self.sites[n].role for n in latents}, {k: "data" for k in example}))
         try:
             deps = dict(zip(arrays, _input_dependence(jax.make_jaxpr(values)(latents, example), labels)))
-        except Exception:  # noqa: BLE001 - not traceable with abstract inputs: assume it depends on everything
-            deps = {n: frozenset(["data", "local"] + (["obs_latent"] if self.obs_latent_names else []))
-                    for n in arrays}
+        except Exception:
+            deps = {n: frozenset(["data", "local"] + (["obs_latent"] if self.obs_latent_names else [])) for n in arrays}
         for name in names:
             if name not in deps:
-                self.deterministic[name] = Deterministic(name, (), True, None, False, False,
-                                                         "it holds a pytree, not one array")
+                self.deterministic[name] = Deterministic(
+                    name, (), True, None, False, False, "it holds a pytree, not one array"
+                )
                 continue
             shape = tuple(jnp.shape(tr[name]["value"]))
             longer = tuple(jnp.shape(tr_longer[name]["value"])) if name in tr_longer else None
@@ -669,9 +681,18 @@ class FedModel:
             dep = deps[name]
             per_client = bool(dep & {"data", "local", "obs_latent"}) or axis is not None or not regular
             obs_latent = "obs_latent" in dep
-            note = ("its shape follows the client's row count in another way than one entry per row, so a "
-                    "padded client cannot be cut back to its rows") if not regular else (
-                    "it depends on per-observation latent sites, whose posterior draws are not kept" if obs_latent else "")
+            note = (
+                (
+                    "its shape follows the client's row count in another way than one entry per row, so a "
+                    "padded client cannot be cut back to its rows"
+                )
+                if not regular
+                else (
+                    "it depends on per-observation latent sites, whose posterior draws are not kept"
+                    if obs_latent
+                    else ""
+                )
+            )
             self.row_axes[name] = axis
             self.deterministic[name] = Deterministic(name, shape, per_client, axis, regular, obs_latent, note)
 
@@ -680,12 +701,15 @@ class FedModel:
         if not left_out:
             return
         warnings.warn(
-            "deterministic sites " + "; ".join(f"'{n}': {d.note}" for n, d in left_out.items())
+            "deterministic sites "
+            + "; ".join(f"'{n}': {d.note}" for n, d in left_out.items())
             + ". They are left out of res.idata.posterior"
             + (" and of predictions for all clients at once" if any(not d.paddable for d in left_out.values()) else "")
             + "; res.predict(new_data) for one client returns them. To have them in idata, compute them from "
             "per-row values inside the data plate, and pass data-size constants through model_kwargs.",
-            UserWarning, stacklevel=_user_stacklevel())
+            UserWarning,
+            stacklevel=_user_stacklevel(),
+        )
 
     def _deterministic_rows(self, tr, rows: int) -> dict[str, jax.Array]:
         """The paddable deterministic sites' values, cut to the first ``rows`` rows along their row axis."""
@@ -731,8 +755,11 @@ class FedModel:
         padded = {k: np.concatenate([v, np.repeat(v[-1:], extra, axis=0)]) for k, v in rows.items()}
 
         def latents(tr) -> Params:
-            return {name: site["value"] for name, site in tr.items()
-                    if site["type"] in ("sample", "param") and not site.get("is_observed")}
+            return {
+                name: site["value"]
+                for name, site in tr.items()
+                if site["type"] in ("sample", "param") and not site.get("is_observed")
+            }
 
         def base(data):
             tr = _trace(self.model, {**data, **self.model_kwargs})
@@ -756,8 +783,9 @@ class FedModel:
         try:
             terms, values, recorded = jax.jit(base)(rows)
         except Exception as err:  # the model fails on client 0's own rows
-            raise ModelError(f"calling the model on client 0's data ({n} rows) failed with "
-                             f"{type(err).__name__}: {err}") from err
+            raise ModelError(
+                f"calling the model on client 0's data ({n} rows) failed with {type(err).__name__}: {err}"
+            ) from err
         terms_padded, recorded_padded = jax.jit(again)(padded, values)
         tol = 1e-4 if jnp.result_type(float) == jnp.float32 else 1e-9
         for name, value in terms.items():
@@ -765,36 +793,46 @@ class FedModel:
             if got is None or np.isclose(value, float(got), rtol=tol, atol=tol, equal_nan=True):
                 continue
             in_plate = any(f.name in self.data_plates for f in tr[name]["cond_indep_stack"])
-            where = ("its log-density on the real rows depends on the other rows (e.g. a parameter computed "
-                     "from a reduction over the data)" if in_plate else
-                     "it is outside the data plate but its log-density depends on the client's rows "
-                     "(e.g. numpyro.factor of a sum over the data, obs=y.mean(), or a term using x.shape[0])")
+            where = (
+                "its log-density on the real rows depends on the other rows (e.g. a parameter computed "
+                "from a reduction over the data)"
+                if in_plate
+                else "it is outside the data plate but its log-density depends on the client's rows "
+                "(e.g. numpyro.factor of a sum over the data, obs=y.mean(), or a term using x.shape[0])"
+            )
             raise ModelError(
                 f"site '{name}': {where}. Clients are padded to a common length and only sites inside a "
                 f"data plate are masked, so this term would silently count padded rows (client 0: "
                 f"{value:.6g} on its {n} rows, {float(got):.6g} once padded). Write the likelihood per "
                 "observation inside `with numpyro.plate('obs', n):` (e.g. numpyro.sample('y', dist.Normal(mu, s), "
                 "obs=y) or numpyro.factor('lik', per_row_log_lik) inside the plate), and pass data-size constants "
-                "through model_kwargs.")
+                "through model_kwargs."
+            )
         for name, value in recorded.items():  # deterministic sites: not refused, but not computed padded
             got = recorded_padded[name]
-            if jnp.shape(got) == jnp.shape(value) and np.allclose(np.asarray(value, float), np.asarray(got, float),
-                                                                  rtol=tol, atol=tol, equal_nan=True):
+            if jnp.shape(got) == jnp.shape(value) and np.allclose(
+                np.asarray(value, float), np.asarray(got, float), rtol=tol, atol=tol, equal_nan=True
+            ):
                 continue
             self.deterministic[name] = dataclasses.replace(
-                self.deterministic[name], paddable=False,
+                self.deterministic[name],
+                paddable=False,
                 note="its value on a client's real rows changes when the client's data are padded (e.g. a mean "
-                     "over the rows, or x.shape[0])")
+                "over the rows, or x.shape[0])",
+            )
 
-    def require(self, algorithm: str, *, local_continuous: bool = True, allow_obs_latent: bool = False,
-                minibatch: bool = False) -> None:
+    def require(
+        self, algorithm: str, *, local_continuous: bool = True, allow_obs_latent: bool = False, minibatch: bool = False
+    ) -> None:
         """Raise ModelError if the model has sites ``algorithm`` cannot handle, naming the site, or asks for
         minibatches (a plate's ``subsample_size``) that ``algorithm`` does not draw (``minibatch=False``)."""
         if self.subsample_size is not None and not minibatch:
             raise ModelError(
                 f"the model's data plate subsamples {self.subsample_size} rows (subsample_size={self.subsample_size}), "
                 f"but {algorithm} evaluates every client's likelihood on all of its rows; remove subsample_size, or "
-                "use an algorithm that takes minibatch steps (fb.FedSOUL, FedRep, the Langevin samplers, TAMUNA, GD, FedAvg)")
+                "use an algorithm that takes minibatch steps "
+                "(fb.FedSOUL, FedRep, the Langevin samplers, TAMUNA, GD, FedAvg)"
+            )
         for site in self.sites.values():
             if site.role == "obs_latent" and not allow_obs_latent:
                 raise ModelError(
@@ -813,7 +851,8 @@ class FedModel:
             raise ModelError(
                 f"{algorithm} needs at least one global site to estimate or sample, and the model has none "
                 f"(its latent sites: {sorted(self.sites) or 'none'}); add a global sample site with a prior "
-                "outside fb.local() or a numpyro.param")
+                "outside fb.local() or a numpyro.param"
+            )
 
     # ----------------------------------------------------------------------------- transforms
     def _constrain(self, u: Params) -> Params:
@@ -865,7 +904,9 @@ class FedModel:
         values = dict(values or {})
         unknown = set(values) - set(self.global_names)
         if unknown:
-            raise ModelError(f"initial values given for {sorted(unknown)}, which are not global sites {list(self.global_names)}")
+            raise ModelError(
+                f"initial values given for {sorted(unknown)}, which are not global sites {list(self.global_names)}"
+            )
         dtype = jnp.result_type(float)
         given = {}
         for n, v in values.items():
@@ -952,7 +993,9 @@ class FedModel:
         tr = handlers.trace(DataMask(fn, mask, self.data_plates)).get_trace(**data, **self.model_kwargs)
         return sum((sum_log_prob(tr[n]) for n in self.observed), jnp.zeros(()))
 
-    def pointwise_loglik(self, values_c: Mapping[str, Any], data: Mapping[str, jax.Array], mask: jax.Array) -> jax.Array:
+    def pointwise_loglik(
+        self, values_c: Mapping[str, Any], data: Mapping[str, jax.Array], mask: jax.Array
+    ) -> jax.Array:
         """log p(y_ij | theta, z_i) per observation j of one padded client, (max_size,), padded rows 0.
 
         ``values_c`` are constrained values of the globals and locals. Every observed site must sit in
@@ -974,12 +1017,15 @@ class FedModel:
         if self.obs_latent_names:
             raise ModelError(
                 f"per-observation log-likelihoods need the latent sites {list(self.obs_latent_names)} summed out, "
-                "which is not derived for this model; they are available for models without per-observation latents")
+                "which is not derived for this model; they are available for models without per-observation latents"
+            )
         tr = self._client_trace({}, self._example, jnp.ones(next(iter(self._example.values())).shape[0], bool))
         for name in self.observed:
             if not any(f.name in self.data_plates for f in tr[name]["cond_indep_stack"]):
-                raise ModelError(f"observed site '{name}' is not inside the data plate, so it has no value per "
-                                 "observation; put it under numpyro.plate over the client's rows")
+                raise ModelError(
+                    f"observed site '{name}' is not inside the data plate, so it has no value per "
+                    "observation; put it under numpyro.plate over the client's rows"
+                )
 
     def sample_observed(self, key: jax.Array, values_c: Mapping[str, Any], data: Mapping[str, jax.Array]) -> Params:
         """Draw the observed sites afresh at the client's inputs given constrained ``values_c``
@@ -988,8 +1034,14 @@ class FedModel:
         tr = handlers.trace(fn).get_trace(**data, **self.model_kwargs)
         return {n: tr[n]["value"] for n in self.observed}
 
-    def trace_values(self, values_c: Mapping[str, Any], data: Mapping[str, jax.Array], names: Sequence[str],
-                     key: jax.Array | int = 0, locals_at_mean: bool = False) -> Params:
+    def trace_values(
+        self,
+        values_c: Mapping[str, Any],
+        data: Mapping[str, jax.Array],
+        names: Sequence[str],
+        key: jax.Array | int = 0,
+        locals_at_mean: bool = False,
+    ) -> Params:
         """The named sites' values when the model runs on ``data`` with the constrained latent values
         ``values_c`` substituted and ``key`` for every other random choice (observed sites whose data are
         not given, a new client's locals drawn from p(z | theta), per-observation latents): one draw of
@@ -999,7 +1051,8 @@ class FedModel:
         recorded = getattr(self, "deterministic", {})  # a FedModel pickled before it recorded them has none
         values = {k: v for k, v in values_c.items() if k not in recorded}
         tr = handlers.trace(handlers.seed(self.substituted(values, locals_at_mean), key)).get_trace(
-            **data, **self.model_kwargs)
+            **data, **self.model_kwargs
+        )
         return {n: tr[n]["value"] for n in names}
 
     def substituted(self, values_c: Mapping[str, Any], locals_at_mean: bool = False) -> Callable:
@@ -1057,5 +1110,7 @@ class FedModel:
 
     def federated_log_density(self, theta_u: Params, z_u_stacked: Params, data: FederatedData) -> jax.Array:
         """log p(theta) + sum_i log p(D_i, z_i | theta): the federated target over all clients."""
-        per_client = jax.vmap(self.client_log_joint, in_axes=(None, 0, 0, 0))(theta_u, z_u_stacked, data.padded, data.mask)
+        per_client = jax.vmap(self.client_log_joint, in_axes=(None, 0, 0, 0))(
+            theta_u, z_u_stacked, data.padded, data.mask
+        )
         return self.log_prior(theta_u) + jnp.sum(per_client)

@@ -12,7 +12,8 @@ The mean is exact; the covariance is inflated by O(gamma).
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +48,8 @@ stationary law is unchanged; far out, where a
 gradient growing faster than linearly (an exp link: Poisson rates, log-normal scales) would make the
 move overshoot and overflow (or, under MALA, be rejected again and again), each move goes at most that
 far towards the mode. The price: a chain started hundreds of standard deviations out (a random effect
-in ms drawn from a unit-scale prior) crawls there at about 2.5 whitened units per move at gamma = 0.1 (5.7 at gamma = 1). Tried: 50,
+in ms drawn from a unit-scale prior) crawls there at about 2.5 whitened units per move at gamma = 0.1 (5.7 at gamma =
+1). Tried: 50,
 which lets such chains jump but leaves MALA chains under an exp link stuck on rejected overshoots."""
 
 
@@ -93,9 +95,17 @@ class LangevinPoint(NamedTuple):
     aux: Any = ()
 
 
-def langevin_move(key: jax.Array, point: LangevinPoint, evaluate: Callable[[PyTree], tuple[Any, PyTree, Any]],
-                  step_size: jax.Array | float, root: jax.Array | None = None, *, adjusted: bool = False,
-                  tame: bool = False, noise: bool = True) -> tuple[LangevinPoint, jax.Array]:
+def langevin_move(
+    key: jax.Array,
+    point: LangevinPoint,
+    evaluate: Callable[[PyTree], tuple[Any, PyTree, Any]],
+    step_size: jax.Array | float,
+    root: jax.Array | None = None,
+    *,
+    adjusted: bool = False,
+    tame: bool = False,
+    noise: bool = True,
+) -> tuple[LangevinPoint, jax.Array]:
     """One Langevin move from ``point``, Metropolis-adjusted (MALA) or not (ULA).
 
     The proposal is, in the coordinates u with x = x_0 + R u (R = ``root``, the identity when None),
@@ -129,8 +139,9 @@ def langevin_move(key: jax.Array, point: LangevinPoint, evaluate: Callable[[PyTr
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in jax.tree_util.tree_leaves(new)]))
     if adjusted:
         back = du + drift(new.grad)
-        log_ratio = (new.log_density - point.log_density
-                     - jnp.sum(back * back) / (4.0 * step_size) + 0.5 * jnp.sum(xi * xi))
+        log_ratio = (
+            new.log_density - point.log_density - jnp.sum(back * back) / (4.0 * step_size) + 0.5 * jnp.sum(xi * xi)
+        )
         prob = jnp.where(finite & ~jnp.isnan(log_ratio), jnp.exp(jnp.minimum(log_ratio, 0.0)), 0.0)
         accept = jax.random.uniform(k_accept, (), flat.dtype) < prob
     else:
@@ -139,8 +150,9 @@ def langevin_move(key: jax.Array, point: LangevinPoint, evaluate: Callable[[PyTr
     return jax.tree_util.tree_map(lambda a, b: jnp.where(accept, a, b), new, point), prob
 
 
-def backtrack(f: Callable[[jax.Array], jax.Array], x: jax.Array, d: jax.Array, fx: jax.Array,
-              num: int = 11) -> jax.Array:
+def backtrack(
+    f: Callable[[jax.Array], jax.Array], x: jax.Array, d: jax.Array, fx: jax.Array, num: int = 11
+) -> jax.Array:
     """x + 2^-j d for the first j in 0..num-1 at which f is finite and no lower than ``fx`` = f(x); x
     itself if there is none (or ``fx`` is not finite). Flat x and d; the candidates are evaluated at once."""
     alphas = 2.0 ** -jnp.arange(num, dtype=x.dtype)
@@ -192,6 +204,7 @@ def power_iteration(
     Returns ``(|lambda_max| estimate, unit eigenvector estimate)``; warm-start with the previous
     eigenvector to track a slowly changing Hessian with few iterations.
     """
+
     def body(_, carry):
         v, _lam = carry
         hv = hvp(v)
@@ -272,8 +285,12 @@ class ULA(MCMCKernel):
         key_init, key = jax.random.split(rng_key)
         if self._model is not None:
             info, potential_fn_gen, postprocess_fn, _ = initialize_model(
-                key_init, self._model, init_strategy=self._init_strategy, dynamic_args=True,
-                model_args=model_args, model_kwargs=model_kwargs,
+                key_init,
+                self._model,
+                init_strategy=self._init_strategy,
+                dynamic_args=True,
+                model_args=model_args,
+                model_kwargs=model_kwargs,
             )
             potential_fn = potential_fn_gen(*model_args, **model_kwargs)
             self._postprocess_fn = postprocess_fn

@@ -109,8 +109,10 @@ def resolve(batch_size: int | None, model: Any, rows: int, algorithm: str) -> Mi
     ``subsample_size`` (they must agree when both are given); None for both is the full batch."""
     from_model = getattr(model, "subsample_size", None)
     if batch_size is not None and from_model is not None and batch_size != from_model:
-        raise ConfigError(f"{algorithm} batch_size={batch_size} but the model's plate has subsample_size={from_model}; "
-                          "give the batch size in one place")
+        raise ConfigError(
+            f"{algorithm} batch_size={batch_size} but the model's plate has subsample_size={from_model}; "
+            "give the batch size in one place"
+        )
     size = batch_size if batch_size is not None else from_model
     return Minibatch(None if size is None else int(size), int(rows))
 

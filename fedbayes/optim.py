@@ -7,7 +7,8 @@ Updates are *added* to the parameters and ``update`` receives the gradient of th
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -90,9 +91,14 @@ def resolve(optimizer: str | Any, lr: float | Schedule) -> Any:
 
 
 # ------------------------------------------------------------------------------ Fisher scoring
-def newton_direction(information: jax.Array, grad: jax.Array, radius: float | jax.Array | None = None,
-                     floor: float = 1e-8, nonlinear: jax.Array | None = None,
-                     max_nonlinear_step: float | None = None) -> tuple[jax.Array, jax.Array]:
+def newton_direction(
+    information: jax.Array,
+    grad: jax.Array,
+    radius: float | jax.Array | None = None,
+    floor: float = 1e-8,
+    nonlinear: jax.Array | None = None,
+    max_nonlinear_step: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """The safeguarded Newton (Fisher-scoring) step ``delta`` of an ascent on l with gradient ``grad`` and
     (estimated) information ``information`` ~ -grad^2 l, and the Newton decrement of the full step.
 

@@ -5,6 +5,8 @@ item, for :meth:`fedbayes.FederatedData.from_pooled` or ``FederatedData.from_dat
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from numpy.typing import ArrayLike
 
@@ -50,8 +52,7 @@ def partition_iid(num_items: int, num_clients: int, *, seed: int = 0) -> np.ndar
     num_clients = _check_int("num_clients", num_clients, 1)
     if num_clients > num_items:
         raise ConfigError(
-            f"num_clients={num_clients} exceeds num_items={num_items}; some clients would be "
-            "empty. Lower num_clients."
+            f"num_clients={num_clients} exceeds num_items={num_items}; some clients would be empty. Lower num_clients."
         )
     rng = np.random.default_rng(_check_int("seed", seed, 0))
     ids = np.empty(num_items, dtype=np.int64)
@@ -132,8 +133,13 @@ def shard_classes(num_classes: int, num_clients: int, classes_per_client: int, r
     of the ``K`` class indices (from ``rng``), client ``i`` holds classes ``perm[(i * S + j) % K]``, ``j < S``.
     Returns the class indices held, ``(num_clients, S)``."""
     perm = rng.permutation(num_classes)
-    return np.array([[perm[(i * classes_per_client + j) % num_classes] for j in range(classes_per_client)]
-                     for i in range(num_clients)], dtype=np.int64).reshape(num_clients, classes_per_client)
+    return np.array(
+        [
+            [perm[(i * classes_per_client + j) % num_classes] for j in range(classes_per_client)]
+            for i in range(num_clients)
+        ],
+        dtype=np.int64,
+    ).reshape(num_clients, classes_per_client)
 
 
 def partition_shards(
@@ -183,8 +189,7 @@ def partition_shards(
     num_classes = classes.size
     if per_client > num_classes:
         raise ConfigError(
-            f"classes_per_client={per_client} exceeds the {num_classes} classes in labels; "
-            f"use at most {num_classes}."
+            f"classes_per_client={per_client} exceeds the {num_classes} classes in labels; use at most {num_classes}."
         )
     if sizes is not None:
         if len(sizes) != num_clients:

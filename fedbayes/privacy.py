@@ -49,7 +49,8 @@ def _accounting() -> Any:
         import dp_accounting
     except ImportError:  # pragma: no cover - exercised only without the extra
         raise ConfigError(
-            'privacy accounting needs the dp-accounting package: pip install "fedbayes[privacy]"') from None
+            'privacy accounting needs the dp-accounting package: pip install "fedbayes[privacy]"'
+        ) from None
     return dp_accounting
 
 
@@ -100,8 +101,9 @@ def langevin_noise_multiplier(step_size: float, clip: float) -> float:
     """sqrt(2 / gamma) / C: the noise multiplier of one Langevin step with clipped client gradients
     (sensitivity gamma C of the drift, noise sd sqrt(2 gamma))."""
     if not (step_size > 0 and clip > 0):
-        raise ConfigError(f"a Langevin step's noise multiplier needs step_size > 0 and clip > 0, got "
-                          f"{step_size} and {clip}")
+        raise ConfigError(
+            f"a Langevin step's noise multiplier needs step_size > 0 and clip > 0, got {step_size} and {clip}"
+        )
     return math.sqrt(2.0 / step_size) / clip
 
 
@@ -112,8 +114,15 @@ def relation_for(num_clients: int, cohort_size: int) -> str:
     return "add-remove" if cohort_size >= num_clients else "replace"
 
 
-def _setting(delta: float, rounds: int, num_clients: int, cohort_size: int | None, sampling: str,
-             extra_rounds: int, accountant: str) -> tuple[int, str]:
+def _setting(
+    delta: float,
+    rounds: int,
+    num_clients: int,
+    cohort_size: int | None,
+    sampling: str,
+    extra_rounds: int,
+    accountant: str,
+) -> tuple[int, str]:
     """The checks :func:`epsilon` and :func:`noise_multiplier_for` share: ``(cohort, relation)``."""
     require_int(rounds, "rounds", 0)
     require_int(extra_rounds, "extra_rounds", 0)
@@ -129,13 +138,14 @@ def _setting(delta: float, rounds: int, num_clients: int, cohort_size: int | Non
         raise ConfigError(f"accountant must be one of {ACCOUNTANTS}, got {accountant!r}")
     relation = "add-remove" if sampling == "poisson" else relation_for(num_clients, cohort)
     if accountant == "pld" and relation == "replace":
-        raise ConfigError("the PLD accountant of dp-accounting has no sampling without replacement: use "
-                          "accountant='rdp' for fixed-size cohorts (clients_per_round < num_clients)")
+        raise ConfigError(
+            "the PLD accountant of dp-accounting has no sampling without replacement: use "
+            "accountant='rdp' for fixed-size cohorts (clients_per_round < num_clients)"
+        )
     return cohort, relation
 
 
-def _event(noise_multiplier: float, rounds: int, num_clients: int, cohort: int, sampling: str,
-           extra: int) -> Any:
+def _event(noise_multiplier: float, rounds: int, num_clients: int, cohort: int, sampling: str, extra: int) -> Any:
     """The DpEvent of ``rounds`` sampled rounds and ``extra`` rounds with every client (set-up, final)."""
     dpa = _accounting()
     if sampling == "poisson":
@@ -154,14 +164,21 @@ def _event(noise_multiplier: float, rounds: int, num_clients: int, cohort: int, 
 
 def _accountant(name: str, relation: str) -> Any:
     dpa = _accounting()
-    rel = (dpa.NeighboringRelation.ADD_OR_REMOVE_ONE if relation == "add-remove"
-           else dpa.NeighboringRelation.REPLACE_ONE)
+    rel = dpa.NeighboringRelation.ADD_OR_REMOVE_ONE if relation == "add-remove" else dpa.NeighboringRelation.REPLACE_ONE
     return (dpa.rdp.RdpAccountant if name == "rdp" else dpa.pld.PLDAccountant)(neighboring_relation=rel)
 
 
-def epsilon(noise_multiplier: float, *, delta: float, rounds: int, num_clients: int,
-            cohort_size: int | None = None, sampling: str = "fixed", extra_rounds: int = 0,
-            accountant: str = "rdp") -> float:
+def epsilon(
+    noise_multiplier: float,
+    *,
+    delta: float,
+    rounds: int,
+    num_clients: int,
+    cohort_size: int | None = None,
+    sampling: str = "fixed",
+    extra_rounds: int = 0,
+    accountant: str = "rdp",
+) -> float:
     """Epsilon at ``delta`` of ``rounds`` Gaussian mechanisms with noise multiplier sigma (noise sd /
     clip) on a cohort of ``cohort_size`` of ``num_clients`` clients (``sampling="fixed"``: uniformly
     without replacement, as the engine draws it; ``"poisson"``: each client independently with
@@ -182,8 +199,17 @@ RDP_ONLY_ABOVE = 64.0
 losses would need gigabytes; the Renyi DP bound is reported instead (an upper bound too)."""
 
 
-def _epsilon(sigma: float, delta: float, rounds: int, n: int, cohort: int, sampling: str, extra: int,
-             accountant: str, relation: str) -> float:
+def _epsilon(
+    sigma: float,
+    delta: float,
+    rounds: int,
+    n: int,
+    cohort: int,
+    sampling: str,
+    extra: int,
+    accountant: str,
+    relation: str,
+) -> float:
     rdp = _accountant("rdp", relation)
     rdp.compose(_event(sigma, rounds, n, cohort, sampling, extra))
     eps = float(rdp.get_epsilon(delta))
@@ -202,9 +228,17 @@ def _epsilon(sigma: float, delta: float, rounds: int, n: int, cohort: int, sampl
     return float(pld.get_epsilon(delta))
 
 
-def noise_multiplier_for(target_epsilon: float, *, delta: float, rounds: int, num_clients: int,
-                         cohort_size: int | None = None, sampling: str = "fixed", extra_rounds: int = 0,
-                         accountant: str = "rdp") -> float:
+def noise_multiplier_for(
+    target_epsilon: float,
+    *,
+    delta: float,
+    rounds: int,
+    num_clients: int,
+    cohort_size: int | None = None,
+    sampling: str = "fixed",
+    extra_rounds: int = 0,
+    accountant: str = "rdp",
+) -> float:
     """The smallest noise multiplier whose :func:`epsilon` is at most ``target_epsilon``, to about 1e-6
     relative (Brent's method on the accountant's epsilon, which falls as the multiplier grows), solved
     before a fit."""
@@ -213,8 +247,10 @@ def noise_multiplier_for(target_epsilon: float, *, delta: float, rounds: int, nu
     cohort, relation = _setting(delta, rounds, num_clients, cohort_size, sampling, extra_rounds, accountant)
     if rounds + extra_rounds == 0:
         return 0.0
-    eps = lambda s: _epsilon(s, delta, rounds, num_clients, cohort, sampling, extra_rounds, accountant,  # noqa: E731
-                             relation)
+
+    def eps(s):
+        return _epsilon(s, delta, rounds, num_clients, cohort, sampling, extra_rounds, accountant, relation)
+
     # Brent's method on log sigma (epsilon falls as sigma grows) in a bracket found by doubling, then
     # the root moved up by parts in 10^6 until the budget holds.
     low, high = 1.0, 1.0
@@ -263,8 +299,10 @@ class DP:
         if not (isinstance(self.clip, (int, float)) and math.isfinite(self.clip) and self.clip > 0):
             raise ConfigError(f"DP needs a finite clip > 0 (the L2 bound of an upload), got {self.clip!r}")
         if (self.noise_multiplier is None) == (self.epsilon is None):
-            raise ConfigError("DP takes exactly one of noise_multiplier (noise sd / clip) and epsilon (a target "
-                              f"budget), got noise_multiplier={self.noise_multiplier} and epsilon={self.epsilon}")
+            raise ConfigError(
+                "DP takes exactly one of noise_multiplier (noise sd / clip) and epsilon (a target "
+                f"budget), got noise_multiplier={self.noise_multiplier} and epsilon={self.epsilon}"
+            )
         if self.noise_multiplier is not None and not self.noise_multiplier >= 0:
             raise ConfigError(f"noise_multiplier must be >= 0, got {self.noise_multiplier}")
         if self.epsilon is not None and not self.epsilon > 0:
@@ -299,14 +337,21 @@ class _Mechanism:
 
     def _report(self, **extra: Any) -> dict[str, Any]:
         """``res.privacy``: epsilon at delta, sigma and C, then ``extra``, then the accountant."""
-        return {"epsilon": self.epsilon, "delta": self.delta, "noise_multiplier": self.sigma,
-                "clip": float(self.dp.clip), **extra, "accountant": self.dp.accountant}
+        return {
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "noise_multiplier": self.sigma,
+            "clip": float(self.dp.clip),
+            **extra,
+            "accountant": self.dp.accountant,
+        }
 
 
 class LangevinPrivacy(_Mechanism):
     """Client-level DP of a Langevin sampler's rounds (LMC): each client's upload, the gradients of all
     its chains, is clipped to L2 norm C (at the server, or by the client in the distributed mode,
-    :meth:`share`), and the (re-weighted) sum g is given the noise that the step's own noise lacks. A released iterate x' = x - gamma g + sqrt(2 gamma) z (and
+    :meth:`share`), and the (re-weighted) sum g is given the noise that the step's own noise lacks. A released iterate
+    x' = x - gamma g + sqrt(2 gamma) z (and
     so everything computed from the iterates) then is a Gaussian mechanism of sensitivity gamma w C, w
     the round's fault weight (1 when every client answers), with noise multiplier sigma:
 
@@ -326,8 +371,13 @@ class LangevinPrivacy(_Mechanism):
         self.releases = int(num_rounds) + 1
         self.inherent = langevin_noise_multiplier(self.gamma, dp.clip)
         self.delta = dp.resolved_delta(self.num_clients)
-        kw = dict(delta=self.delta, rounds=int(num_rounds), num_clients=self.num_clients, extra_rounds=1,
-                  accountant=dp.accountant)
+        kw = dict(
+            delta=self.delta,
+            rounds=int(num_rounds),
+            num_clients=self.num_clients,
+            extra_rounds=1,
+            accountant=dp.accountant,
+        )
         asked = dp.noise_multiplier if dp.noise_multiplier is not None else noise_multiplier_for(dp.epsilon, **kw)
         # centrally the step's own noise gives at least its multiplier; in the distributed mode that noise
         # is the server's own and does not count against it
@@ -338,8 +388,10 @@ class LangevinPrivacy(_Mechanism):
             warnings.warn(
                 "distributed DP with no secure aggregation (fed_fit, or Flower without fb.flower.SecAggPlus): the "
                 f"server sees each client's upload with 1/{self.num_clients} of the noise; the reported epsilon holds "
-                "for what the server releases (the iterates), not against the server itself", UserWarning,
-                stacklevel=2)
+                "for what the server releases (the iterates), not against the server itself",
+                UserWarning,
+                stacklevel=2,
+            )
 
     @property
     def distributed(self) -> bool:
@@ -386,8 +438,10 @@ class LangevinPrivacy(_Mechanism):
             if a > 0:
                 counts[int(a)] = counts.get(int(a), 0) + 1
         counts[self.num_clients] = counts.get(self.num_clients, 0) + 1  # the set-up's first move
-        events = [dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(self.sigma * math.sqrt(a / self.num_clients)), k)
-                  for a, k in sorted(counts.items())]
+        events = [
+            dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(self.sigma * math.sqrt(a / self.num_clients)), k)
+            for a, k in sorted(counts.items())
+        ]
         acc = _accountant(self.dp.accountant, "add-remove")
         acc.compose(dpa.ComposedDpEvent(events))
         return float(acc.get_epsilon(self.delta))
@@ -406,10 +460,13 @@ class LangevinPrivacy(_Mechanism):
             # distributed: a client's data zeroed while it still sends its share of the noise (removing the
             # client would take its share too, and the others' (n - 1) / n of the variance would be left)
             relation="zero-out" if self.distributed else "add-remove",
-            mechanism=("central: uploads clipped at the server, the Langevin step's noise counted, Gaussian "
-                       "noise added to the gradient sum where it falls short" if not self.distributed else
-                       "distributed: each client clips its upload and adds 1/n of the noise the gradient sum "
-                       "needs; the server sees each upload unless secure aggregation sums them"),
+            mechanism=(
+                "central: uploads clipped at the server, the Langevin step's noise counted, Gaussian "
+                "noise added to the gradient sum where it falls short"
+                if not self.distributed
+                else "distributed: each client clips its upload and adds 1/n of the noise the gradient sum "
+                "needs; the server sees each upload unless secure aggregation sums them"
+            ),
         )
 
 
@@ -424,18 +481,33 @@ class SumPrivacy(_Mechanism):
     ``extra_rounds`` releases of every client (a set-up exchange by the same mechanism). FedMM's
     weighted mean of statistics uses it with w = 1 / (n p) (see ``fb.FedMM``'s ``privacy``)."""
 
-    def __init__(self, dp: DP, num_rounds: int, num_clients: int, cohort_size: int, extra_rounds: int = 0,
-                 mechanism: str = "central: each client's gradient upload clipped at the server, Gaussian noise "
-                                  "on the re-weighted sum; the clients' objectives are not used, and no standard "
-                                  "errors", public: str | None = None):
+    def __init__(
+        self,
+        dp: DP,
+        num_rounds: int,
+        num_clients: int,
+        cohort_size: int,
+        extra_rounds: int = 0,
+        mechanism: str = "central: each client's gradient upload clipped at the server, Gaussian noise "
+        "on the re-weighted sum; the clients' objectives are not used, and no standard "
+        "errors",
+        public: str | None = None,
+    ):
         self.dp, self.num_clients, self.cohort = dp, int(num_clients), int(cohort_size)
         self.rounds, self.extra, self.mechanism = int(num_rounds), int(extra_rounds), mechanism
         self.public = public
         self.delta = dp.resolved_delta(self.num_clients)
-        kw = dict(delta=self.delta, rounds=self.rounds, num_clients=self.num_clients, cohort_size=self.cohort,
-                  extra_rounds=self.extra, accountant=dp.accountant)
-        self.sigma = float(dp.noise_multiplier if dp.noise_multiplier is not None
-                           else noise_multiplier_for(dp.epsilon, **kw))
+        kw = dict(
+            delta=self.delta,
+            rounds=self.rounds,
+            num_clients=self.num_clients,
+            cohort_size=self.cohort,
+            extra_rounds=self.extra,
+            accountant=dp.accountant,
+        )
+        self.sigma = float(
+            dp.noise_multiplier if dp.noise_multiplier is not None else noise_multiplier_for(dp.epsilon, **kw)
+        )
         self.epsilon = epsilon(self.sigma, **kw)
         self.secret = secret_key(dp.noise_seed)
 
@@ -453,5 +525,6 @@ class SumPrivacy(_Mechanism):
             # zeroed rather than removed (with full participation; a cohort's replace-one covers it)
             relation = "zero-out" if relation == "add-remove" else relation
             extra["public"] = self.public
-        return self._report(releases=self.rounds + self.extra, cohort=self.cohort, relation=relation,
-                            mechanism=self.mechanism, **extra)
+        return self._report(
+            releases=self.rounds + self.extra, cohort=self.cohort, relation=relation, mechanism=self.mechanism, **extra
+        )

@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -161,7 +162,7 @@ class FitParts:
     """(up, down) bits of the final exchange (set by the engine)."""
 
     @classmethod
-    def of(cls, parts: "FitParts | Mapping[str, Any]") -> "FitParts":
+    def of(cls, parts: FitParts | Mapping[str, Any]) -> FitParts:
         """``parts`` itself, or a mapping's entries as FitParts (an unknown name is a TypeError)."""
         if isinstance(parts, FitParts):
             return parts
@@ -169,9 +170,10 @@ class FitParts:
         if missing:
             raise TypeError(f"a run's result parts need {missing}; got {sorted(parts)}")
         return cls(params=parts["params"], params_last=parts["params_last"]).update(
-            {k: v for k, v in parts.items() if k not in ("params", "params_last")})
+            {k: v for k, v in parts.items() if k not in ("params", "params_last")}
+        )
 
-    def update(self, parts: Mapping[str, Any] | "FitParts") -> "FitParts":
+    def update(self, parts: Mapping[str, Any] | FitParts) -> FitParts:
         """Set the given fields (a mapping, or another FitParts' set fields); an unknown name is an error."""
         items = parts.items() if isinstance(parts, (Mapping, FitParts)) else parts
         for name, value in items:
@@ -289,13 +291,15 @@ class FederatedRun(abc.ABC):
         """The server's start, without any client's data: ``(server_state, payload to every client)``."""
 
     @abc.abstractmethod
-    def setup_client(self, stage: int, key: jax.Array, payload: PyTree, client_state: PyTree,
-                     client: ClientData) -> tuple[PyTree, PyTree]:
+    def setup_client(
+        self, stage: int, key: jax.Array, payload: PyTree, client_state: PyTree, client: ClientData
+    ) -> tuple[PyTree, PyTree]:
         """Set-up stage ``stage`` on one client (``client_state`` is None at stage 0): its state and upload."""
 
     @abc.abstractmethod
-    def setup_server_step(self, stage: int, key: jax.Array, server_state: PyTree,
-                          uploads: PyTree) -> tuple[PyTree, PyTree]:
+    def setup_server_step(
+        self, stage: int, key: jax.Array, server_state: PyTree, uploads: PyTree
+    ) -> tuple[PyTree, PyTree]:
         """The server's answer to stage ``stage``'s uploads (stacked over all clients in index order): its
         state and the next stage's payload, or after the last stage the first round's :class:`Message`."""
 
@@ -313,13 +317,15 @@ class FederatedRun(abc.ABC):
 
     # ------------------------------------------------------------------ a round
     @abc.abstractmethod
-    def client_step(self, key: jax.Array, broadcast: PyTree, client_state: PyTree,
-                    client: ClientData) -> tuple[PyTree, Message]:
+    def client_step(
+        self, key: jax.Array, broadcast: PyTree, client_state: PyTree, client: ClientData
+    ) -> tuple[PyTree, Message]:
         """One client's work in a round: its new state and its upload."""
 
     @abc.abstractmethod
-    def server_step(self, key: jax.Array, server_state: PyTree, uploads: Message,
-                    info: RoundInfo) -> tuple[PyTree, Message, dict[str, jax.Array]]:
+    def server_step(
+        self, key: jax.Array, server_state: PyTree, uploads: Message, info: RoundInfo
+    ) -> tuple[PyTree, Message, dict[str, jax.Array]]:
         """The server's step from the cohort's uploads: its state, the next broadcast, diagnostics."""
 
     def finish_message(self, payload: PyTree) -> PyTree:
@@ -327,8 +333,9 @@ class FederatedRun(abc.ABC):
         broadcast's decoded payload (default: the broadcast itself)."""
         return payload
 
-    def client_finish(self, reply: PyTree, client_state: PyTree, client: ClientData,
-                      upload: PyTree) -> tuple[PyTree, jax.Array]:
+    def client_finish(
+        self, reply: PyTree, client_state: PyTree, client: ClientData, upload: PyTree
+    ) -> tuple[PyTree, jax.Array]:
         """A cohort member's update from the reply (``replies``): its state and the reply's bits
         (default: unchanged, 0 bits)."""
         return client_state, jnp.zeros((), jnp.int32)
@@ -346,19 +353,22 @@ class FederatedRun(abc.ABC):
         """The payload to every client in the final exchange (``final_exchange``; default: nothing)."""
         return ()
 
-    def final_client(self, key: jax.Array, payload: PyTree, client_state: PyTree,
-                     client: ClientData) -> tuple[PyTree, PyTree]:
+    def final_client(
+        self, key: jax.Array, payload: PyTree, client_state: PyTree, client: ClientData
+    ) -> tuple[PyTree, PyTree]:
         """``(what stays with the client, its upload)`` in the final exchange (default: nothing)."""
         return (), ()
 
-    def final_server(self, key: jax.Array, server_state: PyTree, payload: PyTree, uploads: PyTree,
-                     locals_: PyTree | None) -> FitParts | dict[str, Any]:
+    def final_server(
+        self, key: jax.Array, server_state: PyTree, payload: PyTree, uploads: PyTree, locals_: PyTree | None
+    ) -> FitParts | dict[str, Any]:
         """:class:`FitParts` of the Result from the final exchange (default: none). ``uploads`` is None when a client
         did not answer on a network, ``locals_`` None where personal posteriors stay on their clients."""
         return {}
 
-    def record_parts(self, key: jax.Array, server_state: PyTree, problem: Problem,
-                     history: Mapping[str, np.ndarray]) -> FitParts | None:
+    def record_parts(
+        self, key: jax.Array, server_state: PyTree, problem: Problem, history: Mapping[str, np.ndarray]
+    ) -> FitParts | None:
         """:class:`FitParts` read off the server's round records (``history``: the samplers' draws) by a run that
         also has a final exchange (``final_exchange``), merged with :meth:`final_server`'s by
         :func:`with_final_parts` (default: none). The Flower server calls it; a run's :meth:`finalize` does
@@ -366,8 +376,14 @@ class FederatedRun(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def finalize(self, key: jax.Array, carry: tuple[PyTree, PyTree, Message], problem: Problem,
-                 history: Mapping[str, np.ndarray] | None = None) -> FitParts:
+    def finalize(
+        self,
+        key: jax.Array,
+        carry: tuple[PyTree, PyTree, Message],
+        problem: Problem,
+        history: Mapping[str, np.ndarray] | None = None,
+    ) -> FitParts:
         """:class:`FitParts` of the Result after the last round, in simulation (every client's state in ``carry``). The
         set-up's bits are the engine's to count; exchanges the run made before it (a search for a start
-        during ``build``) go in ``start_bits``, added to ``res.init_bits``. A plain dict is accepted and checked field by field."""
+        during ``build``) go in ``start_bits``, added to ``res.init_bits``. A plain dict is accepted and checked field
+        by field."""

@@ -12,7 +12,8 @@ gradient touches every client's data.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +28,19 @@ from .arviz_adapter import site_dims, to_arviz
 
 
 @serialized
-def nuts(model: Callable, data: FederatedData | Mapping[str, Any], *, num_warmup: int = 500,
-         num_samples: int = 1000, num_chains: int = 2, seed: int = 0, model_kwargs: Mapping[str, Any] | None = None,
-         chain_method: str = "sequential", progress: bool = False, **nuts_kwargs: Any) -> Any:
+def nuts(
+    model: Callable,
+    data: FederatedData | Mapping[str, Any],
+    *,
+    num_warmup: int = 500,
+    num_samples: int = 1000,
+    num_chains: int = 2,
+    seed: int = 0,
+    model_kwargs: Mapping[str, Any] | None = None,
+    chain_method: str = "sequential",
+    progress: bool = False,
+    **nuts_kwargs: Any,
+) -> Any:
     """NUTS on the pooled federated target; returns ArviZ data with a ``posterior`` group.
 
     Globals have dims (chain, draw, ...), locals (chain, draw, client, ...), named as in
@@ -42,14 +53,20 @@ def nuts(model: Callable, data: FederatedData | Mapping[str, Any], *, num_warmup
 
     if not isinstance(data, FederatedData):
         data = FederatedData(data)
-    for what, value, low in (("num_warmup", num_warmup, 0), ("num_samples", num_samples, 1),
-                             ("num_chains", num_chains, 1), ("seed", seed, 0)):
+    for what, value, low in (
+        ("num_warmup", num_warmup, 0),
+        ("num_samples", num_samples, 1),
+        ("num_chains", num_chains, 1),
+        ("seed", seed, 0),
+    ):
         require_int(value, what, low)
     fm = FedModel(model, data, model_kwargs)
     params = [n for n in fm.global_names if fm.sites[n].role == "param"]
     if params:
-        raise ModelError(f"sites {params} are numpyro.param (no prior), so there is no posterior to sample; give "
-                         "them priors for a NUTS reference, or compare with a centralised maximiser")
+        raise ModelError(
+            f"sites {params} are numpyro.param (no prior), so there is no posterior to sample; give "
+            "them priors for a NUTS reference, or compare with a centralised maximiser"
+        )
     fm.require("the NUTS reference", minibatch=True)  # full data: a subsampled plate runs over all rows
     C = data.num_clients
     padded, mask = data.padded, data.mask
@@ -64,15 +81,26 @@ def nuts(model: Callable, data: FederatedData | Mapping[str, Any], *, num_warmup
     theta0 = fm.init_globals(key_init)
     z0 = jax.vmap(fm.sample_local_prior, in_axes=(0, None, 0, 0))(jax.random.split(key_init, C), theta0, padded, mask)
     init = {**theta0, **z0}
-    init = jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (num_chains,) + a.shape), init) if num_chains > 1 else init
-    mcmc = MCMC(NUTS(potential_fn=potential, **nuts_kwargs), num_warmup=num_warmup, num_samples=num_samples,
-                num_chains=num_chains, chain_method=chain_method, progress_bar=progress)
+    init = (
+        jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (num_chains,) + a.shape), init) if num_chains > 1 else init
+    )
+    mcmc = MCMC(
+        NUTS(potential_fn=potential, **nuts_kwargs),
+        num_warmup=num_warmup,
+        num_samples=num_samples,
+        num_chains=num_chains,
+        chain_method=chain_method,
+        progress_bar=progress,
+    )
     mcmc.run(key_run, init_params=init)
     u = mcmc.get_samples(group_by_chain=True)  # (chain, draw, ...), locals (chain, draw, client, ...)
     flat = jax.tree_util.tree_map(lambda a: a.reshape((-1,) + a.shape[2:]), u)
     theta_c = jax.vmap(fm.constrain)({n: flat[n] for n in fm.global_names})
     z_c = jax.vmap(jax.vmap(fm.constrain))({n: flat[n] for n in fm.local_names}) if fm.local_names else {}
-    post, coords = {}, {"chain": np.arange(num_chains), "draw": np.arange(num_samples), "client": data.client_coordinate()}
+    post, coords = (
+        {},
+        {"chain": np.arange(num_chains), "draw": np.arange(num_samples), "client": data.client_coordinate()},
+    )
     for n, v in theta_c.items():
         v = np.asarray(v).reshape((num_chains, num_samples) + v.shape[1:])
         post[n] = (["chain", "draw", *site_dims(n, v.shape[2:])], v)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -85,8 +86,17 @@ class Result:
         True when every check of ``diagnostics`` passed.
     """
 
-    def __init__(self, *, model: FedModel, data: FederatedData, run: Any, algorithm: str, seed: int,
-                 parts: dict[str, Any], history: dict[str, np.ndarray]):
+    def __init__(
+        self,
+        *,
+        model: FedModel,
+        data: FederatedData,
+        run: Any,
+        algorithm: str,
+        seed: int,
+        parts: dict[str, Any],
+        history: dict[str, np.ndarray],
+    ):
         self._fm, self._data, self._run = model, data, run
         self.algorithm, self.seed = algorithm, seed
         self._theta_u = parts.get("theta")
@@ -111,8 +121,9 @@ class Result:
         self.privacy = dict(parts["privacy"]) if parts.get("privacy") else None
         self.history = history
         self.faults = None  # a DataFrame (round, client, kind) of the client faults, set by fed_fit
-        self._convergence = {k: np.asarray(parts[k]) for k in ("gradient", "information", "gradient_cov")
-                             if parts.get(k) is not None}  # the inputs of the convergence checks
+        self._convergence = {
+            k: np.asarray(parts[k]) for k in ("gradient", "information", "gradient_cov") if parts.get(k) is not None
+        }  # the inputs of the convergence checks
         self._diagnostics = None
         self._idata = None
         self._extra_groups: dict[str, xr.Dataset] = {}
@@ -145,8 +156,10 @@ class Result:
 
     def __repr__(self) -> str:
         est = ", ".join(f"{k}={np.array2string(v, precision=3, threshold=6)}" for k, v in self.params.items())
-        return (f"Result({self.algorithm}, {len(self.history.get('bits_up', []))} rounds, "
-                f"{self._data.num_clients} clients, up {self.bits_up:,} bits, down {self.bits_down:,} bits; {est})")
+        return (
+            f"Result({self.algorithm}, {len(self.history.get('bits_up', []))} rounds, "
+            f"{self._data.num_clients} clients, up {self.bits_up:,} bits, down {self.bits_down:,} bits; {est})"
+        )
 
     # ------------------------------------------------------------------ ArviZ
     @property
@@ -190,17 +203,26 @@ class Result:
             params[f"{k}_se"] = (site_dims(k, v.shape), v)
         local = None
         if self.local_info:
-            local = xr.Dataset({k: (["client", *[f"{k}_dim_{i}" for i in range(v.ndim - 1)]], v)
-                                for k, v in self.local_info.items()}, coords={"client": coords["client"]})
+            local = xr.Dataset(
+                {k: (["client", *[f"{k}_dim_{i}" for i in range(v.ndim - 1)]], v) for k, v in self.local_info.items()},
+                coords={"client": coords["client"]},
+            )
         hist = {}
         for k, v in self.history.items():
             name = k.replace("/", "_")
             hist[name] = (["round", *site_dims(name, v.shape[1:])], v)
-        history = xr.Dataset(hist, coords={"round": np.arange(len(self.history["bits_up"]))},
-                             attrs={"bits_up_total": self.bits_up, "bits_down_total": self.bits_down})
-        clients = xr.Dataset({"num_observations": (["client"], np.asarray(self._data.sizes)),
-                              **{k: (["client"], v) for k, v in self.client_info.items()}},
-                             coords={"client": coords["client"]})
+        history = xr.Dataset(
+            hist,
+            coords={"round": np.arange(len(self.history["bits_up"]))},
+            attrs={"bits_up_total": self.bits_up, "bits_down_total": self.bits_down},
+        )
+        clients = xr.Dataset(
+            {
+                "num_observations": (["client"], np.asarray(self._data.sizes)),
+                **{k: (["client"], v) for k, v in self.client_info.items()},
+            },
+            coords={"client": coords["client"]},
+        )
         attrs = {"inference_library": "fedbayes", "algorithm": self.algorithm, "seed": self.seed}
         if self.privacy:  # netCDF attributes: numbers and strings
             attrs.update({f"privacy_{k}": v for k, v in self.privacy.items()})
@@ -210,10 +232,21 @@ class Result:
             posterior.attrs.update(attrs)
             if self.global_approx and not self.global_samples:
                 posterior.attrs["globals"] = "asymptotic normal approximation N(theta_hat, I^-1), I by Louis' identity"
-        history.attrs.update(init_bits_up=self.init_bits[0], init_bits_down=self.init_bits[1],
-                             final_bits_up=self.final_bits[0], final_bits_down=self.final_bits[1])
-        return {"posterior": posterior, "sample_stats": sample_stats, **self._extra_groups, "fed_params": params,
-                "fed_history": history, "fed_clients": clients, "fed_local": local}
+        history.attrs.update(
+            init_bits_up=self.init_bits[0],
+            init_bits_down=self.init_bits[1],
+            final_bits_up=self.final_bits[0],
+            final_bits_down=self.final_bits[1],
+        )
+        return {
+            "posterior": posterior,
+            "sample_stats": sample_stats,
+            **self._extra_groups,
+            "fed_params": params,
+            "fed_history": history,
+            "fed_clients": clients,
+            "fed_local": local,
+        }
 
     def _draw_rounds(self, draws: int) -> np.ndarray:
         """The round index of each kept draw (after warm-up and thinning)."""
@@ -235,7 +268,8 @@ class Result:
         dimension over every client's real rows, client-major as in ``log_likelihood``, labelled
         ``"<client name>:<row>"`` (an index coordinate: a non-index one along ``obs`` would stop ArviZ
         1.x's ``az.summary`` from stacking the variables). A point-estimate fit of a model without locals
-        (TAMUNA, GD) has them at theta* in ``fed_params``. Sites whose value depends on the padding or on per-observation latents
+        (TAMUNA, GD) has them at theta* in ``fed_params``. Sites whose value depends on the padding or on
+        per-observation latents
         are left out (FedModel warns when it analyses the model).
         """
         fm = self._fm
@@ -283,8 +317,9 @@ class Result:
             except FedbayesError:  # a point estimate, or locals without draws: no posterior draws to use
                 return post, params, coords
             fn = at(per)
-            values = jax.jit(jax.vmap(jax.vmap(lambda lv, gv, x: fn({**gv, **lv}, x), in_axes=(0, 0, None)),
-                                      in_axes=(0, None, 0)))(local_vals, global_vals, data)
+            values = jax.jit(
+                jax.vmap(jax.vmap(lambda lv, gv, x: fn({**gv, **lv}, x), in_axes=(0, 0, None)), in_axes=(0, None, 0))
+            )(local_vals, global_vals, data)
             for n in per:
                 dims, a = by_client(n, np.asarray(values[n]))
                 post[n] = (["chain", "draw", *dims], a.reshape((chains, draws) + a.shape[1:]))
@@ -303,7 +338,9 @@ class Result:
             raise DataError("new_data must be a dict of arrays for one client, e.g. {'x': x_new}")
         unknown = set(new_data) - set(self._data.keys) - set(self._fm.model_kwargs)
         if unknown:
-            raise DataError(f"new_data has keys {sorted(unknown)} that the fitted data did not have ({list(self._data.keys)})")
+            raise DataError(
+                f"new_data has keys {sorted(unknown)} that the fitted data did not have ({list(self._data.keys)})"
+            )
         out = {}
         for k, v in new_data.items():
             a = np.asarray(v)
@@ -316,7 +353,9 @@ class Result:
         """A fitted client's position from its index (negative counts from the end) or its name."""
         C = self._data.num_clients
         if isinstance(client, (bool, np.bool_)):
-            raise DataError(f"client must be a client index, a client name, None (a new client) or 'all', got {client!r}")
+            raise DataError(
+                f"client must be a client index, a client name, None (a new client) or 'all', got {client!r}"
+            )
         if isinstance(client, (int, np.integer)):
             if not -C <= client < C:
                 raise DataError(f"client={client} is out of range for {C} clients")
@@ -324,7 +363,9 @@ class Result:
         try:
             return self._data.client_index(client)
         except DataError as err:
-            raise DataError(f"client must be a client index, a client name, None (a new client) or 'all': {err}") from None
+            raise DataError(
+                f"client must be a client index, a client name, None (a new client) or 'all': {err}"
+            ) from None
 
     def _federated_inputs(self, new_data: Any) -> tuple[np.ndarray, dict[str, jax.Array], np.ndarray]:
         """Inputs for every client at once: ``(fitted clients' positions, padded inputs (K, N_max, ...), mask)``.
@@ -335,12 +376,16 @@ class Result:
         """
         if not isinstance(new_data, FederatedData):
             if not isinstance(new_data, Mapping):
-                raise DataError("with client='all', new_data must be a FederatedData or a dict of per-client "
-                                "sequences of arrays, e.g. {'x': [x_client0, x_client1, ...]}")
+                raise DataError(
+                    "with client='all', new_data must be a FederatedData or a dict of per-client "
+                    "sequences of arrays, e.g. {'x': [x_client0, x_client1, ...]}"
+                )
             new_data = FederatedData({k: list(v) for k, v in new_data.items()})
         unknown = set(new_data.keys) - set(self._data.keys) - set(self._fm.model_kwargs)
         if unknown:
-            raise DataError(f"new_data has keys {sorted(unknown)} that the fitted data did not have ({list(self._data.keys)})")
+            raise DataError(
+                f"new_data has keys {sorted(unknown)} that the fitted data did not have ({list(self._data.keys)})"
+            )
         names, fitted = new_data.client_names, self._data.client_names
         try:
             by_name = all(name in set(fitted) for name in names)
@@ -352,20 +397,25 @@ class Result:
             clients = np.arange(len(fitted))
         else:
             shown = ", ".join(map(repr, names[:5])) + (", ..." if len(names) > 5 else "")
-            raise DataError(f"new_data's clients ({shown}) are not clients of the fit: name them with the fitted "
-                            "clients' names (FederatedData(..., client_names=...)) or give one entry per fitted "
-                            f"client, in the fit's order ({len(fitted)} clients)")
+            raise DataError(
+                f"new_data's clients ({shown}) are not clients of the fit: name them with the fitted "
+                "clients' names (FederatedData(..., client_names=...)) or give one entry per fitted "
+                f"client, in the fit's order ({len(fitted)} clients)"
+            )
         return clients, dict(new_data.padded), np.asarray(new_data.mask)
 
-    def _prediction_inputs(self, new_data: Any, client: Any) -> tuple[np.ndarray | None, dict[str, jax.Array],
-                                                                         np.ndarray | None]:
+    def _prediction_inputs(
+        self, new_data: Any, client: Any
+    ) -> tuple[np.ndarray | None, dict[str, jax.Array], np.ndarray | None]:
         """``(clients, inputs, mask)``: the fitted clients' positions (None: a new client), the inputs with a
         leading client axis, and the padding mask (None for one client's unpadded inputs)."""
         every = isinstance(client, str) and client == "all"
         if isinstance(new_data, FederatedData) or every:
             if client is not None and not every:
-                raise DataError(f"new_data is a FederatedData, i.e. inputs of every client: pass client='all' "
-                                f"(or leave it out), not client={client!r}; for one client pass a dict of its arrays")
+                raise DataError(
+                    f"new_data is a FederatedData, i.e. inputs of every client: pass client='all' "
+                    f"(or leave it out), not client={client!r}; for one client pass a dict of its arrays"
+                )
             return self._federated_inputs(new_data)
         x = self._client_arrays(new_data)
         clients = None if client is None else np.array([self._client_position(client)])
@@ -380,8 +430,9 @@ class Result:
 
         return bool(self._fm.local_names) and self.settings.get("local_latents") == POPULATION_MEAN
 
-    def _draws(self, clients: np.ndarray | None, num_samples: int | None, seed: int
-               ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+    def _draws(
+        self, clients: np.ndarray | None, num_samples: int | None, seed: int
+    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
         """Constrained posterior draws for prediction: ``(locals {site: (K, S, ...)}, globals {site: (S, ...)}, S)``.
 
         The locals are the ``clients``' own local samples (none for a new client, ``clients=None``, or a
@@ -443,8 +494,9 @@ class Result:
         return np.ma.MaskedArray(value, mask=hide)
 
     @serialized
-    def predict(self, new_data: Any, client: Any = None, *, num_samples: int | None = None,
-                seed: int = 0) -> dict[str, Any]:
+    def predict(
+        self, new_data: Any, client: Any = None, *, num_samples: int | None = None, seed: int = 0
+    ) -> dict[str, Any]:
         """Posterior predictive draws of the observed and ``numpyro.deterministic`` sites at ``new_data``.
 
         For a known ``client`` i (its index or its name), draws use theta* and client i's local posterior
@@ -452,7 +504,8 @@ class Result:
         With ``client=None`` the client is new: z is drawn from the population prior p(z | theta*) and then
         y | z (FedPop section 2's two-step recipe). For a model without local latents every client
         predicts from the globals alone, and so does every client of a fit of the non-personalised model
-        (``local_latents="population-mean"``, e.g. ``fb.FedAvg``): its latents at their population mean. Like NumPyro's ``Predictive``, deterministic sites are recomputed
+        (``local_latents="population-mean"``, e.g. ``fb.FedAvg``): its latents at their population mean. Like NumPyro's
+        ``Predictive``, deterministic sites are recomputed
         at the new inputs and returned with the observed sites (a ``y`` given in ``new_data`` is returned
         as given). Returns ``{site: array (num_samples, ...)}``.
 
@@ -479,8 +532,9 @@ class Result:
         return {k: self._masked(k, out[k], mask) for k in names}
 
     @serialized
-    def predictive_probs(self, new_data: Any, client: Any = None, *, num_samples: int | None = None,
-                         seed: int = 0) -> Any:
+    def predictive_probs(
+        self, new_data: Any, client: Any = None, *, num_samples: int | None = None, seed: int = 0
+    ) -> Any:
         """Posterior draws of the class probabilities p(y = k | x, theta_s, z_s) of a discrete observed site,
         shape (S, N, K): the input of the calibration and OOD diagnostics (average over S for the
         posterior predictive). ``client`` as in :meth:`predict` (None: z_s from the population prior).
@@ -497,8 +551,14 @@ class Result:
 
     # ------------------------------------------------------------------ model checking groups
     @serialized
-    def extend_idata(self, *, log_likelihood: bool = True, posterior_predictive: bool = True,
-                     observed_data: bool = True, seed: int = 0) -> Any:
+    def extend_idata(
+        self,
+        *,
+        log_likelihood: bool = True,
+        posterior_predictive: bool = True,
+        observed_data: bool = True,
+        seed: int = 0,
+    ) -> Any:
         """Add ``log_likelihood``, ``posterior_predictive`` and ``observed_data`` groups to :attr:`idata`.
 
         All three have one ``obs`` dimension over every client's real observations (client-major, the
@@ -529,21 +589,26 @@ class Result:
             ll = jax.jit(jax.vmap(jax.vmap(per_draw, in_axes=(0, 0, None, None)), in_axes=(0, None, 0, 0)))
             name = fm.observed[0] if len(fm.observed) == 1 else "loglik"
             groups["log_likelihood"] = xr.Dataset(
-                {name: (["chain", "draw", "obs"], pooled(ll(local_vals, global_vals, data, mask)))}, coords=coords)
+                {name: (["chain", "draw", "obs"], pooled(ll(local_vals, global_vals, data, mask)))}, coords=coords
+            )
         if posterior_predictive:
             keys = jax.vmap(lambda c: jax.random.split(jax.random.fold_in(seed_key(seed), c), S))(
-                jnp.arange(self._data.num_clients))
+                jnp.arange(self._data.num_clients)
+            )
             per_draw = lambda k, lv, gv, d: fm.sample_observed(k, {**gv, **lv}, d)  # noqa: E731
             rep = jax.jit(jax.vmap(jax.vmap(per_draw, in_axes=(0, 0, 0, None)), in_axes=(0, 0, None, 0)))(
-                keys, local_vals, global_vals, data)
+                keys, local_vals, global_vals, data
+            )
             groups["posterior_predictive"] = xr.Dataset(
                 {k: (["chain", "draw", "obs", *site_dims(k, v.shape[3:])], pooled(v)) for k, v in rep.items()},
-                coords=coords)
+                coords=coords,
+            )
         if observed_data:
             obs = jax.vmap(fm.observed_values)(data)
             groups["observed_data"] = xr.Dataset(
                 {k: (["obs", *site_dims(k, v.shape[2:])], np.asarray(v)[keep]) for k, v in obs.items()},
-                coords={"client": ("obs", obs_client)})
+                coords={"client": ("obs", obs_client)},
+            )
         self._extra_groups.update(groups)
         self._idata = None
         return self.idata
@@ -553,8 +618,10 @@ class Result:
         fm = self._fm
         if fm.local_names:
             if not self._local_chains:
-                raise FedbayesError(f"{self.algorithm} keeps no samples of the local latents "
-                                    f"{list(fm.local_names)}, so there are no draws to evaluate the data at")
+                raise FedbayesError(
+                    f"{self.algorithm} keeps no samples of the local latents "
+                    f"{list(fm.local_names)}, so there are no draws to evaluate the data at"
+                )
             C, chains, draws = next(iter(self._local_chains.values())).shape[:3]
             local = {k: v.reshape((C, chains * draws) + v.shape[3:]) for k, v in self._local_chains.items()}
             if self.global_samples:  # a joint sampler: draw (c, d) of the globals goes with draw (c, d) of each client
@@ -566,15 +633,18 @@ class Result:
             return local, glob, chains, draws
         src = self.global_samples or self.global_approx
         if not src:
-            raise FedbayesError(f"{self.algorithm} gives a point estimate, not posterior draws: the model-checking "
-                                "groups need draws (use a sampler, FedSOUL or an EM fit's normal approximation)")
+            raise FedbayesError(
+                f"{self.algorithm} gives a point estimate, not posterior draws: the model-checking "
+                "groups need draws (use a sampler, FedSOUL or an EM fit's normal approximation)"
+            )
         chains, draws = next(iter(src.values())).shape[:2]
         glob = {k: v.reshape((chains * draws,) + v.shape[2:]) for k, v in src.items()}
         return {}, glob, chains, draws
 
     @serialized
-    def sample_client(self, new_client_data: Mapping[str, Any], *, num_samples: int = 200, warmup: int = 200,
-                      seed: int = 0) -> dict[str, np.ndarray]:
+    def sample_client(
+        self, new_client_data: Mapping[str, Any], *, num_samples: int = 200, warmup: int = 200, seed: int = 0
+    ) -> dict[str, np.ndarray]:
         """Run the local Langevin chain for a client unseen in training, at theta*.
 
         Returns its local posterior samples ``{site: array (num_samples, ...)}``; nothing is sent anywhere.
@@ -583,7 +653,9 @@ class Result:
         missing = set(self._data.keys) - set(one.keys)
         if missing:
             raise DataError(f"new_client_data lacks keys {sorted(missing)} the model was fitted with")
-        client = ClientData({k: v[0] for k, v in one.padded.items()}, one.mask[0], jnp.asarray(one.sizes[0]), jnp.asarray(-1))
+        client = ClientData(
+            {k: v[0] for k, v in one.padded.items()}, one.mask[0], jnp.asarray(one.sizes[0]), jnp.asarray(-1)
+        )
         z = self._live_run().sample_new_client(seed_key(seed), self._theta_u, client, num_samples, warmup)
         return {k: np.asarray(v) for k, v in jax.vmap(self._fm.constrain)(z).items()}
 
@@ -671,8 +743,10 @@ def _probability_program(fm: FedModel, site: str, at_mean: bool = False) -> Any:
         fn = handlers.seed(fm.substituted(values, at_mean), key)
         d = handlers.trace(fn).get_trace(**inputs, **fm.model_kwargs)[site]["fn"]
         if not d.has_enumerate_support:
-            raise DataError(f"observed site '{site}' has a {type(d).__name__} distribution, not a discrete one "
-                            "with finite support; use predict() draws and the regression diagnostics")
+            raise DataError(
+                f"observed site '{site}' has a {type(d).__name__} distribution, not a discrete one "
+                "with finite support; use predict() draws and the regression diagnostics"
+            )
         support = d.enumerate_support(expand=False)  # (K, 1, ...)
         return jnp.moveaxis(jnp.exp(d.log_prob(support)), 0, -1)
 

@@ -17,7 +17,8 @@ it delivers, so simulation and network compute the same numbers.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,7 @@ def _is_part(x: Any) -> bool:
 
 def decode_tree(payload: Any) -> Any:
     """The payload as the receiver reconstructs it: coded parts decoded, masked parts as dense vectors."""
+
     def decode(x):
         if isinstance(x, Coded):
             return x.decoded()
@@ -104,7 +106,7 @@ def pack(payload: Any, context: Context = Context()) -> tuple[bytes, int]:
     for part in jax.tree_util.tree_leaves(payload, is_leaf=_is_part):
         if isinstance(part, Coded):  # one message per element of its batch axes (e.g. one per chain)
             batch = part.batch_shape()
-            codes = [np.asarray(c).reshape((-1,) + np.shape(c)[len(batch):]) for c in part.codes]
+            codes = [np.asarray(c).reshape((-1,) + np.shape(c)[len(batch) :]) for c in part.codes]
             for j in range(int(np.prod(batch, dtype=int))):
                 part.compressor.pack(writer, tuple(c[j] for c in codes), part.d)
         elif isinstance(part, Masked):
@@ -130,16 +132,21 @@ def unpack(data: bytes, template: Any, context: Context = Context()) -> Any:
     except FedbayesError:
         raise
     except ValueError as err:  # the reader ran out of bits
-        raise WireError(f"a message of {len(data)} bytes is shorter than the structure its receiver expects "
-                        f"({err}); {_MISMATCH}") from err
+        raise WireError(
+            f"a message of {len(data)} bytes is shorter than the structure its receiver expects ({err}); {_MISMATCH}"
+        ) from err
     if len(data) != -(-reader.pos // 8):
-        raise WireError(f"a message of {len(data)} bytes is longer than the structure its receiver expects "
-                        f"({reader.pos} bits); {_MISMATCH}")
+        raise WireError(
+            f"a message of {len(data)} bytes is longer than the structure its receiver expects "
+            f"({reader.pos} bits); {_MISMATCH}"
+        )
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-_MISMATCH = ("the sender and the receiver built different runs: run the same fedbayes version, model, algorithm "
-             "settings and data layout (keys, client sizes, shapes, dtypes) at both ends")
+_MISMATCH = (
+    "the sender and the receiver built different runs: run the same fedbayes version, model, algorithm "
+    "settings and data layout (keys, client sizes, shapes, dtypes) at both ends"
+)
 
 
 def _unpack_parts(reader: BitReader, parts: list, context: Context) -> list:
@@ -148,8 +155,12 @@ def _unpack_parts(reader: BitReader, parts: list, context: Context) -> list:
         if isinstance(part, Coded):
             batch = part.batch_shape()
             msgs = [part.compressor.unpack(reader, part.d, part.dtype) for _ in range(int(np.prod(batch, dtype=int)))]
-            codes = tuple(np.stack([np.asarray(m[i]) for m in msgs]).reshape(batch + np.shape(msgs[0][i]))
-                          .astype(part.codes[i].dtype) for i in range(len(part.codes)))
+            codes = tuple(
+                np.stack([np.asarray(m[i]) for m in msgs])
+                .reshape(batch + np.shape(msgs[0][i]))
+                .astype(part.codes[i].dtype)
+                for i in range(len(part.codes))
+            )
             out.append(Coded(codes, part.compressor, part.d, part.dtype, part.layout))
         elif isinstance(part, Masked):
             mask = _mask(part, context)
@@ -169,8 +180,12 @@ def _unpack_parts(reader: BitReader, parts: list, context: Context) -> list:
 
 def template(payload: Any) -> Any:
     """The structure of a payload: its leaves as ``jax.ShapeDtypeStruct`` (coded parts kept as such)."""
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
-                                  if not isinstance(x, jax.ShapeDtypeStruct) else x, payload)
+    return jax.tree_util.tree_map(
+        lambda x: (
+            jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) if not isinstance(x, jax.ShapeDtypeStruct) else x
+        ),
+        payload,
+    )
 
 
 def unbatch(payload: Any, i: int) -> Any:

@@ -32,7 +32,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -129,13 +130,16 @@ class LangevinSampler:
     batch_size: int | None = None
 
     partial_participation = False
-    full_participation_reason = "the ELF paper's setting: clients keep copies of w and the gradient sum must be complete"
+    full_participation_reason = (
+        "the ELF paper's setting: clients keep copies of w and the gradient sum must be complete"
+    )
     partial_participation_instead = "use fb.QLSD for partial participation"
     name = "LMC"
 
     def __post_init__(self):
-        if self.step_size is not None and (isinstance(self.step_size, bool) or not isinstance(self.step_size, numbers.Real)
-                                           or not self.step_size > 0):
+        if self.step_size is not None and (
+            isinstance(self.step_size, bool) or not isinstance(self.step_size, numbers.Real) or not self.step_size > 0
+        ):
             raise ConfigError(f"{self.name} step_size must be a positive number or None, got {self.step_size!r}")
         require_int(self.num_chains, f"{self.name} num_chains")
         if self.warmup is not None:
@@ -153,7 +157,7 @@ class LangevinSampler:
         the compressors' checks only)."""
         return DirectUplink(), FullDownlink()
 
-    def build(self, problem: Problem) -> "LangevinRun":
+    def build(self, problem: Problem) -> LangevinRun:
         fm: FedModel = problem.model
         fm.require(self.name, minibatch=True)
         self._check_latents(fm)
@@ -187,20 +191,28 @@ class LangevinSampler:
             return
         up, _ = self._channels(None)
         if isinstance(up, EF21Uplink) and privacy.mode != "central":
-            raise ConfigError(f"{self.name}'s privacy is central: a client's contribution to the released sum is its "
-                              "error-feedback memory, which the server clips (it keeps every client's); in the "
-                              "distributed mode nobody could bound it. Use mode='central', or LMC / P-ELF")
+            raise ConfigError(
+                f"{self.name}'s privacy is central: a client's contribution to the released sum is its "
+                "error-feedback memory, which the server clips (it keeps every client's); in the "
+                "distributed mode nobody could bound it. Use mode='central', or LMC / P-ELF"
+            )
         if self.step_size is None:
-            raise ConfigError(f"{self.name} with privacy needs a given step_size: the automatic step is computed from "
-                              "the clients' Hessians at set-up, a release the accountant does not cover")
+            raise ConfigError(
+                f"{self.name} with privacy needs a given step_size: the automatic step is computed from "
+                "the clients' Hessians at set-up, a release the accountant does not cover"
+            )
         if self.init is None or (isinstance(self.init, str) and self.init == "map"):
-            raise ConfigError(f"{self.name} with privacy needs init='prior' or given values (a dict or a Result): the "
-                              "default start searches the mode with the clients' gradients and Hessians, releases "
-                              "the accountant does not cover")
+            raise ConfigError(
+                f"{self.name} with privacy needs init='prior' or given values (a dict or a Result): the "
+                "default start searches the mode with the clients' gradients and Hessians, releases "
+                "the accountant does not cover"
+            )
         if privacy.mode == "distributed" and up.compressor != identity():
-            raise ConfigError(f"{self.name} with distributed DP sends each client's gradient clipped and noised in "
-                              f"full: compressing it afterwards ({up.compressor.name}) would change its norm and noise; "
-                              "use the identity compressor, or mode='central' (the server clips what it decodes)")
+            raise ConfigError(
+                f"{self.name} with distributed DP sends each client's gradient clipped and noised in "
+                f"full: compressing it afterwards ({up.compressor.name}) would change its norm and noise; "
+                "use the identity compressor, or mode='central' (the server clips what it decodes)"
+            )
 
     def _check_latents(self, fm: FedModel) -> None:
         """The model's local latents (and what goes with them) refused or required."""
@@ -211,12 +223,13 @@ class LangevinSampler:
                 "posterior)"
             )
 
-    def _make_run(self, fm: FedModel, problem: Problem) -> "LangevinRun":
+    def _make_run(self, fm: FedModel, problem: Problem) -> LangevinRun:
         return LangevinRun(self, fm, problem)
 
 
-def theory_step_size(variant: str, *, L: float, Lbar: float, mu: float, alpha_up: float = 1.0,
-                     alpha_down: float = 1.0) -> float:
+def theory_step_size(
+    variant: str, *, L: float, Lbar: float, mu: float, alpha_up: float = 1.0, alpha_down: float = 1.0
+) -> float:
     """The largest step size the ELF paper's theorems allow (in this library's convention).
 
     ``L`` is the smoothness constant of U = sum_i U_i, ``Lbar`` = (1/n) sum_i L_i^2 with L_i that of the
@@ -228,7 +241,8 @@ def theory_step_size(variant: str, *, L: float, Lbar: float, mu: float, alpha_up
 
     (p = 1, beta = 0 at alpha = 1). Theorem 2 (B-ELF):
 
-        gamma <= min{ alpha_D / (4 mu), alpha_P / (4 mu), alpha_D alpha_P / (495 sqrt((1 - alpha_D/2)(1 - alpha_P/2) Lbar)) }.
+        gamma <= min{ alpha_D / (4 mu), alpha_P / (4 mu), alpha_D alpha_P / (495 sqrt((1 - alpha_D/2)(1 - alpha_P/2)
+        Lbar)) }.
 
     The bounds are about 10^3 times conservative in practice; the samplers' default step is
     0.1 / lambda_max of the Hessian of U instead.
@@ -240,8 +254,11 @@ def theory_step_size(variant: str, *, L: float, Lbar: float, mu: float, alpha_up
         raise ConfigError("L, Lbar and mu must be positive")
     key = variant.lower().replace("_", "-")
     if key == "b-elf":
-        return min(alpha_up / (4 * mu), alpha_down / (4 * mu),
-                   alpha_up * alpha_down / (495 * np.sqrt((1 - alpha_up / 2) * (1 - alpha_down / 2) * Lbar)))
+        return min(
+            alpha_up / (4 * mu),
+            alpha_down / (4 * mu),
+            alpha_up * alpha_down / (495 * np.sqrt((1 - alpha_up / 2) * (1 - alpha_down / 2) * Lbar)),
+        )
     alpha = {"lmc": 1.0, "d-elf": alpha_up, "p-elf": alpha_down}.get(key)
     if alpha is None:
         raise ConfigError(f"variant must be 'lmc', 'd-elf', 'p-elf' or 'b-elf', got {variant!r}")
@@ -250,8 +267,14 @@ def theory_step_size(variant: str, *, L: float, Lbar: float, mu: float, alpha_up
 
 
 @serialized
-def curvature_step_size(model, data, at: Mapping[str, Any] | None = None, *, scale: float = 0.1,
-                        model_kwargs: Mapping[str, Any] | None = None) -> float:
+def curvature_step_size(
+    model,
+    data,
+    at: Mapping[str, Any] | None = None,
+    *,
+    scale: float = 0.1,
+    model_kwargs: Mapping[str, Any] | None = None,
+) -> float:
     """A safe Langevin step ``scale / lambda_max``, lambda_max the largest eigenvalue of the Hessian of
     the posterior potential U at ``at`` (constrained values, e.g. a MAP estimate; default: the
     samplers' default start, the mode up to 1000 coordinates), by a power iteration on Hessian-vector
@@ -325,8 +348,10 @@ class BELF(LangevinSampler):
     name = "B-ELF"
 
     def _channels(self, dim):
-        return (EF21Uplink(_ef_compressor(self.uplink, self.rescale, self.name)),
-                EF21PDownlink(_ef_compressor(self.downlink, self.rescale, self.name)))
+        return (
+            EF21Uplink(_ef_compressor(self.uplink, self.rescale, self.name)),
+            EF21PDownlink(_ef_compressor(self.downlink, self.rescale, self.name)),
+        )
 
 
 class LangevinRun(FederatedRun):
@@ -362,8 +387,11 @@ class LangevinRun(FederatedRun):
             flat = ravel_pytree(fm.init_globals(None, resolve_init(cfg.init, problem, jacobian=True)))[0]
         self._x0, self.dim = flat, flat.size
         dp = getattr(cfg, "privacy", None)
-        self._dp = None if dp is None else LangevinPrivacy(
-            dp, float(cfg.step_size), problem.num_rounds, problem.data.num_clients)
+        self._dp = (
+            None
+            if dp is None
+            else LangevinPrivacy(dp, float(cfg.step_size), problem.num_rounds, problem.data.num_clients)
+        )
         if self._dp is not None and isinstance(self.up, EF21Uplink):  # D-/B-ELF: the memories are what is released
             self.up = ClippedEF21Uplink(self.up.compressor, clip=float(dp.clip))
 
@@ -375,11 +403,15 @@ class LangevinRun(FederatedRun):
         if type(self) is not LangevinRun:
             return "the joint samplers' rounds are not set up for secure aggregation"
         if not (isinstance(self.up, DirectUplink) and self.up.compressor == identity()):
-            return ("its uploads are compressed: the server decodes each message, and D-/P-/B-ELF's error-feedback "
-                    "memories follow each client's own messages")
+            return (
+                "its uploads are compressed: the server decodes each message, and D-/P-/B-ELF's error-feedback "
+                "memories follow each client's own messages"
+            )
         if self._dp is not None and not self._dp.distributed:
-            return ("central DP clips each upload at the server; use DP(mode='distributed'), where each client clips "
-                    "its own upload and adds its share of the noise")
+            return (
+                "central DP clips each upload at the server; use DP(mode='distributed'), where each client clips "
+                "its own upload and adds its share of the noise"
+            )
         return True
 
     def _start_at_mode(self, problem: Problem, fallback: jax.Array) -> jax.Array:
@@ -403,8 +435,7 @@ class LangevinRun(FederatedRun):
             self._precond = self._spread
             if isinstance(self.down, EF21PDownlink):  # the downlink is compressed in the whitened coordinates
                 # S^-1 x (x @ L = (L' x)'); the clients need S to read it: sent once, upper triangle
-                self.down = dataclasses.replace(self.down, precond=self._precond,
-                                                whiten=jnp.asarray(chol, sol.x.dtype))
+                self.down = dataclasses.replace(self.down, precond=self._precond, whiten=jnp.asarray(chol, sol.x.dtype))
                 d, n = int(sol.x.size), problem.data.num_clients
                 self.map_bits = (self.map_bits[0], self.map_bits[1] + n * FLOAT_BITS * (d * (d + 1) // 2))
         return sol.x
@@ -485,8 +516,10 @@ class LangevinRun(FederatedRun):
             if self._dp is not None and self._dp.distributed:
                 g = self._dp.share(key, g)
             return ClientState(self.down.client_start(x0), self.up.client_start(g)), (g, self._local_curvature(client))
-        return (ClientState(self.down.client_start(x0), self.up.client_start(jnp.zeros_like(x0))),
-                ((), self._local_curvature(client)))
+        return (
+            ClientState(self.down.client_start(x0), self.up.client_start(jnp.zeros_like(x0))),
+            ((), self._local_curvature(client)),
+        )
 
     def setup_server_step(self, stage: int, key: jax.Array, x0: jax.Array, uploads: Any):
         """The step size, the channels' server states and, from g = sum_i g^i_0, the first Langevin move
@@ -569,10 +602,11 @@ class LangevinRun(FederatedRun):
 
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
         """Posterior draws of the global sites (constrained), chains x draws, after warm-up and thinning."""
-        raw = np.asarray(history["_sample"])[self.warmup::self.cfg.thinning]  # (draws, chains, d)
+        raw = np.asarray(history["_sample"])[self.warmup :: self.cfg.thinning]  # (draws, chains, d)
         draws = np.swapaxes(raw, 0, 1)
-        constrain = run_jit(self, "constrain_draws",
-                            lambda: jax.vmap(jax.vmap(lambda v: self._fm.constrain(self._unravel(v)))))
+        constrain = run_jit(
+            self, "constrain_draws", lambda: jax.vmap(jax.vmap(lambda v: self._fm.constrain(self._unravel(v))))
+        )
         samples = {k: np.asarray(v) for k, v in constrain(jnp.asarray(draws)).items()}
         server = carry[0]
         gamma = float(server.gamma)
@@ -581,12 +615,26 @@ class LangevinRun(FederatedRun):
             params={k: v.mean(axis=(0, 1)) for k, v in samples.items()},
             params_last={k: v[:, -1].mean(0) for k, v in samples.items()},
             start_bits=self.map_bits,
-            settings={"step_size": gamma, "warmup": self.warmup, "start": self.start,
-                      "batch_size": self._batches.size if self._batches.active else None,
-                      "map_iterations": self.map_iterations, "preconditioned": self._precond is not None},
+            settings={
+                "step_size": gamma,
+                "warmup": self.warmup,
+                "start": self.start,
+                "batch_size": self._batches.size if self._batches.active else None,
+                "map_iterations": self.map_iterations,
+                "preconditioned": self._precond is not None,
+            },
             final_state=server,
             privacy=None if self._dp is None else self._dp.report(history.get("active")),
         )
 
 
-__all__ = ["LMC", "DELF", "PELF", "BELF", "LangevinSampler", "theory_step_size", "curvature_step_size", "DENSE_CURVATURE"]
+__all__ = [
+    "LMC",
+    "DELF",
+    "PELF",
+    "BELF",
+    "LangevinSampler",
+    "theory_step_size",
+    "curvature_step_size",
+    "DENSE_CURVATURE",
+]

@@ -46,8 +46,9 @@ class ExactEStep:
         """The client's chain state and step at set-up (none: an empty state and a zero step)."""
         return {}, jnp.zeros(())
 
-    def e_step(self, theta_u: Params, client: ClientData, z: Any, step: jax.Array,
-               key: jax.Array) -> tuple[jax.Array, Any]:
+    def e_step(
+        self, theta_u: Params, client: ClientData, z: Any, step: jax.Array, key: jax.Array
+    ) -> tuple[jax.Array, Any]:
         """(S_i(theta) flattened, summed over the client's rows; the chain state)."""
         total, _ = self.stats.e_step(theta_u, client.data, client.mask)
         return ravel_pytree(total)[0], z
@@ -98,13 +99,17 @@ class MonteCarloEStep(ExactEStep):
         z, states = ula_chain(key, z, score, step, self.langevin_steps)
         kept = jax.tree_util.tree_map(lambda a: a[-keep:], states)
         theta_c = self.fm.constrain(theta_u)
-        per = jax.vmap(lambda zz: ravel_pytree(self.stats.complete_stats(theta_c, self.fm.constrain(zz), client.data,
-                                                                         client.mask))[0])(kept)
+        per = jax.vmap(
+            lambda zz: ravel_pytree(
+                self.stats.complete_stats(theta_c, self.fm.constrain(zz), client.data, client.mask)
+            )[0]
+        )(kept)
         return jnp.mean(per, 0), z
 
     def template(self, theta_u, client):
-        return self.stats.complete_stats(self.fm.constrain(theta_u), self.fm.constrain(self.fm.zeros_local()),
-                                         client.data, client.mask)
+        return self.stats.complete_stats(
+            self.fm.constrain(theta_u), self.fm.constrain(self.fm.zeros_local()), client.data, client.mask
+        )
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -224,7 +225,7 @@ def _mvn_ml(s, fixed):
     if "covariance_matrix" in fixed:
         return {"loc": loc}
     outer = jnp.einsum("...i,...j->...ij", loc, s["s1"])
-    cov = (s["s2"] - outer - jnp.swapaxes(outer, -1, -2) + s0[..., None] * jnp.einsum("...i,...j->...ij", loc, loc))
+    cov = s["s2"] - outer - jnp.swapaxes(outer, -1, -2) + s0[..., None] * jnp.einsum("...i,...j->...ij", loc, loc)
     return {"loc": loc, "covariance_matrix": cov / s0[..., None]}
 
 
@@ -232,7 +233,12 @@ def _mvn_loglik(p, s):
     loc, cov = p["loc"], p["covariance_matrix"]
     prec = jnp.linalg.inv(cov)
     outer = jnp.einsum("...i,...j->...ij", loc, s["s1"])
-    centred = s["s2"] - outer - jnp.swapaxes(outer, -1, -2) + s["s0"][..., None, None] * jnp.einsum("...i,...j->...ij", loc, loc)
+    centred = (
+        s["s2"]
+        - outer
+        - jnp.swapaxes(outer, -1, -2)
+        + s["s0"][..., None, None] * jnp.einsum("...i,...j->...ij", loc, loc)
+    )
     return jnp.sum(-0.5 * jnp.einsum("...ij,...ji->...", prec, centred) - 0.5 * s["s0"] * jnp.linalg.slogdet(cov)[1])
 
 
@@ -241,7 +247,11 @@ def _mvn_project(s):
     top = jnp.concatenate([s["s0"][..., None, None], s["s1"][..., None, :]], -1)
     bottom = jnp.concatenate([s["s1"][..., :, None], s["s2"]], -1)
     block = _psd(jnp.concatenate([top, bottom], -2))
-    return {"s0": block[..., 0, 0], "s1": block[..., 0, 1:], "s2": block[..., 1:, 1:].reshape(s["s2"].shape[:-2] + (d, d))}
+    return {
+        "s0": block[..., 0, 0],
+        "s1": block[..., 0, 1:],
+        "s2": block[..., 1:, 1:].reshape(s["s2"].shape[:-2] + (d, d)),
+    }
 
 
 def _nonneg(*names):
@@ -258,16 +268,21 @@ FAMILIES: dict[str, Family] = {
         ("loc", "scale"),
         lambda fn: {"loc": _param(fn, "loc"), "scale": _param(fn, "scale")},
         lambda x, w: _count_sum(x, w, s2=jnp.square),
-        lambda p, s: jnp.sum((p["loc"] * s["s1"] - 0.5 * s["s2"] - 0.5 * p["loc"] ** 2 * s["s0"]) / p["scale"] ** 2
-                             - s["s0"] * jnp.log(p["scale"])),
+        lambda p, s: jnp.sum(
+            (p["loc"] * s["s1"] - 0.5 * s["s2"] - 0.5 * p["loc"] ** 2 * s["s0"]) / p["scale"] ** 2
+            - s["s0"] * jnp.log(p["scale"])
+        ),
         _normal_ml,
         _normal_project,
     ),
     "mvn": Family(
         ("loc", "covariance_matrix"),
         lambda fn: {"loc": _param(fn, "loc"), "covariance_matrix": _param(fn, "covariance_matrix", fn.event_shape)},
-        lambda x, w: {"s0": jnp.sum(w * jnp.ones(x.shape[:-1]), 0), "s1": jnp.sum(_ws(w, x) * x, 0),
-                      "s2": jnp.einsum("n...i,n...j->...ij", _ws(w, x) * x, x)},
+        lambda x, w: {
+            "s0": jnp.sum(w * jnp.ones(x.shape[:-1]), 0),
+            "s1": jnp.sum(_ws(w, x) * x, 0),
+            "s2": jnp.einsum("n...i,n...j->...ij", _ws(w, x) * x, x),
+        },
         _mvn_loglik,
         _mvn_ml,
         _mvn_project,
@@ -308,9 +323,12 @@ FAMILIES: dict[str, Family] = {
         ("concentration", "rate"),
         lambda fn: {"concentration": _param(fn, "concentration"), "rate": _param(fn, "rate")},
         lambda x, w: _count_sum(x, w, s2=jnp.log),
-        lambda p, s: jnp.sum(s["s0"] * (p["concentration"] * jnp.log(p["rate"]) - gammaln(p["concentration"]))
-                             + (p["concentration"] - 1) * s["s2"] - p["rate"] * s["s1"]),
-        lambda s, fixed: ({"rate": fixed["concentration"] * s["s0"] / s["s1"]} if "concentration" in fixed else None),
+        lambda p, s: jnp.sum(
+            s["s0"] * (p["concentration"] * jnp.log(p["rate"]) - gammaln(p["concentration"]))
+            + (p["concentration"] - 1) * s["s2"]
+            - p["rate"] * s["s1"]
+        ),
+        lambda s, fixed: {"rate": fixed["concentration"] * s["s0"] / s["s1"]} if "concentration" in fixed else None,
         _nonneg("s0", "s1"),
     ),
 }
@@ -401,8 +419,15 @@ class Derived:
             return site["value"][None], lambda a: a[None]
         return jnp.moveaxis(site["value"], axis, 0), lambda a: jnp.moveaxis(a, axis, 0)
 
-    def complete_stats(self, theta_c: Params, latents_c: Params, data, mask: jax.Array, weights: jax.Array | None = None,
-                       component: int | None = None) -> Stats:
+    def complete_stats(
+        self,
+        theta_c: Params,
+        latents_c: Params,
+        data,
+        mask: jax.Array,
+        weights: jax.Array | None = None,
+        component: int | None = None,
+    ) -> Stats:
         """S(D_i, h) for fixed latent values ``h`` (one component's share with row ``weights``)."""
         w = mask.astype(jnp.result_type(float)) if weights is None else weights
         tr = self._trace(theta_c, latents_c, data, mask)
@@ -436,8 +461,12 @@ class Derived:
         rw = w if rows == w.shape[0] else jnp.ones((rows,), w.dtype)
         Ge = jnp.take_along_axis(G, jnp.asarray(lin.support[k])[None], axis=2)  # (N, E, P_e)
         r = y - o
-        return {"n": jnp.sum(rw[:, None] * jnp.ones_like(r), 0), "rr": jnp.sum(rw[:, None] * r**2, 0),
-                "Gr": jnp.einsum("n,ne,nep->ep", rw, r, Ge), "GG": jnp.einsum("n,nep,neq->epq", rw, Ge, Ge)}
+        return {
+            "n": jnp.sum(rw[:, None] * jnp.ones_like(r), 0),
+            "rr": jnp.sum(rw[:, None] * r**2, 0),
+            "Gr": jnp.einsum("n,ne,nep->ep", rw, r, Ge),
+            "GG": jnp.einsum("n,nep,neq->epq", rw, Ge, Ge),
+        }
 
     # ------------------------------------------------------------------ the client E-step
     def e_step(self, theta_u: Params, data, mask):
@@ -448,14 +477,18 @@ class Derived:
         if self.latent_mode == "enumerate":
             resp = self.responsibilities(theta_c, data, mask)
             name = self.latent_sites[0]
-            per_k = [self._component_stats(theta_c, name, k, data, mask, resp[:, k]) for k in range(self.num_components)]
+            per_k = [
+                self._component_stats(theta_c, name, k, data, mask, resp[:, k]) for k in range(self.num_components)
+            ]
             stats = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_k)
             stats["latent"] = jnp.sum(resp * mask[:, None], 0)
             return stats, {"responsibilities": resp}
         if self.latent_mode == "gaussian":
             m, V = self.gaussian_posterior(theta_c, data, mask)
-            return self._gaussian_expectation(lambda h: self.complete_stats(theta_c, h, data, mask), m, V, mask), \
-                {"mean": m, "cov": V}
+            return self._gaussian_expectation(lambda h: self.complete_stats(theta_c, h, data, mask), m, V, mask), {
+                "mean": m,
+                "cov": V,
+            }
         raise NotImplementedError  # monte_carlo: the algorithm averages complete_stats over its chain
 
     def _component_stats(self, theta_c, name, k, data, mask, r):
@@ -497,7 +530,7 @@ class Derived:
             def unravel(h):
                 out, i = {}, 0
                 for (k, shp), s in zip(shapes.items(), sizes):
-                    out[k] = h[:, i:i + s].reshape(shp)
+                    out[k] = h[:, i : i + s].reshape(shp)
                     i += s
                 return out
 
@@ -545,8 +578,12 @@ class Derived:
         over the client's rows, ``o_j`` the offset with ``h = E[h | theta]``)."""
         lat = self.population_latents(theta_c, data, mask)
         w = mask.astype(jnp.result_type(float))
-        return {lin.site: {k: v for k, v in self._linear_stats(lin, theta_c, lat, data, mask, w, 0).items()
-                           if k in ("Gr", "GG")} for lin in self.linears}
+        return {
+            lin.site: {
+                k: v for k, v in self._linear_stats(lin, theta_c, lat, data, mask, w, 0).items() if k in ("Gr", "GG")
+            }
+            for lin in self.linears
+        }
 
     def population_coefficients(self, s: Stats, theta_c: Params) -> dict[str, jax.Array]:
         """The coefficients of the linear-Gaussian terms fitted by least squares on the summed
@@ -673,8 +710,9 @@ class Derived:
             th = unravel(x)
             return -scale * (self.surrogate(th, s) + prior_weight * self.fm.log_prior(th))
 
-        res = jax.scipy.optimize.minimize(objective, x0, method="BFGS", options={"maxiter": self.m_step_iters,
-                                                                                    "gtol": 1e-12})
+        res = jax.scipy.optimize.minimize(
+            objective, x0, method="BFGS", options={"maxiter": self.m_step_iters, "gtol": 1e-12}
+        )
         return unravel(res.x)
 
     def _count(self, s: Stats) -> jax.Array:
@@ -733,8 +771,12 @@ class Derived:
             top = jnp.concatenate([v["GG"], v["Gr"][..., :, None]], -1)
             bottom = jnp.concatenate([v["Gr"][..., None, :], v["rr"][..., None, None]], -1)
             block = _psd(jnp.concatenate([top, bottom], -2))
-            out[lin.site] = {"n": jnp.maximum(v["n"], _EPS), "rr": block[..., -1, -1], "Gr": block[..., :-1, -1],
-                             "GG": block[..., :-1, :-1]}
+            out[lin.site] = {
+                "n": jnp.maximum(v["n"], _EPS),
+                "rr": block[..., -1, -1],
+                "Gr": block[..., :-1, -1],
+                "GG": block[..., :-1, :-1],
+            }
         return out
 
 
@@ -759,7 +801,7 @@ def _close(a, b) -> bool:
 def _spread(fn):
     try:
         return fn.variance
-    except Exception:  # noqa: BLE001 (families without a variance are compared through their mean)
+    except Exception:
         return jnp.zeros(())
 
 
@@ -830,8 +872,10 @@ class _Probe:
         self._view = jax.jit(self._extract)
 
     def _random(self, key, names):
-        return {n: 0.5 * jax.random.normal(jax.random.fold_in(key, i), self.fm.sites[n].unconstrained_shape)
-                for i, n in enumerate(names)}
+        return {
+            n: 0.5 * jax.random.normal(jax.random.fold_in(key, i), self.fm.sites[n].unconstrained_shape)
+            for i, n in enumerate(names)
+        }
 
     def _random_latents(self, key):
         d = self.d
@@ -896,23 +940,31 @@ def _latent_mode(fm: FedModel) -> tuple[str, tuple[str, ...], bool]:
     discrete = [n for n in latents if fm.sites[n].discrete]
     for n in discrete:
         if fm.sites[n].role == "local":
-            raise ModelError(f"EM: the per-client latent site '{n}' is discrete; only per-observation discrete "
-                             "latents (inside the data plate) are enumerated")
+            raise ModelError(
+                f"EM: the per-client latent site '{n}' is discrete; only per-observation discrete "
+                "latents (inside the data plate) are enumerated"
+            )
     if len(discrete) > 1:
-        raise ModelError(f"EM: enumeration supports one discrete per-observation latent; '{discrete[1]}' is a second "
-                         f"one (besides '{discrete[0]}'): combine them into one Categorical site")
+        raise ModelError(
+            f"EM: enumeration supports one discrete per-observation latent; '{discrete[1]}' is a second "
+            f"one (besides '{discrete[0]}'): combine them into one Categorical site"
+        )
     if discrete:
         others = [n for n in latents if n != discrete[0]]
         if others:
-            raise ModelError(f"EM: latent site '{others[0]}' alongside the enumerated discrete site '{discrete[0]}' "
-                             "is not supported (mixtures of latent-variable models need a custom E-step)")
+            raise ModelError(
+                f"EM: latent site '{others[0]}' alongside the enumerated discrete site '{discrete[0]}' "
+                "is not supported (mixtures of latent-variable models need a custom E-step)"
+            )
         return "enumerate", (discrete[0],), True
     if not latents:
         return "none", (), False
     per_obs = [n for n in latents if fm.sites[n].role == "obs_latent"]
     if per_obs and len(per_obs) != len(latents):
-        raise ModelError(f"EM: per-client latents {list(fm.local_names)} together with per-observation latent "
-                         f"'{per_obs[0]}' are not supported; keep one kind")
+        raise ModelError(
+            f"EM: per-client latents {list(fm.local_names)} together with per-observation latent "
+            f"'{per_obs[0]}' are not supported; keep one kind"
+        )
     return "continuous", tuple(latents), bool(per_obs)
 
 
@@ -931,8 +983,10 @@ def derive(fm: FedModel, *, m_step_iters: int = 200, seed: int = 0) -> Derived:
         thetas = probe.thetas
         fam = probe.meta[latent_sites[0]]["family"]
         if fam not in ("categorical", "bernoulli"):
-            raise ModelError(f"EM: discrete latent '{latent_sites[0]}' must be Categorical or Bernoulli to be "
-                             f"enumerated, got {probe.meta[latent_sites[0]]['cls']}")
+            raise ModelError(
+                f"EM: discrete latent '{latent_sites[0]}' must be Categorical or Bernoulli to be "
+                f"enumerated, got {probe.meta[latent_sites[0]]['cls']}"
+            )
         probs = first[latent_sites[0]]["params"]["probs"]
         d.num_components = int(probs.shape[-1]) if fam == "categorical" else 2
     elif mode == "continuous":
@@ -942,36 +996,46 @@ def derive(fm: FedModel, *, m_step_iters: int = 200, seed: int = 0) -> Derived:
         thetas = pre.thetas
         d.latent_mode = "gaussian" if real and _is_quadratic(pre, key) else "monte_carlo"
         if d.latent_mode == "monte_carlo" and per_obs:
-            raise ModelError(f"EM: the per-observation latent '{latent_sites[0]}' enters the model non-linearly "
-                             "(its complete log-density is not quadratic); only linear-Gaussian per-observation "
-                             "latents have an exact E-step. Make it a per-client latent under fb.local() or "
-                             "marginalise it in the model.")
+            raise ModelError(
+                f"EM: the per-observation latent '{latent_sites[0]}' enters the model non-linearly "
+                "(its complete log-density is not quadratic); only linear-Gaussian per-observation "
+                "latents have an exact E-step. Make it a per-client latent under fb.local() or "
+                "marginalise it in the model."
+            )
     probe = probe if mode == "enumerate" else _Probe(d, key, thetas)
     K = d.num_components
     views = {(t, l, k): probe.view(t, l, k) for t in range(2) for l in range(2) for k in range(K)}
     tables, linears = [], []
-    for name, v0 in views[(0, 0, 0)].items():
+    for name in views[(0, 0, 0)]:
         if mode == "enumerate" and name == latent_sites[0]:
             continue
         meta = probe.meta[name]
         fam, axis = meta["family"], meta["rows"]
         keys = ("params",) if fam is not None else ("mean", "spread")
-        depends = any(not _close(views[(0, 0, k)][name][key], views[(1, 0, k)][name][key])
-                      for k in range(K) for key in keys)
+        depends = any(
+            not _close(views[(0, 0, k)][name][key], views[(1, 0, k)][name][key]) for k in range(K) for key in keys
+        )
         if not depends:
             continue  # theta-free: enters the E-step only
         if fam is None and meta["cls"] == "Unit":
-            raise ModelError(f"EM: site '{name}' is a numpyro.factor whose log-density depends on the global "
-                             "parameters; EM needs every term that involves them as a sample site of an "
-                             f"exponential family {sorted(FAMILIES)} (a factor free of them is fine), or S and T "
-                             "supplied with fb.CustomStatistics")
+            raise ModelError(
+                f"EM: site '{name}' is a numpyro.factor whose log-density depends on the global "
+                "parameters; EM needs every term that involves them as a sample site of an "
+                f"exponential family {sorted(FAMILIES)} (a factor free of them is fine), or S and T "
+                "supplied with fb.CustomStatistics"
+            )
         if fam is None:
-            raise ModelError(f"EM: site '{name}' has distribution {meta['cls']}, which is not in the "
-                             f"exponential-family table {sorted(FAMILIES)}; supply S and T with fb.CustomStatistics")
+            raise ModelError(
+                f"EM: site '{name}' has distribution {meta['cls']}, which is not in the "
+                f"exponential-family table {sorted(FAMILIES)}; supply S and T with fb.CustomStatistics"
+            )
         params = {key: views[key][name]["params"] for key in views}
         table = all(_rows_equal(axis, v) for p in params.values() for v in p.values()) and all(
-            _close(params[(t, 0, k)][p], params[(t, 1, k)][p]) for t in range(2) for k in range(K)
-            for p in params[(0, 0, 0)])
+            _close(params[(t, 0, k)][p], params[(t, 1, k)][p])
+            for t in range(2)
+            for k in range(K)
+            for p in params[(0, 0, 0)]
+        )
         if table:
             targets = {}
             for k in range(K):
@@ -988,9 +1052,11 @@ def derive(fm: FedModel, *, m_step_iters: int = 200, seed: int = 0) -> Derived:
         elif fam == "normal" and axis is not None:
             linears.append(_derive_linear(d, probe, name, views, K))
         else:
-            raise ModelError(f"EM: the parameters of site '{name}' ({meta['cls']}) vary across observations or with "
-                             "the latents, and only Normal sites with a mean linear in global coefficients have "
-                             "finite sufficient statistics then; supply S and T with fb.CustomStatistics")
+            raise ModelError(
+                f"EM: the parameters of site '{name}' ({meta['cls']}) vary across observations or with "
+                "the latents, and only Normal sites with a mean linear in global coefficients have "
+                "finite sufficient statistics then; supply S and T with fb.CustomStatistics"
+            )
     d.tables, d.linears = tuple(tables), tuple(linears)
     if mode == "enumerate":
         probs = [views[(t, 0, 0)][latent_sites[0]]["params"]["probs"] for t in range(2)]
@@ -1028,21 +1094,27 @@ def _derive_linear(d: Derived, probe: _Probe, name: str, views, K: int) -> _Line
     base = views[(0, 0, 0)][name]
     for (t, l, k), v in views.items():
         if not _rows_equal(axis, v[name]["scale"]) or not _close(v[name]["scale"], views[(t, 1 - l, k)][name]["scale"]):
-            raise ModelError(f"EM: the scale of Normal site '{name}' varies across observations or with the latents; "
-                             "the linear-Gaussian E-step needs one noise scale per component and element")
+            raise ModelError(
+                f"EM: the scale of Normal site '{name}' varies across observations or with the latents; "
+                "the linear-Gaussian E-step needs one noise scale per component and element"
+            )
     coef, other = [], []
     for g in fm.global_names:
         swapped = probe.view(theta={**probe.thetas[0], g: probe.thetas[1][g]})[name]
         moves_loc = not _close(swapped["loc"], base["loc"])
         moves_scale = not _close(swapped["scale"], base["scale"])
         if moves_loc and (moves_scale or not _is_identity(fm.sites[g].transform, fm.sites[g].unconstrained_shape)):
-            raise ModelError(f"EM: the mean of Normal site '{name}' depends on global '{g}', which is constrained or "
-                             "also sets the scale; the mean must be linear in real-valued coefficients")
+            raise ModelError(
+                f"EM: the mean of Normal site '{name}' depends on global '{g}', which is constrained or "
+                "also sets the scale; the mean must be linear in real-valued coefficients"
+            )
         (coef if moves_loc else other).append(g)
     lin = _Linear(name, tuple(coef), np.zeros((K, 1, 0), int), None)
     design = jax.jit(lambda th, lat: d._linear_design(lin, th, lat, probe.data, probe.mask)[:2])
-    designs = {key: tuple(np.asarray(a) for a in design(probe.thetas[key[0]], probe.latent_values(key[1], key[2])))
-               for key in views}
+    designs = {
+        key: tuple(np.asarray(a) for a in design(probe.thetas[key[0]], probe.latent_values(key[1], key[2])))
+        for key in views
+    }
     for (t, l, k), (G, o) in designs.items():
         G2, o2 = designs[(1 - t, l, k)]
         if not (_close(G, G2) and _close(o, o2)):
@@ -1051,7 +1123,7 @@ def _derive_linear(d: Derived, probe: _Probe, name: str, views, K: int) -> _Line
     support = []
     for k in range(K):
         used = np.zeros(designs[(0, 0, 0)][0].shape[1:], bool)
-        for (t, l, kk), (G, _) in designs.items():
+        for (_, _, kk), (G, _) in designs.items():
             if kk == k:
                 used |= np.any(G != 0, axis=0)
         if len({int(u.sum()) for u in used}) != 1:
@@ -1060,14 +1132,17 @@ def _derive_linear(d: Derived, probe: _Probe, name: str, views, K: int) -> _Line
     support = np.stack(support)  # (K, E, P_e)
     targets = []
     for k in range(K):
-        vals = [np.broadcast_to(np.asarray(_first(axis, views[(t, 0, k)][name]["scale"])).reshape(-1), (E,))
-                for t in range(2)]
+        vals = [
+            np.broadcast_to(np.asarray(_first(axis, views[(t, 0, k)][name]["scale"])).reshape(-1), (E,))
+            for t in range(2)
+        ]
         for e in range(E):
             found = None
             for g in other:
                 c1, c2 = (np.asarray(th[g]).reshape(-1) for th in probe.thetas)
-                hits = np.flatnonzero(np.isclose(c1, vals[0][e], rtol=1e-12, atol=0)
-                                      & np.isclose(c2, vals[1][e], rtol=1e-12, atol=0))
+                hits = np.flatnonzero(
+                    np.isclose(c1, vals[0][e], rtol=1e-12, atol=0) & np.isclose(c2, vals[1][e], rtol=1e-12, atol=0)
+                )
                 if len(hits) == 1:
                     found = (g, int(hits[0]))
             targets.append(found)

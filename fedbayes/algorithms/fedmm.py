@@ -32,7 +32,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +104,8 @@ class FedMM:
         ``fb.FedSOUL``.
     population_start:
         None (default): True, except under ``privacy`` (its least-squares pass would be a release the
-        accountant does not cover). For models with linear-Gaussian terms and per-client latents (mixed models): before the first
+        accountant does not cover). For models with linear-Gaussian terms and per-client latents (mixed models): before
+        the first
         E-step, one federated pass fits the coefficients of the linear terms that ``init`` does not set
         by least squares on the non-personalised model (latents at their population mean; each client
         sends ``G^T (y - o)`` and ``G^T G``, counted in ``res.init_bits``). EM started with the fixed
@@ -146,7 +148,8 @@ class FedMM:
         (1/p) sum mu_i Q_i, whose sensitivity to one client is then C / (n p): the Gaussian mechanism with noise
         multiplier sigma. The weights depend on the clients' sizes, which are public: the neighbouring data sets
         are those where one client's uploads are zeroed (``res.privacy["relation"]`` "zero-out"; with a
-        cohort, replace-one), not those where it is removed, which would move every weight. The set-up's E-step at theta_0 is one more release of every client, by the same
+        cohort, replace-one), not those where it is removed, which would move every weight. The set-up's E-step at
+        theta_0 is one more release of every client, by the same
         mechanism. What changes under privacy, and why:
 
         - no control variates (alpha = 0): the server's V is the sum of the clients' V_i only without noise;
@@ -194,8 +197,10 @@ class FedMM:
     batch_size: int | None = None
     privacy: Any = None
     name = "FedMM"
-    divergence_hint = ("lower step_size, use more quantisation levels, or start from other initial values "
-                       "(a mixture component may have collapsed)")
+    divergence_hint = (
+        "lower step_size, use more quantisation levels, or start from other initial values "
+        "(a mixture component may have collapsed)"
+    )
 
     def __post_init__(self):
         as_schedule(self.step_size, f"{self.name} step_size")
@@ -205,8 +210,9 @@ class FedMM:
         if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1:
             raise ConfigError(f"{self.name} participation must lie in (0, 1], got {p!r}")
         require_unbiased(self.compressor, self.name)
-        if self.alpha is not None and (isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real)
-                                       or not 0 <= self.alpha <= 1):
+        if self.alpha is not None and (
+            isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not 0 <= self.alpha <= 1
+        ):
             raise ConfigError(f"{self.name} alpha must lie in [0, 1], got {self.alpha!r}")
         require_choice(self.control_variates, f"{self.name} control_variates", ("e_step", "zero"))
         check_init(self.init, self.name)
@@ -233,23 +239,33 @@ class FedMM:
         if type(self) not in (FedMM, FedEM):
             raise ConfigError(f"{self.name} has no privacy option (FedMM and FedEM have)")
         if self.privacy.mode != "central":
-            raise ConfigError(f"{self.name}'s privacy is central (the server clips each upload and adds the noise): "
-                              "mode='distributed' is not available for it")
+            raise ConfigError(
+                f"{self.name}'s privacy is central (the server clips each upload and adds the noise): "
+                "mode='distributed' is not available for it"
+            )
         if not isinstance(self.compressor, type(identity())):
-            raise ConfigError(f"{self.name} with privacy needs the identity compressor: the clip bounds the vector "
-                              "sent, and an unbiased compressor's output has no useful norm bound")
+            raise ConfigError(
+                f"{self.name} with privacy needs the identity compressor: the clip bounds the vector "
+                "sent, and an unbiased compressor's output has no useful norm bound"
+            )
         if self.alpha is not None and self.alpha != 0:
-            raise ConfigError(f"{self.name} with privacy has no control variates (alpha=0): with noisy sums the "
-                              "server's V would drift from the clients' V_i as a random walk; leave alpha=None")
+            raise ConfigError(
+                f"{self.name} with privacy has no control variates (alpha=0): with noisy sums the "
+                "server's V would drift from the clients' V_i as a random walk; leave alpha=None"
+            )
         for name in ("uncertainty", "population_start"):
             if getattr(self, name):
-                raise ConfigError(f"{self.name} with privacy: {name}=True is an exchange of the clients' data the "
-                                  f"accountant does not cover; leave {name}=None")
+                raise ConfigError(
+                    f"{self.name} with privacy: {name}=True is an exchange of the clients' data the "
+                    f"accountant does not cover; leave {name}=None"
+                )
         if isinstance(self.init, str) and self.init == "map":
-            raise ConfigError(f"{self.name} with privacy cannot start from init='map' (a fit of the clients' data the "
-                              "accountant does not cover); give values or leave init=None")
+            raise ConfigError(
+                f"{self.name} with privacy cannot start from init='map' (a fit of the clients' data the "
+                "accountant does not cover); give values or leave init=None"
+            )
 
-    def build(self, problem: Problem) -> "FedMMRun":
+    def build(self, problem: Problem) -> FedMMRun:
         fm: FedModel = problem.model
         # a model's own subsample_size is refused (the statistics are derived by tracing whole plates): batches
         # come from ``batch_size``
@@ -258,14 +274,18 @@ class FedMM:
         try:
             init = resolve_init(self.init, problem)
         except ModelError as err:  # init="map": the TAMUNA warm start cannot fit this model
-            raise ModelError(f"{self.name}(init='map') starts from a TAMUNA fit of the model, which fails: {err}. "
-                             "Pass init={site: value} (or a previous fit's Result) instead.") from None
+            raise ModelError(
+                f"{self.name}(init='map') starts from a TAMUNA fit of the model, which fails: {err}. "
+                "Pass init={site: value} (or a previous fit's Result) instead."
+            ) from None
         run = FedMMRun(dataclasses.replace(self, init=init), fm, stats, problem)
         if run._batches.active and not getattr(stats, "rowwise", False):
-            raise ConfigError(f"{self.name} batch_size: a minibatch E-step is unbiased only when every latent belongs "
-                              "to one row (a mixture's labels) or there is none; this model's latents are per client "
-                              "(their conditional law depends on all the client's rows) or its statistics are "
-                              "hand-written: leave batch_size=None")
+            raise ConfigError(
+                f"{self.name} batch_size: a minibatch E-step is unbiased only when every latent belongs "
+                "to one row (a mixture's labels) or there is none; this model's latents are per client "
+                "(their conditional law depends on all the client's rows) or its statistics are "
+                "hand-written: leave batch_size=None"
+            )
         return run
 
 
@@ -294,16 +314,24 @@ class FedMMRun(FederatedRun):
         self._p = self.participation * m / n  # inclusion probability of a client in a round
         self._gamma = as_schedule(cfg.step_size, f"{cfg.name} step_size")
         self._num_rounds = problem.num_rounds
-        self._dp = None if cfg.privacy is None else SumPrivacy(
-            cfg.privacy, problem.num_rounds, n, m, extra_rounds=1,
-            mechanism="central: each client's statistic upload, weighted by its share of the data, clipped at the "
-                      "server; Gaussian noise on the estimate of the mean statistic; no control variates, no "
-                      "population start, no final exchange (no standard errors)",
-            public="the clients' sizes N_i, their total N and their number n (the weights n N_i / N)")
+        self._dp = (
+            None
+            if cfg.privacy is None
+            else SumPrivacy(
+                cfg.privacy,
+                problem.num_rounds,
+                n,
+                m,
+                extra_rounds=1,
+                mechanism="central: each client's statistic upload, weighted by its share of the data, clipped at the "
+                "server; Gaussian noise on the estimate of the mean statistic; no control variates, no "
+                "population start, no final exchange (no standard errors)",
+                public="the clients' sizes N_i, their total N and their number n (the weights n N_i / N)",
+            )
+        )
         private = self._dp is not None
         self.uncertainty = not private if cfg.uncertainty is None else bool(cfg.uncertainty)
-        avg = cfg.average_from if cfg.average_from is not None else (
-            0.5 if self.source.chain or private else None)
+        avg = cfg.average_from if cfg.average_from is not None else (0.5 if self.source.chain or private else None)
         self._average_from = avg
         self._avg_start = None if avg is None else int(avg * problem.num_rounds)
         self._structure(problem)
@@ -328,7 +356,9 @@ class FedMMRun(FederatedRun):
         self.dim = int(ravel_pytree(theta)[0].size)
         self._omega = float(cfg.compressor.omega(self.q))
         omega_p = self._omega + (1 + self._omega) * (1 - self._p) / self._p
-        self.alpha = float(cfg.alpha) if cfg.alpha is not None else 0.0 if self._dp is not None else 1.0 / (1.0 + omega_p)
+        self.alpha = (
+            float(cfg.alpha) if cfg.alpha is not None else 0.0 if self._dp is not None else 1.0 / (1.0 + omega_p)
+        )
         population = self._dp is None if cfg.population_start is None else cfg.population_start
         self._pop_sites = self.source.population_sites(set(cfg.init or ())) if population else ()
         self._stage0 = 1 if self._pop_sites else 0  # the population pass comes first
@@ -464,8 +494,12 @@ class FedMMRun(FederatedRun):
         return self.source.louis and self.uncertainty
 
     def _server_parts(self, server: ServerState, theta: Params) -> FitParts:
-        return FitParts(theta=theta, params=self._fm.constrain(theta), params_last=self._fm.constrain(server.theta),
-                        statistic=self._unravel(self.final_statistic(server)))
+        return FitParts(
+            theta=theta,
+            params=self._fm.constrain(theta),
+            params_last=self._fm.constrain(server.theta),
+            statistic=self._unravel(self.final_statistic(server)),
+        )
 
     def final_message(self, key, server: ServerState) -> Params:
         """theta-hat = T(final statistic), sent to every client."""
@@ -477,8 +511,7 @@ class FedMMRun(FederatedRun):
         k_e, k_louis = jax.random.split(key)
         k_clients, _ = jax.random.split(k_louis)
         s_i, _ = self._e_step(theta, client, state.z, state.step, client_key(k_e, client.index, self._C))
-        tri, extra = louis.client_information(self, client_key(k_clients, client.index, self._C), theta, state,
-                                              client)
+        tri, extra = louis.client_information(self, client_key(k_clients, client.index, self._C), theta, state, client)
         return extra, (s_i, tri)
 
     def final_server(self, key, server: ServerState, theta: Params, uploads, locals_) -> FitParts:
@@ -529,8 +562,13 @@ class FedMMRun(FederatedRun):
             parts = self._server_parts(server, self._m_step_jit(self.final_statistic(server), server.theta))
         if self._dp is not None:
             parts.privacy = self._dp.report()
-            parts["settings"] = {"uncertainty": self.uncertainty, "population_start": bool(self._pop_sites),
-                                 "alpha": self.alpha, "control_variates": "zero", "average_from": self._average_from}
+            parts["settings"] = {
+                "uncertainty": self.uncertainty,
+                "population_start": bool(self._pop_sites),
+                "alpha": self.alpha,
+                "control_variates": "zero",
+                "average_from": self._average_from,
+            }
         return parts
 
 
@@ -553,7 +591,7 @@ class ParamAveragingEM(FedMM):
         if self.batch_size is not None:
             raise ConfigError("ParamAveragingEM takes a full local EM step on all rows: batch_size does not apply")
 
-    def build(self, problem: Problem) -> "ParamAveragingRun":
+    def build(self, problem: Problem) -> ParamAveragingRun:
         run = FedMM.build(dataclasses.replace(self, control_variates="zero"), problem)
         return ParamAveragingRun(run.cfg, run._fm, run.stats, problem)
 
@@ -589,5 +627,6 @@ class ParamAveragingRun(FedMMRun):
 
     def finalize(self, key, carry, problem, history=None):
         server, states, _ = carry
-        return FitParts(theta=server.theta, params=self._fm.constrain(server.theta),
-                        params_last=self._fm.constrain(server.theta))
+        return FitParts(
+            theta=server.theta, params=self._fm.constrain(server.theta), params_last=self._fm.constrain(server.theta)
+        )

@@ -46,7 +46,8 @@ from __future__ import annotations
 import numbers
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Sequence
+from typing import Any, ClassVar, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,10 +80,10 @@ class ServerState(NamedTuple):
 
 
 class ClientState(NamedTuple):
-    z: Params         # the chain's state
-    v: jax.Array      # the power iteration's vector (automatic step)
-    step: jax.Array   # the round's Langevin step
-    anchor: Params    # where the kernel's metric and step are taken (FedSOULRun._adapt)
+    z: Params  # the chain's state
+    v: jax.Array  # the power iteration's vector (automatic step)
+    step: jax.Array  # the round's Langevin step
+    anchor: Params  # where the kernel's metric and step are taken (FedSOULRun._adapt)
 
 
 class Upload(NamedTuple):
@@ -130,7 +131,8 @@ class FedSOUL:
         extra evaluation), and each chain's stationary law is the local posterior p(z | D_i, theta)
         exactly (FedPop's FedSOUK covers adjusted kernels). "ula": FedPop's FedSOUL, whose local
         stationary law is off by O(gamma); that bias reaches the estimate through the Fisher gradient
-        (on MASS epil at step_scale 0.1 it is within the gradient's Monte Carlo error). Both are tamed (:data:`fedbayes.kernels.TAME`): far from the local posterior's bulk no
+        (on MASS epil at step_scale 0.1 it is within the gradient's Monte Carlo error). Both are tamed
+        (:data:`fedbayes.kernels.TAME`): far from the local posterior's bulk no
         move overshoots, and a move to a point where the log-density or a gradient is not finite is
         rejected. The mean acceptance probability of the final draws is in
         ``res.client_info["acceptance"]``.
@@ -180,7 +182,8 @@ class FedSOUL:
 
         Fisher scoring: each client also uploads, as its d(d+1)/2-float upper triangle, the complete-data
         information of its round's draws, H_i = mean_m[-grad^2 log p(D_i, Z_m | theta_k)]; the server keeps
-        the stochastic-approximation average H_k = H_{k-1} + rho_k (-grad^2 log p(theta_k) + (b/|A|) sum_i H_i - H_{k-1}),
+        the stochastic-approximation average H_k = H_{k-1} + rho_k (-grad^2 log p(theta_k) + (b/|A|) sum_i H_i -
+        H_{k-1}),
         rho_k = max(1 / (k + 1), 1 / information_window), and steps
         theta_{k+1} = theta_k + eta_k H_k^-1 g_k (:func:`fedbayes.optim.newton_direction`: Jacobi-scaled,
         negative curvatures by their size, the step shortened so that no log-scale coordinate moves by more
@@ -303,16 +306,23 @@ class FedSOUL:
         require_int(self.warmup, "FedSOUL warmup", 0)
         require_int(self.thinning, "FedSOUL thinning")
         require_int(self.num_chains, "FedSOUL num_chains")
-        if self.step_scale is not None and (isinstance(self.step_scale, bool) or not isinstance(self.step_scale, numbers.Real)
-                                            or not 0 < self.step_scale < 2):
-            raise ConfigError(f"FedSOUL step_scale must lie in (0, 2) (ULA is unstable beyond 2), got {self.step_scale!r}")
+        if self.step_scale is not None and (
+            isinstance(self.step_scale, bool)
+            or not isinstance(self.step_scale, numbers.Real)
+            or not 0 < self.step_scale < 2
+        ):
+            raise ConfigError(
+                f"FedSOUL step_scale must lie in (0, 2) (ULA is unstable beyond 2), got {self.step_scale!r}"
+            )
         if self.step_size is not None:
             try:
                 steps = np.asarray(self.step_size, dtype=float)
             except (TypeError, ValueError):
                 steps = np.asarray([np.nan])
             if steps.ndim > 1 or not np.all(np.isfinite(steps)) or np.any(steps <= 0):
-                raise ConfigError("FedSOUL step_size must be a positive float or a 1-d sequence of them (one per client)")
+                raise ConfigError(
+                    "FedSOUL step_size must be a positive float or a 1-d sequence of them (one per client)"
+                )
         require_fraction(self.average_from, "FedSOUL average_from")
         require_choice(self.stateful, "FedSOUL stateful", (True, False))
         require_choice(self.one_step, "FedSOUL one_step", (True, False))
@@ -334,8 +344,12 @@ class FedSOUL:
         if self.bounds is not None and not isinstance(self.bounds, Mapping):
             raise ConfigError(f"FedSOUL bounds must be a dict {{site: (low, high)}}, got {self.bounds!r}")
         for site, box in (self.bounds or {}).items():
-            if (not isinstance(box, (tuple, list)) or len(box) != 2 or not all(is_real(b) for b in box)
-                    or not box[0] < box[1]):
+            if (
+                not isinstance(box, (tuple, list))
+                or len(box) != 2
+                or not all(is_real(b) for b in box)
+                or not box[0] < box[1]
+            ):
                 raise ConfigError(f"FedSOUL bounds for '{site}' must be (low, high) with low < high, got {box!r}")
 
     def _check_privacy(self) -> None:
@@ -348,22 +362,30 @@ class FedSOUL:
         if type(self) is not FedSOUL:
             raise ConfigError(f"{self.name} has no privacy option yet (FedSOUL has)")
         if self.privacy.mode != "central":
-            raise ConfigError("FedSOUL's privacy is central (the server clips each upload and adds the noise): "
-                              "mode='distributed' is not available for it")
+            raise ConfigError(
+                "FedSOUL's privacy is central (the server clips each upload and adds the noise): "
+                "mode='distributed' is not available for it"
+            )
         if isinstance(self.server_optimizer, str) and self.server_optimizer == "fisher":
-            raise ConfigError("FedSOUL with privacy cannot use Fisher scoring: its information uploads are a release "
-                              "the accountant does not cover; use server_optimizer='adam' (or 'auto', which is adam "
-                              "under privacy) with a server_lr on the parameters' scale")
+            raise ConfigError(
+                "FedSOUL with privacy cannot use Fisher scoring: its information uploads are a release "
+                "the accountant does not cover; use server_optimizer='adam' (or 'auto', which is adam "
+                "under privacy) with a server_lr on the parameters' scale"
+            )
         if self.uncertainty:
-            raise ConfigError("FedSOUL with privacy has no standard errors: Louis' terms of the final exchange are a "
-                              "release the accountant does not cover; leave uncertainty=None")
+            raise ConfigError(
+                "FedSOUL with privacy has no standard errors: Louis' terms of the final exchange are a "
+                "release the accountant does not cover; leave uncertainty=None"
+            )
         if not (isinstance(self.aggregation, str) and self.aggregation == "mean"):
             raise ConfigError("FedSOUL with privacy needs aggregation='mean': the noise is calibrated to a sum")
         if isinstance(self.init, str) and self.init == "map":
-            raise ConfigError("FedSOUL with privacy cannot start from init='map' (a fit of the clients' data the "
-                              "accountant does not cover); give values or leave init=None")
+            raise ConfigError(
+                "FedSOUL with privacy cannot start from init='map' (a fit of the clients' data the "
+                "accountant does not cover); give values or leave init=None"
+            )
 
-    def build(self, problem: Problem) -> "FedSOULRun":
+    def build(self, problem: Problem) -> FedSOULRun:
         """Bind the configuration to a problem: the object that runs the round protocol."""
         fm: FedModel = problem.model
         fm.require(self.name, minibatch=True)
@@ -371,17 +393,28 @@ class FedSOUL:
             raise ConfigError(f"{self.name} needs at least one local latent (a sample site under fb.local())")
         for site in (*self.exact_sites, *(self.bounds or {})):
             if site not in fm.global_names:
-                raise ConfigError(f"'{site}' is not a global site of the model; global sites are {list(fm.global_names)}")
+                raise ConfigError(
+                    f"'{site}' is not a global site of the model; global sites are {list(fm.global_names)}"
+                )
         n = problem.data.num_clients
         if np.ndim(self.step_size) == 1 and len(self.step_size) != n:
             raise ConfigError(f"FedSOUL step_size has {len(self.step_size)} entries for {n} clients")
         batches = minibatch.resolve(self.batch_size, fm, problem.data.mask.shape[1], self.name)
         if batches.active and self.local_kernel == "mala":
-            raise ConfigError("FedSOUL local_kernel='mala' cannot take minibatch steps: a Metropolis test on a "
-                              "minibatch estimate of the log-density does not leave the local posterior invariant; "
-                              "leave local_kernel=None (ULA, i.e. SGLD, with minibatches) or use the full batch")
-        return self._run_class()(self, fm, self._averaging_start(problem), resolve_init(self.init, problem), n, batches,
-                                 (problem.num_rounds, problem.cohort_size or n))
+            raise ConfigError(
+                "FedSOUL local_kernel='mala' cannot take minibatch steps: a Metropolis test on a "
+                "minibatch estimate of the log-density does not leave the local posterior invariant; "
+                "leave local_kernel=None (ULA, i.e. SGLD, with minibatches) or use the full batch"
+            )
+        return self._run_class()(
+            self,
+            fm,
+            self._averaging_start(problem),
+            resolve_init(self.init, problem),
+            n,
+            batches,
+            (problem.num_rounds, problem.cohort_size or n),
+        )
 
     def _averaging_start(self, problem: Problem) -> int:
         """The round after which iterates enter the reported average."""
@@ -466,8 +499,9 @@ class LocalOnly(FedRep):
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.compressor, type(identity())) or self.exact_sites or self.aggregation != "mean":
-            raise ConfigError("LocalOnly sends nothing after the set-up: compressor, exact_sites and aggregation "
-                              "do not apply")
+            raise ConfigError(
+                "LocalOnly sends nothing after the set-up: compressor, exact_sites and aggregation do not apply"
+            )
 
     def _run_class(self) -> type:
         return LocalOnlyRun
@@ -483,8 +517,16 @@ class FedSOULRun(FederatedRun):
 
     final_exchange = True  # personal posteriors at the estimate
 
-    def __init__(self, cfg: FedSOUL, fm: FedModel, avg_start: int, init_values: Mapping[str, Any] | None,
-                 num_clients: int, batches: minibatch.Minibatch, rounds_cohort: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        cfg: FedSOUL,
+        fm: FedModel,
+        avg_start: int,
+        init_values: Mapping[str, Any] | None,
+        num_clients: int,
+        batches: minibatch.Minibatch,
+        rounds_cohort: tuple[int, int] | None = None,
+    ):
         self.cfg, self._fm, self._avg_start, self._init_values = cfg, fm, avg_start, init_values
         self._batches = batches
         self.num_clients = num_clients
@@ -506,8 +548,9 @@ class FedSOULRun(FederatedRun):
         self._one_step = bool(cfg.one_step and cfg.local_prior and cfg.local_noise)
         self._nonlinear = self._nonlinear_coordinates(fm) if self._fisher else None
         q = ravel_pytree(fm.zeros_local())[0].size
-        self._dense = cfg.local_metric == "dense" or (cfg.local_metric == "auto" and cfg.step_size is None
-                                                      and 0 < q <= LOCAL_DENSE_MAX)
+        self._dense = cfg.local_metric == "dense" or (
+            cfg.local_metric == "auto" and cfg.step_size is None and 0 < q <= LOCAL_DENSE_MAX
+        )
         self.local_metric = "dense" if self._dense else "identity"
         self.local_kernel = cfg.local_kernel or ("ula" if batches.active else "mala")
         mala = self.local_kernel == "mala"
@@ -557,8 +600,20 @@ class FedSOULRun(FederatedRun):
     def _log_joint_fn(self, fm: FedModel, theta: Params, client: ClientData):
         return lambda z: self._client_log_joint(theta, z, client.data, client.mask)
 
-    def _run_chain(self, fm, key, theta, z0, step, client, num_steps, keep_from, information: bool = False,
-                   root: jax.Array | None = None, order: jax.Array | None = None):
+    def _run_chain(
+        self,
+        fm,
+        key,
+        theta,
+        z0,
+        step,
+        client,
+        num_steps,
+        keep_from,
+        information: bool = False,
+        root: jax.Array | None = None,
+        order: jax.Array | None = None,
+    ):
         """A chain of ``num_steps`` local moves (:meth:`_move`) from z0; averages grad_theta log p(D, z | theta)
         (and the log joint) over the states after move ``keep_from``. With ``information``, also the complete-data
         information mean_m(-grad^2_theta log p(D, Z_m | theta)) over the same states (flat, unconstrained;
@@ -603,17 +658,19 @@ class FedSOULRun(FederatedRun):
 
         def evaluate(z):
             val, (g_theta, g_z) = jax.value_and_grad(self._client_log_joint, argnums=(0, 1))(
-                theta, z, client.data, client.mask)
+                theta, z, client.data, client.mask
+            )
             return val, g_z, g_theta
+
         return evaluate
 
-    def _move(self, key, point: LangevinPoint, evaluate, step, root, adjusted: bool | None = None
-              ) -> tuple[LangevinPoint, jax.Array]:
+    def _move(
+        self, key, point: LangevinPoint, evaluate, step, root, adjusted: bool | None = None
+    ) -> tuple[LangevinPoint, jax.Array]:
         """One local move (:func:`fedbayes.kernels.langevin_move`, tamed): MALA with ``local_kernel="mala"``,
         plain ULA with ``"ula"`` (``adjusted`` overrides); ``root`` the local metric's root (None: the identity)."""
         adjusted = self._adjusted if adjusted is None else adjusted
-        return langevin_move(key, point, evaluate, step, root, adjusted=adjusted, tame=True,
-                             noise=self.cfg.local_noise)
+        return langevin_move(key, point, evaluate, step, root, adjusted=adjusted, tame=True, noise=self.cfg.local_noise)
 
     def _adapt(self, theta: Params, anchor: Params, v, step, client: ClientData, iters: int):
         """The round's kernel at theta_k: ``(anchor', v, gamma, R)``, R the metric's root (None: identity).
@@ -712,8 +769,9 @@ class FedSOULRun(FederatedRun):
         # log-density; the whole client without minibatches), which none of the moves' drifts uses
         adapt_on = self._batches.take(order, client, 0) if order is not None else client
         anchor, v, step, root = self._adapt(theta, state.anchor, state.v, state.step, adapt_on, self.cfg.power_iters)
-        z, grad, objective, info = self._run_chain(fm, k_chain, theta, z0, step, client, self.cfg.local_steps,
-                                                   self.cfg.burn_in, self._fisher, root, order)
+        z, grad, objective, info = self._run_chain(
+            fm, k_chain, theta, z0, step, client, self.cfg.local_steps, self.cfg.burn_in, self._fisher, root, order
+        )
         sent, bits = self._compress(k_comp, grad)
         tri = ()
         if self._fisher:  # the complete-data information as its upper triangle, uncompressed
@@ -767,10 +825,16 @@ class FedSOULRun(FederatedRun):
             total = info.num_clients * rule(tris, info.active) if rule.robust else jnp.tensordot(w, tris, axes=1)
             round_info = _symmetric(total, self.dim) - jax.hessian(lambda x: fm.log_prior(unravel(x)))(flat)
             rho = jnp.maximum(1.0 / (info.round + 1.0), 1.0 / self.cfg.information_window)
-            information = jnp.where(any_active, state.information + rho * (round_info - state.information),
-                                    state.information)
-            delta, nu = optim.newton_direction(information, ravel_pytree(grad)[0], self.cfg.trust_radius,
-                                               nonlinear=self._nonlinear, max_nonlinear_step=self.cfg.max_log_step)
+            information = jnp.where(
+                any_active, state.information + rho * (round_info - state.information), state.information
+            )
+            delta, nu = optim.newton_direction(
+                information,
+                ravel_pytree(grad)[0],
+                self.cfg.trust_radius,
+                nonlinear=self._nonlinear,
+                max_nonlinear_step=self.cfg.max_log_step,
+            )
             updates, opt_state = unravel(eta * delta), ()
             extra["newton_decrement"] = nu
         else:
@@ -799,8 +863,7 @@ class FedSOULRun(FederatedRun):
             lambda s, t: jnp.where(w > 0, s / jnp.where(w > 0, w, 1.0), t), state.avg_sum, state.theta
         )
 
-    def _sample_one(self, key, theta: Params, state: ClientState, client: ClientData, num_samples: int,
-                    warmup: int):
+    def _sample_one(self, key, theta: Params, state: ClientState, client: ClientData, num_samples: int, warmup: int):
         """One client's local posterior samples at ``theta``: ``num_chains`` chains of the local kernel (the
         client's own chain state, and fresh starts: with the dense metric the anchor plus twice the metric's
         root times N(0, I) draws, overdispersed about the bulk; otherwise draws from p(z | theta)),
@@ -819,23 +882,26 @@ class FedSOULRun(FederatedRun):
             fresh = jax.vmap(lambda e: unravel(flat + 2.0 * root @ e))(noise)
         else:
             fresh = jax.vmap(fm.sample_local_prior, in_axes=(0, None, None, None))(
-                jax.random.split(k_starts, cfg.num_chains - 1), theta, client.data, client.mask)
+                jax.random.split(k_starts, cfg.num_chains - 1), theta, client.data, client.mask
+            )
         starts = jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a[None], b]), state.z, fresh)
         log_joint = self._log_joint_fn(fm, theta, client)
         evaluate = lambda z: (*jax.value_and_grad(log_joint)(z), ())  # noqa: E731
-
 
         def chain(kc, z0):
             def body(point, k):
                 point, prob = self._move(k, point, evaluate, step, root, self._final_adjusted)
                 return point, (point.x, prob)
+
             return jax.lax.scan(body, LangevinPoint(z0, *evaluate(z0)), jax.random.split(kc, n_steps))[1]
 
         zs, probs = jax.vmap(chain)(jax.random.split(k_chains, cfg.num_chains), starts)
-        keep = lambda a: a[:, warmup + cfg.thinning - 1::cfg.thinning]  # noqa: E731
+        keep = lambda a: a[:, warmup + cfg.thinning - 1 :: cfg.thinning]  # noqa: E731
         return jax.tree_util.tree_map(keep, zs), step, jnp.mean(probs[:, warmup:])
 
-    def sample_locals(self, key, theta: Params, states: ClientState, clients: ClientData, num_samples=None, warmup=None):
+    def sample_locals(
+        self, key, theta: Params, states: ClientState, clients: ClientData, num_samples=None, warmup=None
+    ):
         """Local posterior samples of every client at ``theta``: ``({site: (C, chains, S, ...)}, steps (C,),
         mean acceptance probabilities after warm-up (C,))``."""
         num_samples = self.cfg.num_samples if num_samples is None else num_samples
@@ -871,15 +937,22 @@ class FedSOULRun(FederatedRun):
         Fisher-identity gradient g = grad log p(theta_bar) + sum_i G_i and its Monte Carlo covariance
         sum_i Var(G_i) (``uploads=None``, a client missing on a network: none of these)."""
         fm = self._fm
-        parts = FitParts(theta=theta, params=fm.constrain(theta), params_last=fm.constrain(server.theta),
-                         settings={"server_optimizer": self.optimizer if isinstance(self.optimizer, str)
-                                   else type(self.optimizer).__name__,
-                                   "uncertainty": self.uncertainty,
-                                   "local_metric": self.local_metric,
-                                   "local_kernel": self.local_kernel,
-                                   "batch_size": self._batches.size if self._batches.active else None,
-                                   "step_scale": self.step_scale,
-                                   **({} if callable(self.server_lr) else {"server_lr": self.server_lr})})
+        parts = FitParts(
+            theta=theta,
+            params=fm.constrain(theta),
+            params_last=fm.constrain(server.theta),
+            settings={
+                "server_optimizer": self.optimizer
+                if isinstance(self.optimizer, str)
+                else type(self.optimizer).__name__,
+                "uncertainty": self.uncertainty,
+                "local_metric": self.local_metric,
+                "local_kernel": self.local_kernel,
+                "batch_size": self._batches.size if self._batches.active else None,
+                "step_scale": self.step_scale,
+                **({} if callable(self.server_lr) else {"server_lr": self.server_lr}),
+            },
+        )
         if locals_ is not None:
             parts.local_samples = locals_["local_samples"]
             parts.client_info = {"step_size": locals_["step_size"], "acceptance": locals_["acceptance"]}
@@ -903,7 +976,10 @@ class FedSOULRun(FederatedRun):
                 f"eigenvalue {float(jnp.linalg.eigvalsh(out['information'])[0]):.3g}), so the globals have no "
                 "standard errors or normal approximation: the estimate is not at a maximum of the marginal "
                 "likelihood (run more rounds) or the model is not identified there (e.g. a rotation of a "
-                "latent subspace); the local posteriors are unaffected", ConvergenceWarning, stacklevel=2)
+                "latent subspace); the local posteriors are unaffected",
+                ConvergenceWarning,
+                stacklevel=2,
+            )
         return out
 
     def _uncertainty_arrays(self, key, theta: Params, grads, info_tris, cov_tris) -> dict[str, Any]:
@@ -940,8 +1016,9 @@ class FedSOULRun(FederatedRun):
         step = jnp.asarray(np.mean(self.cfg.step_size) if self.cfg.step_size is not None else 0.0)
         _, v0, step, _ = self._adapt(theta, anchor, v0, step, client, 50)
         batch = lambda t: jax.tree_util.tree_map(lambda a: a[None], t)  # noqa: E731
-        zs, _, _ = self.sample_locals(k_run, theta, batch(ClientState(z0, v0, step, anchor)), batch(client),
-                                      num_samples, warmup)
+        zs, _, _ = self.sample_locals(
+            k_run, theta, batch(ClientState(z0, v0, step, anchor)), batch(client), num_samples, warmup
+        )
         return jax.tree_util.tree_map(lambda a: a[0].reshape((-1,) + a.shape[3:]), zs)
 
 
@@ -962,7 +1039,11 @@ class FineTuneRun(FedSOULRun):
 
     def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
         """Nothing to aggregate: the shared sites stay where the warm start put them."""
-        return state, self._broadcast(state.theta), {f"theta/{n}": v for n, v in self._fm.constrain(state.theta).items()}
+        return (
+            state,
+            self._broadcast(state.theta),
+            {f"theta/{n}": v for n, v in self._fm.constrain(state.theta).items()},
+        )
 
 
 class LocalOnlyState(NamedTuple):
@@ -992,10 +1073,13 @@ class LocalOnlyRun(FedSOULRun):
         k_round, k_own = jax.random.split(key)
         chain, (sent, objective, tri), _ = self._local_round(k_round, state.own.theta, state.chain, client)
         one = lambda a: jnp.asarray(a)[None]  # noqa: E731
-        uploads = Message(Upload(jax.tree_util.tree_map(one, decode_tree(sent)), one(objective),
-                                 jax.tree_util.tree_map(one, tri)), jnp.zeros((), jnp.int32))
-        info = RoundInfo(round=state.rounds, cohort=jnp.zeros((1,), jnp.int32), active=jnp.ones((1,), bool),
-                         num_clients=1)
+        uploads = Message(
+            Upload(jax.tree_util.tree_map(one, decode_tree(sent)), one(objective), jax.tree_util.tree_map(one, tri)),
+            jnp.zeros((), jnp.int32),
+        )
+        info = RoundInfo(
+            round=state.rounds, cohort=jnp.zeros((1,), jnp.int32), active=jnp.ones((1,), bool), num_clients=1
+        )
         own, _, _ = FedSOULRun.server_step(self, k_own, state.own, uploads, info)
         return LocalOnlyState(chain, own, state.rounds + 1), dense_message(())
 
@@ -1024,5 +1108,7 @@ class LocalOnlyRun(FedSOULRun):
         return super().final_server(key, server._replace(theta=mean), mean, None, locals_)
 
     def sample_new_client(self, key, theta: Params, client: ClientData, num_samples: int, warmup: int) -> Params:
-        raise ConfigError("LocalOnly fits each client alone: a client unseen in training has no model (fit it on "
-                          "its own data, e.g. fb.fed_fit on a FederatedData of that one client)")
+        raise ConfigError(
+            "LocalOnly fits each client alone: a client unseen in training has no model (fit it on "
+            "its own data, e.g. fb.fed_fit on a FederatedData of that one client)"
+        )

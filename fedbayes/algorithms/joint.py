@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -129,7 +130,8 @@ class JointLMC(LangevinSampler):
     adapt the same way safely.
 
     Exact: on a Gaussian hierarchical model its draws have the ULA law of the joint target (tested, with
-    given, automatic and adapted steps); it carries ULA's O(step) bias. With error feedback and an odd compressor (top-k) the stationary mean
+    given, automatic and adapted steps); it carries ULA's O(step) bias. With error feedback and an odd compressor
+    (top-k) the stationary mean
     stays exact (tested), as for D-/P-ELF.
     """
 
@@ -148,21 +150,28 @@ class JointLMC(LangevinSampler):
         # EF21's memory even uncompressed: an absent client's last gradient (with every client answering, the
         # direct uplink's sum and bits)
         up = EF21Uplink(identity() if self.uplink is None else _ef_compressor(self.uplink, self.rescale, self.name))
-        down = (FullDownlink() if self.downlink is None
-                else EF21PDownlink(_ef_compressor(self.downlink, self.rescale, self.name)))
+        down = (
+            FullDownlink()
+            if self.downlink is None
+            else EF21PDownlink(_ef_compressor(self.downlink, self.rescale, self.name))
+        )
         return up, down
 
     def _check_latents(self, fm: FedModel) -> None:
         """Local latents required; a search for the mode refused (not built yet)."""
         if not fm.local_names:
-            raise ModelError(f"{self.name} samples models with local latents (fb.local()); this model has none: "
-                             "use fb.LMC (or fb.JointMALA / fb.JointHMC, exact at any step)")
+            raise ModelError(
+                f"{self.name} samples models with local latents (fb.local()); this model has none: "
+                "use fb.LMC (or fb.JointMALA / fb.JointHMC, exact at any step)"
+            )
         if isinstance(self.init, str) and self.init == "map":
-            raise ConfigError(f"{self.name} has no search for the joint mode (a hierarchical model's joint density "
-                              "often has none: the funnel's neck); init=None / 'prior' (dispersed starts, as NumPyro's), "
-                              "or given global values, e.g. a FedSOUL fit's theta*: init=res")
+            raise ConfigError(
+                f"{self.name} has no search for the joint mode (a hierarchical model's joint density "
+                "often has none: the funnel's neck); init=None / 'prior' (dispersed starts, as NumPyro's), "
+                "or given global values, e.g. a FedSOUL fit's theta*: init=res"
+            )
 
-    def _make_run(self, fm: FedModel, problem: Problem) -> "JointLangevinRun":
+    def _make_run(self, fm: FedModel, problem: Problem) -> JointLangevinRun:
         return JointLangevinRun(self, fm, problem)
 
 
@@ -180,7 +189,9 @@ class JointLangevinRun(LangevinRun):
         self._spread = self._precond = None
         self.map_bits, self.map_iterations = (0, 0), 0
         self.start = "given" if isinstance(cfg.init, Mapping) or hasattr(cfg.init, "params") else "prior-centre"
-        values = None if cfg.init is None or isinstance(cfg.init, str) else resolve_init(cfg.init, problem, jacobian=True)
+        values = (
+            None if cfg.init is None or isinstance(cfg.init, str) else resolve_init(cfg.init, problem, jacobian=True)
+        )
         flat, self._unravel = ravel_pytree(fm.init_globals(None, values))
         self._x0, self.dim = flat, flat.size
         self.up, self.down = cfg._channels(int(flat.size))
@@ -197,8 +208,9 @@ class JointLangevinRun(LangevinRun):
         local = self._fm.client_log_joint(theta, self._unravel_z(z), client.data, client.mask)
         return -local - self._fm.log_prior(theta, jacobian=True) / self._b
 
-    def _grads(self, x: jax.Array, z: jax.Array, client: ClientData,
-               key: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    def _grads(
+        self, x: jax.Array, z: jax.Array, client: ClientData, key: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
         """(grad_x U_i, grad_z U_i) at each chain's (x, z) (rows); with minibatches and a ``key``, each chain's on
         its own batch of the client's rows, the log-likelihood scaled by N_i / B (:mod:`fedbayes.minibatch`):
         unbiased estimates, SGLD's."""
@@ -243,16 +255,22 @@ class JointLangevinRun(LangevinRun):
         ``step_size``, or ``step_scale`` / lambda_max of -grad_z^2 log p(D_i, z | x) at chain 0's start), and its share
         of the globals' curvature for the server's step (the Hessian of U_i in x up to ``DENSE_CURVATURE``
         coordinates, else its largest eigenvalue; none with a given step)."""
-        z0 = jax.vmap(lambda k, x: ravel_pytree(self._fm.sample_local_prior(k, self._unravel(x), client.data,
-                                                                            client.mask))[0])(
-            jax.random.split(key, x0.shape[0]), x0).astype(x0.dtype)  # (chains, 0) without latents
+        z0 = jax.vmap(
+            lambda k, x: ravel_pytree(self._fm.sample_local_prior(k, self._unravel(x), client.data, client.mask))[0]
+        )(jax.random.split(key, x0.shape[0]), x0).astype(x0.dtype)  # (chains, 0) without latents
         if self.cfg.step_size is not None:
             return z0, jnp.asarray(self.cfg.step_size, z0.dtype), ()
-        lam = (curvature(lambda z: -self.joint_potential(x0[0], z, client), z0[0], jnp.ones_like(z0[0]), 50)[0]
-               if self._q else jnp.ones((), x0.dtype))  # no latents: the client's step is never used
+        lam = (
+            curvature(lambda z: -self.joint_potential(x0[0], z, client), z0[0], jnp.ones_like(z0[0]), 50)[0]
+            if self._q
+            else jnp.ones((), x0.dtype)
+        )  # no latents: the client's step is never used
         pot_x = lambda x: self.joint_potential(x, z0[0], client)  # noqa: E731
-        share = (jax.hessian(pot_x)(x0[0]) if self.dim <= DENSE_CURVATURE
-                 else curvature(lambda x: -pot_x(x), x0[0], jnp.ones_like(x0[0]), 100)[0])
+        share = (
+            jax.hessian(pot_x)(x0[0])
+            if self.dim <= DENSE_CURVATURE
+            else curvature(lambda x: -pot_x(x), x0[0], jnp.ones_like(x0[0]), 100)[0]
+        )
         return z0, self.step_scale / jnp.maximum(lam, 1e-12), share
 
     def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
@@ -263,9 +281,16 @@ class JointLangevinRun(LangevinRun):
         starts, gamma, share = self._client_start(k_z, x0, client)
         gx, gz = self._grads(x0, starts, client)
         z1 = self._langevin(k_move, starts, gz, gamma)
-        state = JointClientState(self.down.client_start(x0), self.up.client_start(gx), z1,
-                                 jnp.broadcast_to(gamma, starts.shape).astype(starts.dtype), *self._empty_draws(starts),
-                                 jnp.zeros((), jnp.int32), gamma, Welford.empty(starts))
+        state = JointClientState(
+            self.down.client_start(x0),
+            self.up.client_start(gx),
+            z1,
+            jnp.broadcast_to(gamma, starts.shape).astype(starts.dtype),
+            *self._empty_draws(starts),
+            jnp.zeros((), jnp.int32),
+            gamma,
+            Welford.empty(starts),
+        )
         return self._record(state, 0), (gx, share)  # z1 is the latents at round 0's start
 
     def setup_server_step(self, stage: int, key: jax.Array, x0: jax.Array, uploads: Any):
@@ -273,8 +298,9 @@ class JointLangevinRun(LangevinRun):
         base, message = super().setup_server_step(stage, key, x0, uploads)
         gamma = jnp.broadcast_to(base.gamma, x0.shape).astype(x0.dtype)
         zero = jnp.zeros((), jnp.int32)
-        return JointServerState(base.x, gamma, base.down, base.up, base.gamma, Welford.empty(x0), zero), \
-            self._with_round(message, zero)
+        return JointServerState(
+            base.x, gamma, base.down, base.up, base.gamma, Welford.empty(x0), zero
+        ), self._with_round(message, zero)
 
     @staticmethod
     def _with_round(message: Message, r: jax.Array) -> Message:
@@ -296,8 +322,9 @@ class JointLangevinRun(LangevinRun):
         with x_{k+1}). A client that missed rounds has kept its held latents for them (:meth:`_record`)."""
         payload, r = payload
         if self.adapt:  # the rounds it missed, its latents held: fed to the same windows as if it had answered
-            gamma, acc = _replay_held(state.gamma, state.acc, state.z, state.count + 1, r + 1, self.windows,
-                                      self.step_scale)
+            gamma, acc = _replay_held(
+                state.gamma, state.acc, state.z, state.count + 1, r + 1, self.windows, self.step_scale
+            )
             state = state._replace(gamma=gamma, acc=acc)
         w, down = self.down.receive(payload, state.down)
         k_move, k_up = jax.random.split(key)
@@ -338,15 +365,21 @@ class JointLangevinRun(LangevinRun):
         steps = server_state.gamma
         report = server_state._replace(gamma=server_state.gamma0) if hasattr(server_state, "gamma0") else server_state
         parts = LangevinRun.finalize(self, key, (report, None, None), problem, history)
-        parts.settings = {**(parts.settings or {}), "local_step_scale": self.step_scale,
-                          "mass_matrix_adapted": bool(self.adapt), "steps": np.asarray(steps).tolist()}
+        parts.settings = {
+            **(parts.settings or {}),
+            "local_step_scale": self.step_scale,
+            "mass_matrix_adapted": bool(self.adapt),
+            "steps": np.asarray(steps).tolist(),
+        }
         return parts
 
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
         """The globals' draws and each client's own draws of its latents (the final exchange)."""
         server, states, _ = carry
-        return with_final_parts(self.record_parts(key, server, problem, history),
-                                final_exchange(self, key, server, states, stack_clients(problem.data)))
+        return with_final_parts(
+            self.record_parts(key, server, problem, history),
+            final_exchange(self, key, server, states, stack_clients(problem.data)),
+        )
 
 
 MAX_DELTA_ENERGY = 1000.0
@@ -370,9 +403,9 @@ class MALAServerState(NamedTuple):
     last: jax.Array  # (chains,) int32: the index of the last accepted decision (-1: none), sent with each proposal
     gamma: jax.Array  # () the globals' base step
     log_mult: jax.Array  # (chains,) log of the step multiplier the pending proposal was made with
-    da: "DualAveraging"  # the warm-up's step adaptation, one per chain
+    da: DualAveraging  # the warm-up's step adaptation, one per chain
     scale: jax.Array  # (chains, d) each coordinate's step before the multiplier: gamma, then the window variances
-    acc: "Welford"  # the current window's statistics
+    acc: Welford  # the current window's statistics
     n: jax.Array  # () int32: decisions made
 
 
@@ -392,7 +425,7 @@ class DualAveraging(NamedTuple):
     t: jax.Array  # () float: decisions since the (re)start
 
     @classmethod
-    def start(cls, x: jax.Array) -> "DualAveraging":
+    def start(cls, x: jax.Array) -> DualAveraging:
         none = jnp.zeros(x.shape[:1], x.dtype)
         return cls(none, none, jnp.zeros((), x.dtype))
 
@@ -405,7 +438,7 @@ def _dual_averaging(da: DualAveraging, alpha: jax.Array, target: float) -> tuple
     t = da.t + 1
     h = (1 - 1 / (t + _DA_T0)) * da.h + (target - alpha) / (t + _DA_T0)
     log_eps = _DA_MU - jnp.sqrt(t) / _DA_G * h
-    eta = t ** -_DA_KAPPA
+    eta = t**-_DA_KAPPA
     return DualAveraging(h, eta * log_eps + (1 - eta) * da.log_bar, t), log_eps
 
 
@@ -457,10 +490,10 @@ class Welford(NamedTuple):
     m2: jax.Array  # (chains, dim)
 
     @classmethod
-    def empty(cls, like: jax.Array) -> "Welford":
+    def empty(cls, like: jax.Array) -> Welford:
         return cls(jnp.zeros((), like.dtype), jnp.zeros_like(like), jnp.zeros_like(like))
 
-    def add(self, x: jax.Array, on: jax.Array) -> "Welford":
+    def add(self, x: jax.Array, on: jax.Array) -> Welford:
         """Add ``x`` where ``on`` (a scalar flag)."""
         n = self.n + 1
         delta = x - self.mean
@@ -474,8 +507,15 @@ class Welford(NamedTuple):
         return n / (n + 5) * self.m2 / jnp.maximum(n - 1, 1) + 1e-3 * 5 / (n + 5)
 
 
-def _adapt_scale(scale: jax.Array, acc: Welford, x: jax.Array, n: jax.Array, windows,
-                 factor: float = 1.0, on: jax.Array | bool = True) -> tuple[jax.Array, Welford, jax.Array]:
+def _adapt_scale(
+    scale: jax.Array,
+    acc: Welford,
+    x: jax.Array,
+    n: jax.Array,
+    windows,
+    factor: float = 1.0,
+    on: jax.Array | bool = True,
+) -> tuple[jax.Array, Welford, jax.Array]:
     """After decision (or move) ``n`` (the chain's state ``x``): accumulate it in a slow window, and at a window's
     end replace the per-coordinate scales by ``factor`` times the window's variances. Returns ``(scale, acc, ended)``;
     nothing changes where ``on`` is False."""
@@ -489,8 +529,9 @@ def _adapt_scale(scale: jax.Array, acc: Welford, x: jax.Array, n: jax.Array, win
     return scale, acc, ended
 
 
-def _replay_held(scale: jax.Array, acc: Welford, x: jax.Array, start: jax.Array, stop: jax.Array, windows,
-                 factor: float = 1.0) -> tuple[jax.Array, Welford]:
+def _replay_held(
+    scale: jax.Array, acc: Welford, x: jax.Array, start: jax.Array, stop: jax.Array, windows, factor: float = 1.0
+) -> tuple[jax.Array, Welford]:
     """:func:`_adapt_scale` after each of the moves (decisions) ``start <= n < stop`` that a client missed, its state
     ``x`` held through them: the same windows as a client that answered. A loop over a small carry (none when
     nothing was missed), never over the client's buffer of draws."""
@@ -503,7 +544,8 @@ def _any_lost(info) -> jax.Array:
 
 
 def _log_q(to: jax.Array, frm: jax.Array, grad_at_frm: jax.Array, gamma: jax.Array) -> jax.Array:
-    """log of the Langevin proposal density q(to | frm), up to its constant: -|to - frm + gamma grad U(frm)|^2 / (4 gamma)
+    """log of the Langevin proposal density q(to | frm), up to its constant: -|to - frm + gamma grad U(frm)|^2 / (4
+    gamma)
     (summed over the last axis: one value per chain; ``gamma`` a scalar or one per chain, shape (chains, 1))."""
     return -jnp.sum((to - frm + gamma * grad_at_frm) ** 2 / (4 * gamma), -1)
 
@@ -517,7 +559,8 @@ class JointMALA(JointLMC):
     but without its bias).
 
     Each round the server broadcasts the proposal x' of the globals (with the decisions' news: each chain's
-    last accepted decision and the round's index; and each chain's step multiplier). Client i proposes z_i' from its current state, evaluates U_i at (x', z_i'),
+    last accepted decision and the round's index; and each chain's step multiplier). Client i proposes z_i' from its
+    current state, evaluates U_i at (x', z_i'),
     and uploads two things: the gradient of U_i in x there, and one scalar per chain, its share of the log
     acceptance ratio
 
@@ -530,7 +573,8 @@ class JointMALA(JointLMC):
 
     Communication per round and chain: d + 2 floats up per client (the gradient, c_i and a flag that is 0
     where the client's proposal is not finite: any 0 rejects), and d + 2 values down (the proposal, the index
-    of the last accepted decision and the step multiplier) with the round's index. Every gradient the next proposal needs has been computed by the time
+    of the last accepted decision and the step multiplier) with the round's index. Every gradient the next proposal
+    needs has been computed by the time
     of the decision, so a round costs one gradient evaluation per client, as ULA's does. The ledger's
     bits per accepted draw after warm-up are in ``res.settings["bits_per_accepted_draw"]``.
 
@@ -556,9 +600,11 @@ class JointMALA(JointLMC):
     values (``fb.FaultPolicy``'s ``max_abs`` / ``relative`` bounds) depends on the proposal: rejecting those is
     Metropolis-Hastings restricted to the proposals the screen passes, exact only for the posterior restricted
     there, as NumPyro's rejection of divergent proposals; the default bound (1e6 times the cohort's median) is
-    far beyond any value a proposal in the posterior's bulk produces. The client whose upload was lost rolls back and catches up from the next broadcast it gets
+    far beyond any value a proposal in the posterior's bulk produces. The client whose upload was lost rolls back and
+    catches up from the next broadcast it gets
     (:meth:`JointMALARun._commit_through`), in a simulation and over Flower alike; the dual averaging skips the
-    decisions a loss forced, and ``res.settings["acceptance"]`` is the others' rate. No compression (``uplink`` / ``downlink``: the test needs exact
+    decisions a loss forced, and ``res.settings["acceptance"]`` is the others' rate. No compression (``uplink`` /
+    ``downlink``: the test needs exact
     gradients). The options are otherwise :class:`JointLMC`'s.
     """
 
@@ -573,8 +619,10 @@ class JointMALA(JointLMC):
     def __post_init__(self):
         super().__post_init__()
         if self.uplink is not None or self.downlink is not None:
-            raise ConfigError(f"{self.name} needs exact messages (its Metropolis test uses the gradients sent): "
-                              "no uplink / downlink compressor")
+            raise ConfigError(
+                f"{self.name} needs exact messages (its Metropolis test uses the gradients sent): "
+                "no uplink / downlink compressor"
+            )
         if not 0.0 < self.target_accept < 1.0:
             raise ConfigError(f"target_accept must lie in (0, 1), got {self.target_accept!r}")
         require_choice(self.adapt_step, "adapt_step", (True, False))
@@ -584,14 +632,16 @@ class JointMALA(JointLMC):
         """Models with or without local latents; minibatches (the Metropolis test needs exact densities) and a
         search for the mode (not built) refused."""
         if self.batch_size is not None or fm.subsample_size:
-            raise ConfigError(f"{self.name} takes full-batch steps only (batch_size=None, no subsample_size in the "
-                              "model): its Metropolis test needs exact densities")
+            raise ConfigError(
+                f"{self.name} takes full-batch steps only (batch_size=None, no subsample_size in the "
+                "model): its Metropolis test needs exact densities"
+            )
         if fm.local_names:
             super()._check_latents(fm)
         elif isinstance(self.init, str) and self.init == "map":
             raise ConfigError(f"{self.name} has no search for the mode: init=None / 'prior', or given values")
 
-    def _make_run(self, fm: FedModel, problem: Problem) -> "JointMALARun":
+    def _make_run(self, fm: FedModel, problem: Problem) -> JointMALARun:
         return JointMALARun(self, fm, problem)
 
 
@@ -610,7 +660,9 @@ class JointMALARun(JointLangevinRun):
 
     def _eval(self, x, z, client):
         """(U_i, grad_x U_i, grad_z U_i) at each chain's (x, z), with a non-finite U_i as +inf."""
-        u, (gx, gz) = jax.vmap(jax.value_and_grad(self.joint_potential, argnums=(0, 1)), in_axes=(0, 0, None))(x, z, client)
+        u, (gx, gz) = jax.vmap(jax.value_and_grad(self.joint_potential, argnums=(0, 1)), in_axes=(0, 0, None))(
+            x, z, client
+        )
         return jnp.where(jnp.isfinite(u), u, jnp.inf), gx, gz
 
     @staticmethod
@@ -636,8 +688,19 @@ class JointMALARun(JointLangevinRun):
         U_i and its gradients at (x_0, z_0); grad_x U_i goes up (with the curvature share for the server's step)."""
         z0, gamma, share = self._client_start(key, x0, client)
         u, gx, gz = self._eval(x0, z0, client)
-        state = MALAClientState(z0, u, gz, z0, u, gz, gamma, *self._empty_draws(z0), jnp.zeros((), jnp.int32),
-                                jnp.broadcast_to(gamma, z0.shape).astype(z0.dtype), Welford.empty(z0))
+        state = MALAClientState(
+            z0,
+            u,
+            gz,
+            z0,
+            u,
+            gz,
+            gamma,
+            *self._empty_draws(z0),
+            jnp.zeros((), jnp.int32),
+            jnp.broadcast_to(gamma, z0.shape).astype(z0.dtype),
+            Welford.empty(z0),
+        )
         return self._record(state, 0), (gx, share)  # decision 0's draw unless a commit replaces it
 
     @staticmethod
@@ -711,8 +774,9 @@ class JointMALARun(JointLangevinRun):
         scale = jnp.broadcast_to(gamma, x0.shape).astype(x0.dtype)
         proposal = self._langevin(key, x0, g, scale * self._multiplier(log_mult)[:, None])
         last, zero = jnp.full(x0.shape[:1], -1, jnp.int32), jnp.zeros((), jnp.int32)
-        state = MALAServerState(x0, g, proposal, last, gamma, log_mult, DualAveraging.start(x0), scale,
-                                Welford.empty(x0), zero)
+        state = MALAServerState(
+            x0, g, proposal, last, gamma, log_mult, DualAveraging.start(x0), scale, Welford.empty(x0), zero
+        )
         return state, self._broadcast(last, zero, proposal, log_mult)
 
     def client_step(self, key, payload, state: MALAClientState, client: ClientData):
@@ -752,10 +816,16 @@ class JointMALARun(JointLangevinRun):
         da, log_mult, scale, acc = self._adapt(state, x, alpha, n, lost)
         proposal = self._langevin(k_prop, x, g, scale * self._multiplier(log_mult)[:, None])
         last = jnp.where(accept, state.n, state.last)
-        new = state._replace(x=x, g=g, proposal=proposal, last=last, log_mult=log_mult, da=da, scale=scale,
-                             acc=acc, n=n)
-        diag = {"_sample": x, "acceptance": jnp.mean(alpha), "accepted": jnp.mean(accept.astype(x.dtype)),
-                "step_multiplier": jnp.mean(self._multiplier(log_mult)), "lost": lost}
+        new = state._replace(
+            x=x, g=g, proposal=proposal, last=last, log_mult=log_mult, da=da, scale=scale, acc=acc, n=n
+        )
+        diag = {
+            "_sample": x,
+            "acceptance": jnp.mean(alpha),
+            "accepted": jnp.mean(accept.astype(x.dtype)),
+            "step_multiplier": jnp.mean(self._multiplier(log_mult)),
+            "lost": lost,
+        }
         return new, self._broadcast(last, n, proposal, log_mult), diag
 
     def final_message(self, key, server) -> tuple[jax.Array, jax.Array]:
@@ -774,10 +844,10 @@ class JointMALARun(JointLangevinRun):
         bits one per round; the draws kept start at decision ``warmup``, round :meth:`_first_kept_round`."""
         parts = super().record_parts(key, server_state, problem, history)
         lost = np.asarray(history["lost"], bool) if "lost" in history else np.zeros(len(history["acceptance"]), bool)
-        rate = np.asarray(history["acceptance"])[self.warmup:][~lost[self.warmup:]]  # decisions a loss did not force
+        rate = np.asarray(history["acceptance"])[self.warmup :][~lost[self.warmup :]]  # decisions a loss did not force
         first = self._first_kept_round()
         bits = sum(float(np.sum(np.asarray(history[k])[first:])) for k in ("bits_up", "bits_down") if k in history)
-        accepted = float(np.sum(np.asarray(history["accepted"])[self.warmup:])) * server_state.x.shape[0]  # all chains
+        accepted = float(np.sum(np.asarray(history["accepted"])[self.warmup :])) * server_state.x.shape[0]  # all chains
         parts.settings = {
             **parts.settings,
             "acceptance": float(rate.mean()) if rate.size else float("nan"),
@@ -796,8 +866,16 @@ class JointMALARun(JointLangevinRun):
                 f"needs every client's answer in {each}): the chains barely move, and the "
                 "warm-up's step adaptation had few decisions to learn from, so R-hat and ESS may fail for this "
                 "reason rather than for too few rounds. Find why clients fail (res.faults)"
-                + (", or use fewer num_steps (a trajectory survives with probability (1 - p)^(clients x num_steps)) "
-                   "or fb.JointMALA" if self.L > 1 else "") + ".", ConvergenceWarning, stacklevel=2)
+                + (
+                    ", or use fewer num_steps (a trajectory survives with probability (1 - p)^(clients x num_steps)) "
+                    "or fb.JointMALA"
+                    if self.L > 1
+                    else ""
+                )
+                + ".",
+                ConvergenceWarning,
+                stacklevel=2,
+            )
         return parts
 
 
@@ -858,7 +936,8 @@ class JointHMC(JointMALA):
     globals' position x_j; each client moves its latents' position z_ij by its half kick and drift, evaluates
     U_i at (x_j, z_ij), kicks its momentum, and uploads grad_x U_i there (d floats per chain; at the last step
     also its share of the energy change, c_i = U_i(start) + |rho_i,0|^2/2 - U_i(end) - |rho_i,L|^2/2; every
-    round a flag, 0 once its trajectory is non-finite or divergent, :data:`MAX_DELTA_ENERGY`). The server kicks and drifts the globals and, after ``num_steps`` rounds, accepts with
+    round a flag, 0 once its trajectory is non-finite or divergent, :data:`MAX_DELTA_ENERGY`). The server kicks and
+    drifts the globals and, after ``num_steps`` rounds, accepts with
     probability min(1, exp(sum_i c_i + |rho_x,0|^2/2 - |rho_x,L|^2/2)): Metropolis-Hastings on the joint
     trajectory, exact at any step (the leapfrog is reversible and volume-preserving for any block-diagonal D).
     The decision goes out with the next trajectory's first position; each client keeps its end point or its
@@ -866,7 +945,8 @@ class JointHMC(JointMALA):
     1 + ``step_jitter``] (default 0.5), drawn by the server independently of the state (so exactness is kept):
     with a fixed number of steps, a fixed step makes trajectories whose length is near a multiple of half a
     period of some posterior direction, which then barely moves (Neal 2011, section 5.4.2.3); measured here,
-    z_3's ESS was 24 of 4 000 draws without the jitter. A draw costs ``num_steps`` rounds: ``num_rounds`` must be a multiple of it, and ``warmup`` (in
+    z_3's ESS was 24 of 4 000 draws without the jitter. A draw costs ``num_steps`` rounds: ``num_rounds`` must be a
+    multiple of it, and ``warmup`` (in
     rounds, default half of them) and ``thinning`` (in draws) are counted in trajectories as
     ``warmup // num_steps`` draws.
 
@@ -887,7 +967,7 @@ class JointHMC(JointMALA):
         if not 0.0 <= self.step_jitter < 1.0:
             raise ConfigError(f"step_jitter must lie in [0, 1), got {self.step_jitter!r}")
 
-    def _make_run(self, fm: FedModel, problem: Problem) -> "JointHMCRun":
+    def _make_run(self, fm: FedModel, problem: Problem) -> JointHMCRun:
         return JointHMCRun(self, fm, problem)
 
 
@@ -900,20 +980,23 @@ class JointHMCRun(JointMALARun):
     def __init__(self, cfg: JointHMC, fm: FedModel, problem: Problem):
         L = cfg.num_steps
         if problem.num_rounds % L:
-            raise ConfigError(f"{cfg.name}: num_rounds={problem.num_rounds} is not a multiple of num_steps={L} "
-                              "(a draw is num_steps rounds)")
+            raise ConfigError(
+                f"{cfg.name}: num_rounds={problem.num_rounds} is not a multiple of num_steps={L} "
+                "(a draw is num_steps rounds)"
+            )
         super().__init__(cfg, fm, problem)
         self.L, self.warmup_rounds = L, self.warmup
         self.warmup = self.warmup // L  # from here on in decisions (draws)
         self.num_kept = len(range(self.warmup, problem.num_rounds // L, cfg.thinning))
         if self.num_kept == 0:
-            raise ConfigError(f"{cfg.name}: warmup={self.warmup_rounds} rounds leaves no draw of "
-                              f"{problem.num_rounds // L}")
+            raise ConfigError(
+                f"{cfg.name}: warmup={self.warmup_rounds} rounds leaves no draw of {problem.num_rounds // L}"
+            )
         self.windows = mass_windows(self.warmup) if cfg.adapt_mass_matrix else (0, ())
 
     def _inverse_mass(self, gamma: jax.Array, like: jax.Array) -> jax.Array:
         """The starting inverse mass per coordinate: gamma (1 / curvature), or a given step's square with eps 1."""
-        d = gamma ** 2 if self.cfg.step_size is not None else gamma
+        d = gamma**2 if self.cfg.step_size is not None else gamma
         return jnp.broadcast_to(d, like.shape).astype(like.dtype)
 
     def _jittered(self, key, log_mult: jax.Array) -> jax.Array:
@@ -928,15 +1011,30 @@ class JointHMCRun(JointMALARun):
         u, gx, gz = self._eval(x0, z0, client)
         none = jnp.zeros(z0.shape[:1], z0.dtype)
         zero = jnp.zeros((), jnp.int32)
-        state = HMCClientState(z0, u, gz, z0, u, gz, jnp.zeros_like(z0), none, jnp.ones(z0.shape[:1], bool), gamma,
-                               *self._empty_draws(z0), zero, zero, self._inverse_mass(gamma, z0), Welford.empty(z0))
+        state = HMCClientState(
+            z0,
+            u,
+            gz,
+            z0,
+            u,
+            gz,
+            jnp.zeros_like(z0),
+            none,
+            jnp.ones(z0.shape[:1], bool),
+            gamma,
+            *self._empty_draws(z0),
+            zero,
+            zero,
+            self._inverse_mass(gamma, z0),
+            Welford.empty(z0),
+        )
         return self._record(state, 0), (gx, share)
 
     def _start_trajectory(self, key, x, g, scale, log_mult):
         """A new momentum and step, the first half kick and drift: (pos, rho, k0, eps)."""
         k_rho, k_eps = jax.random.split(key)
         rho = jax.random.normal(k_rho, x.shape, x.dtype)
-        k0 = 0.5 * jnp.sum(rho ** 2, -1)
+        k0 = 0.5 * jnp.sum(rho**2, -1)
         eps = self._jittered(k_eps, log_mult)
         root = jnp.sqrt(scale)
         rho = rho - 0.5 * eps[:, None] * root * g
@@ -947,8 +1045,24 @@ class JointHMCRun(JointMALARun):
         scale = self._inverse_mass(gamma, x0)
         pos, rho, k0, eps = self._start_trajectory(key, x0, g, scale, log_mult)
         zero, last = jnp.zeros((), jnp.int32), jnp.full(x0.shape[:1], -1, jnp.int32)
-        state = HMCServerState(x0, g, pos, rho, k0, jnp.ones(x0.shape[:1], bool), jnp.zeros((), bool), last, gamma,
-                               log_mult, eps, DualAveraging.start(x0), scale, Welford.empty(x0), zero, zero)
+        state = HMCServerState(
+            x0,
+            g,
+            pos,
+            rho,
+            k0,
+            jnp.ones(x0.shape[:1], bool),
+            jnp.zeros((), bool),
+            last,
+            gamma,
+            log_mult,
+            eps,
+            DualAveraging.start(x0),
+            scale,
+            Welford.empty(x0),
+            zero,
+            zero,
+        )
         return state, dense_message(((last, zero), pos, eps))
 
     # ------------------------------------------------------------------ rounds
@@ -973,8 +1087,9 @@ class JointHMCRun(JointMALARun):
 
         def begin(st):
             rho = jax.random.normal(key, st.z.shape, st.z.dtype)
-            return st._replace(pos=st.z, u_pos=st.u, g_pos=st.gz, rho=rho, h0=st.u + 0.5 * jnp.sum(rho ** 2, -1),
-                               ok=jnp.ones_like(st.ok))
+            return st._replace(
+                pos=st.z, u_pos=st.u, g_pos=st.gz, rho=rho, h0=st.u + 0.5 * jnp.sum(rho**2, -1), ok=jnp.ones_like(st.ok)
+            )
 
         state = jax.lax.cond(first, begin, lambda st: st, state._replace(r=r))
         eps, root = mult[:, None], jnp.sqrt(state.scale)
@@ -982,9 +1097,14 @@ class JointHMCRun(JointMALARun):
         pos = state.pos + eps * root * rho
         u, gx, gz = self._eval(x_pos, pos, client)
         rho = rho - 0.5 * eps * root * gz
-        change = state.h0 - u - 0.5 * jnp.sum(rho ** 2, -1)  # minus the client's energy error so far
-        ok = (state.ok & jnp.isfinite(change) & jnp.all(jnp.isfinite(gx), -1) & jnp.all(jnp.isfinite(gz), -1)
-              & (change > -MAX_DELTA_ENERGY))
+        change = state.h0 - u - 0.5 * jnp.sum(rho**2, -1)  # minus the client's energy error so far
+        ok = (
+            state.ok
+            & jnp.isfinite(change)
+            & jnp.all(jnp.isfinite(gx), -1)
+            & jnp.all(jnp.isfinite(gz), -1)
+            & (change > -MAX_DELTA_ENERGY)
+        )
         c = jnp.where(last & ok, change, 0.0)
         gx = jnp.where(ok[:, None], gx, 0.0)
         new = state._replace(pos=pos, u_pos=u, g_pos=gz, rho=rho, ok=ok, r=state.r + 1)
@@ -1000,7 +1120,7 @@ class JointHMCRun(JointMALARun):
         eps, root = state.eps[:, None], jnp.sqrt(state.scale)
         rho = state.rho - 0.5 * eps * root * g_pos
         last = state.r % self.L == self.L - 1
-        log_alpha = c + state.k0 - 0.5 * jnp.sum(rho ** 2, -1)
+        log_alpha = c + state.k0 - 0.5 * jnp.sum(rho**2, -1)
         log_alpha = jnp.where(jnp.isnan(log_alpha) | ~ok, -jnp.inf, log_alpha)
         alpha = jnp.exp(jnp.minimum(log_alpha, 0.0))
         accept = (jnp.log(jax.random.uniform(k_u, c.shape, c.dtype)) < log_alpha) & last
@@ -1011,17 +1131,35 @@ class JointHMCRun(JointMALARun):
             n = state.n + 1
             da, log_mult, scale, acc = self._adapt(state, x, alpha, n, lost)
             pos, rho_new, k0, eps_new = self._start_trajectory(k_rho, x, g, scale, log_mult)
-            return state._replace(x=x, g=g, pos=pos, rho=rho_new, k0=k0, ok=jnp.ones_like(ok), lost=jnp.zeros_like(lost),
-                                  log_mult=log_mult, eps=eps_new, da=da, scale=scale, acc=acc, n=n,
-                                  last=jnp.where(accept, state.n, state.last))
+            return state._replace(
+                x=x,
+                g=g,
+                pos=pos,
+                rho=rho_new,
+                k0=k0,
+                ok=jnp.ones_like(ok),
+                lost=jnp.zeros_like(lost),
+                log_mult=log_mult,
+                eps=eps_new,
+                da=da,
+                scale=scale,
+                acc=acc,
+                n=n,
+                last=jnp.where(accept, state.n, state.last),
+            )
 
         def move(_):
             r = rho - 0.5 * eps * root * g_pos
             return state._replace(pos=state.pos + eps * root * r, rho=r, ok=ok, lost=lost)
 
         new = jax.lax.cond(last, decide, move, None)._replace(r=state.r + 1)
-        diag = {"_sample": new.x, "acceptance": jnp.mean(alpha), "accepted": jnp.mean(accept.astype(c.dtype)),
-                "step_multiplier": jnp.mean(self._multiplier(new.log_mult)), "lost": lost}
+        diag = {
+            "_sample": new.x,
+            "acceptance": jnp.mean(alpha),
+            "accepted": jnp.mean(accept.astype(c.dtype)),
+            "step_multiplier": jnp.mean(self._multiplier(new.log_mult)),
+            "lost": lost,
+        }
         return new, dense_message(((new.last, new.r), new.pos, new.eps)), diag
 
     def final_message(self, key, server: HMCServerState) -> tuple[jax.Array, jax.Array]:
@@ -1030,8 +1168,10 @@ class JointHMCRun(JointMALARun):
     def record_parts(self, key, server_state, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
         """The rounds' records at the decisions (every ``num_steps``-th round), then :class:`JointMALARun`'s."""
         L = self.L
-        at_decisions = {k: (np.asarray(v)[L - 1::L] if k in ("_sample", "acceptance", "accepted", "lost") else v)
-                        for k, v in history.items()}
+        at_decisions = {
+            k: (np.asarray(v)[L - 1 :: L] if k in ("_sample", "acceptance", "accepted", "lost") else v)
+            for k, v in history.items()
+        }
         parts = super().record_parts(key, server_state, problem, at_decisions)
         parts.settings = {**parts.settings, "num_steps": L, "warmup": self.warmup, "warmup_rounds": self.warmup_rounds}
         return parts
@@ -1041,4 +1181,12 @@ class JointHMCRun(JointMALARun):
         return self.warmup * self.L
 
 
-__all__ = ["JointLMC", "JointMALA", "JointHMC", "LOCAL_STEP_SCALE", "MALA_STEP_SCALE", "HMC_STEP_SCALE", "MAX_DELTA_ENERGY"]
+__all__ = [
+    "JointLMC",
+    "JointMALA",
+    "JointHMC",
+    "LOCAL_STEP_SCALE",
+    "MALA_STEP_SCALE",
+    "HMC_STEP_SCALE",
+    "MAX_DELTA_ENERGY",
+]

@@ -10,7 +10,8 @@ computes the covariance of its complete-data score locally (from the same E-step
 sends that symmetric d x d matrix once, as its d(d+1)/2 upper triangle, with its E-step statistic
 (FedMM's final exchange, :class:`fedbayes.protocol.FederatedRun`); its local posterior stays with it. The
 server adds the prior's curvature -grad^2 log p(theta) and inverts: Cov(theta-hat) ~ I^{-1}
-(unconstrained coordinates), standard errors of the constrained sites by the delta method, and draws of the asymptotic normal
+(unconstrained coordinates), standard errors of the constrained sites by the delta method, and draws of the asymptotic
+normal
 approximation N(theta-hat, I^{-1}) as an approximate posterior for the globals.
 
 The covariance terms are exact for enumerated discrete latents (sums over components), for models without
@@ -125,7 +126,10 @@ def posterior_summary(run, key, theta_u: Params, statistic, covariance_tris: jax
             f"{run.name}: Louis' observed information at the estimate is not positive definite (smallest "
             f"eigenvalue {float(jnp.linalg.eigvalsh(out['information'])[0]):.3g}), so the globals have no "
             "standard errors or normal approximation: the estimate is not at a maximum of the likelihood "
-            "(run more rounds) or the model is not identified there", ConvergenceWarning, stacklevel=3)
+            "(run more rounds) or the model is not identified there",
+            ConvergenceWarning,
+            stacklevel=3,
+        )
     return out
 
 
@@ -147,8 +151,9 @@ def local_parts(extra: dict) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ from posterior draws (FedSOUL)
-def draws_information(fm, theta_u: Params, zs: Params, client: ClientData,
-                      num_batches: int = 10) -> tuple[jax.Array, jax.Array, jax.Array]:
+def draws_information(
+    fm, theta_u: Params, zs: Params, client: ClientData, num_batches: int = 10
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A client's Louis terms from draws of its local posterior at theta_u (FedSOUL's final exchange).
 
     ``zs`` are unconstrained draws ``{site: (chains, S, ...)}`` (flattened: z, q numbers) of
@@ -224,8 +229,9 @@ def draws_information(fm, theta_u: Params, zs: Params, client: ClientData,
     return mean, info[rows, cols], grad_cov[rows, cols]
 
 
-def normal_approximation_arrays(fm, key: jax.Array, theta_u: Params, information: jax.Array,
-                                shape: tuple[int, int] = (1, NUM_DRAWS)) -> dict[str, Any]:
+def normal_approximation_arrays(
+    fm, key: jax.Array, theta_u: Params, information: jax.Array, shape: tuple[int, int] = (1, NUM_DRAWS)
+) -> dict[str, Any]:
     """Standard errors (delta method, constrained sites) and draws ``shape = (chains, draws)`` of
     N(theta_u, I^-1) mapped to the constrained space, from an information matrix I in the unconstrained
     coordinates of theta_u; traceable (call it inside ``jit``). ``positive_definite`` is a boolean array;
@@ -245,8 +251,13 @@ def normal_approximation_arrays(fm, key: jax.Array, theta_u: Params, information
     root = vec * jnp.sqrt(1.0 / jnp.where(pd, lam, jnp.nan))  # root root^T = I^-1
     eps = jax.random.normal(key, (chains * draws, flat.size))
     approx = jax.vmap(lambda x: fm.constrain(unravel(x)))(flat + eps @ root.T)
-    return {"information": information, "cov_unconstrained": cov_u, "se": se, "positive_definite": pd,
-            "global_approx": {k: v.reshape((chains, draws) + v.shape[1:]) for k, v in approx.items()}}
+    return {
+        "information": information,
+        "cov_unconstrained": cov_u,
+        "se": se,
+        "positive_definite": pd,
+        "global_approx": {k: v.reshape((chains, draws) + v.shape[1:]) for k, v in approx.items()},
+    }
 
 
 def finish_normal_approximation(out: dict[str, Any]) -> dict[str, Any]:

@@ -43,7 +43,7 @@ its l_i at each trial point and (l_i, grad l_i, upper triangle of the Hessian) a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -99,9 +99,17 @@ def _sums(loglik: Callable[[jax.Array, ClientData], jax.Array], dense: bool):
     return jax.jit(total)
 
 
-def federated_newton(loglik: Callable[[jax.Array, ClientData], jax.Array], log_prior: Callable[[jax.Array], jax.Array],
-                     x0: jax.Array, clients: ClientData, *, max_iter: int = 100, tol: float = 1e-20,
-                     freeze_unidentified: bool = False, dense_max: int = DENSE_CURVATURE) -> NewtonResult:
+def federated_newton(
+    loglik: Callable[[jax.Array, ClientData], jax.Array],
+    log_prior: Callable[[jax.Array], jax.Array],
+    x0: jax.Array,
+    clients: ClientData,
+    *,
+    max_iter: int = 100,
+    tol: float = 1e-20,
+    freeze_unidentified: bool = False,
+    dense_max: int = DENSE_CURVATURE,
+) -> NewtonResult:
     """Minimise F(x) = -log_prior(x) - sum_i loglik(x, client_i) from ``x0`` (see the module docstring).
 
     ``loglik(x, client)`` is one client's log-likelihood at flat unconstrained x; ``clients`` are
@@ -139,7 +147,7 @@ def federated_newton(loglik: Callable[[jax.Array, ClientData], jax.Array], log_p
     free = jnp.asarray(~frozen)
     step = 1.0  # gradient descent's step (beyond dense_max), adapted
     decrement, iterations, converged = float("inf"), 0, False
-    for iterations in range(1, max_iter + 1):
+    for iterations in range(1, max_iter + 1):  # noqa: B007 (the count is reported after the loop)
         if not np.isfinite(f):
             break
         g = jnp.where(free, g, 0.0)
@@ -186,8 +194,17 @@ def federated_newton(loglik: Callable[[jax.Array, ClientData], jax.Array], log_p
             converged = True
             break
     g = jnp.where(free, g, 0.0)
-    return NewtonResult(x=x, value=f, gradient=g, hessian=h, decrement=decrement, iterations=iterations,
-                        converged=converged, bits=(int(up), int(down)), frozen=frozen)
+    return NewtonResult(
+        x=x,
+        value=f,
+        gradient=g,
+        hessian=h,
+        decrement=decrement,
+        iterations=iterations,
+        converged=converged,
+        bits=(int(up), int(down)),
+        frozen=frozen,
+    )
 
 
 __all__ = ["DENSE_CURVATURE", "NewtonResult", "federated_newton"]

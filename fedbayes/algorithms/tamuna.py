@@ -64,9 +64,22 @@ from ..introspect import FedModel
 from ..minibatch import check_batch_size
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo
 from .tamuna_theory import (  # noqa: F401 - the masks and theory helpers, re-exported as fb.tamuna.*
-    _real, aggregate, client_extremes, estimate_condition, estimate_condition_at, expected_uplink_floats, mask,
-    mask_column, max_eta, preconditioner, recommended_p, recommended_s, template_column, theorem1_rate)
-from .warmstart import check_init, map_estimate, map_objective, map_solve, resolve_init  # noqa: F401 - re-exported
+    _real,
+    aggregate,
+    client_extremes,
+    estimate_condition,
+    estimate_condition_at,
+    expected_uplink_floats,
+    mask,
+    mask_column,
+    max_eta,
+    preconditioner,
+    recommended_p,
+    recommended_s,
+    template_column,
+    theorem1_rate,
+)
+from .warmstart import check_init, map_estimate, map_objective, map_solve, resolve_init
 
 POPULATION_MEAN = "population-mean"
 
@@ -179,7 +192,8 @@ class TAMUNA:
         prior, so mu_min (and p) can be orders of magnitude smaller than the problem needs (mlmRev's
         Contraception, districts of 2 to 118 women: kappa 1.7e5 against 11). Theorem 1 still
         guarantees linear convergence for that p (every p in (0, 1] with eta <= p n (s-1) / (s (n-1))
-        does); only the rate bound is then the worst client's. Pass ``kappa`` or ``p`` to override. The method becomes affine invariant: a global in raw units
+        does); only the rate bound is then the worst client's. Pass ``kappa`` or ``p`` to override. The method becomes
+        affine invariant: a global in raw units
         (an age in years, a price in cents) gives the same iterates, mapped, as its standardised
         version. Masks (compression) and robust aggregation act on the y coordinates; results
         (``params``, the history, the final gradient and information, the safeguard's objective) are in
@@ -226,8 +240,10 @@ class TAMUNA:
     auto_safeguard = True  # safeguard=None turns it on (automatic step, every client every round)
     monotone = False  # F may rise for a while (local steps, control variates settling, shared coordinates)
     auto_precondition = True  # precondition=None turns it on (automatic step, d <= DENSE_CURVATURE)
-    divergence_hint = ("lower step_size below 2 / L_max (or leave it None for 1 / L_max at the start); the objective "
-                       "must be smooth and strongly convex near the path")
+    divergence_hint = (
+        "lower step_size below 2 / L_max (or leave it None for 1 / L_max at the start); the objective "
+        "must be smooth and strongly convex near the path"
+    )
 
     def __post_init__(self):
         n = self.name
@@ -242,8 +258,10 @@ class TAMUNA:
         if self.eta is not None and (not _real(self.eta) or self.eta < 0):
             raise ConfigError(f"{n} eta must be a non-negative number or None, got {self.eta!r}")
         if self.eta == 0 and self.control_variates:
-            raise ConfigError(f"{n} eta must be > 0 (Theorem 1); eta = 0 switches the control variates off, which is "
-                              "fb.FedAvg (it converges to a wrong point on heterogeneous clients)")
+            raise ConfigError(
+                f"{n} eta must be > 0 (Theorem 1); eta = 0 switches the control variates off, which is "
+                "fb.FedAvg (it converges to a wrong point on heterogeneous clients)"
+            )
         if self.local_steps is not None:
             require_int(self.local_steps, f"{n} local_steps")
             if self.p is not None:
@@ -262,7 +280,7 @@ class TAMUNA:
         as_aggregation(self.aggregation)
         check_batch_size(self.batch_size, self.name)
 
-    def build(self, problem: Problem) -> "TAMUNARun":
+    def build(self, problem: Problem) -> TAMUNARun:
         fm: FedModel = problem.model
         fm.require(self.name, local_continuous=False, minibatch=True)
         if fm.local_names and self.local_latents != POPULATION_MEAN:
@@ -276,15 +294,19 @@ class TAMUNA:
             raise ConfigError(f"{self.name} needs at least 2 clients, got {n}")
         c = problem.cohort_size or n
         if self.full_participation and c != n:
-            raise ConfigError(f"{self.name} is the full-participation special case (c = s = n = {n}); "
-                              f"got clients_per_round={c}. Use fb.TAMUNA for partial participation")
+            raise ConfigError(
+                f"{self.name} is the full-participation special case (c = s = n = {n}); "
+                f"got clients_per_round={c}. Use fb.TAMUNA for partial participation"
+            )
         if self.control_variates and c < 2:
             raise ConfigError(f"{self.name} needs a cohort of at least 2 clients (s >= 2 holders per coordinate)")
         if self.s is not None and self.s > c:
             raise ConfigError(f"{self.name} s={self.s} exceeds the cohort size c={c} (clients_per_round)")
         if self.safeguard and c != n:
-            raise ConfigError(f"{self.name} safeguard=True needs every client in every round (the server compares the "
-                              f"objective F = sum_i f_i between rounds); got clients_per_round={c} of {n}")
+            raise ConfigError(
+                f"{self.name} safeguard=True needs every client in every round (the server compares the "
+                f"objective F = sum_i f_i between rounds); got clients_per_round={c} of {n}"
+            )
         return TAMUNARun(self, fm, problem)
 
 
@@ -364,16 +386,21 @@ class TAMUNARun(FederatedRun):
         self._x0, self._unravel = ravel_pytree(theta0)
         self.dim = d = self._x0.size
         self.s = self._s_value(d) if cfg.compression else self.c
-        self.safeguard = bool(cfg.safeguard if cfg.safeguard is not None
-                              else cfg.auto_safeguard and cfg.step_size is None and self.c == self.n)
+        self.safeguard = bool(
+            cfg.safeguard
+            if cfg.safeguard is not None
+            else cfg.auto_safeguard and cfg.step_size is None and self.c == self.n
+        )
         from .newton import DENSE_CURVATURE
 
         pre = cfg.precondition
         if pre is None:
             pre = cfg.auto_precondition and cfg.step_size is None and d <= DENSE_CURVATURE
         elif pre and d > DENSE_CURVATURE:
-            raise ConfigError(f"{self.name} precondition=True needs dense Hessians, d <= {DENSE_CURVATURE}; got d={d}. "
-                              "Leave precondition=None (off for large d)")
+            raise ConfigError(
+                f"{self.name} precondition=True needs dense Hessians, d <= {DENSE_CURVATURE}; got d={d}. "
+                "Leave precondition=None (off for large d)"
+            )
         self.precondition = bool(pre)
         need_p = cfg.p is None and cfg.local_steps is None
         self._estimate = cfg.step_size is None or (need_p and cfg.kappa is None) or self.precondition
@@ -385,8 +412,11 @@ class TAMUNARun(FederatedRun):
         cfg = self.cfg
         gamma = float(cfg.step_size) if cfg.step_size is not None else 1.0 / L_max
         if L_max is not None and not gamma < 2.0 / L_max:
-            warnings.warn(f"{self.name} step_size={gamma:.3g} is not below 2 / L_max = {2 / L_max:.3g} "
-                          "(L_max estimated at the initial point); Theorem 1 needs gamma < 2 / L_max", stacklevel=5)
+            warnings.warn(
+                f"{self.name} step_size={gamma:.3g} is not below 2 / L_max = {2 / L_max:.3g} "
+                "(L_max estimated at the initial point); Theorem 1 needs gamma < 2 / L_max",
+                stacklevel=5,
+            )
         if cfg.local_steps is not None:
             p = 1.0 / cfg.local_steps
         elif cfg.p is not None:
@@ -405,7 +435,8 @@ class TAMUNARun(FederatedRun):
             if eta > bound * (1 + 1e-12):
                 raise ConfigError(
                     f"{self.name} eta={eta:.6g} is outside Theorem 1's range (0, p n (s-1) / (s (n-1))] = "
-                    f"(0, {bound:.6g}] for p={p:.6g}, n={self.n}, s={self.s}; leave eta=None for the largest")
+                    f"(0, {bound:.6g}] for p={p:.6g}, n={self.n}, s={self.s}; leave eta=None for the largest"
+                )
         return gamma, p, eta
 
     def _s_value(self, d: int) -> int:
@@ -420,7 +451,8 @@ class TAMUNARun(FederatedRun):
             warnings.warn(
                 f"{self.name}: the objective is not strongly convex at the initial point (smallest Hessian eigenvalue "
                 f"{mu:.3g}), so kappa and Theorem 1's p are undefined; using p = 0.1. Pass p or kappa",
-                stacklevel=6)
+                stacklevel=6,
+            )
             return None
         return float(L_max / mu)
 
@@ -430,9 +462,18 @@ class TAMUNARun(FederatedRun):
         st, est = state.settings, state.estimates
         # the shortest decimal that identifies each value in the fit's float width (0.6, not 0.6000000238)
         num = lambda a: float(str(np.asarray(a)[()]))  # noqa: E731
-        out = {"gamma": num(st.gamma), "p": num(st.p), "eta": num(st.eta), "s": self.s, "c": self.c,
-               "n": self.n, "d": self.dim, "local_steps": self.cfg.local_steps, "safeguard": self.safeguard,
-               "precondition": self.precondition}
+        out = {
+            "gamma": num(st.gamma),
+            "p": num(st.p),
+            "eta": num(st.eta),
+            "s": self.s,
+            "c": self.c,
+            "n": self.n,
+            "d": self.dim,
+            "local_steps": self.cfg.local_steps,
+            "safeguard": self.safeguard,
+            "precondition": self.precondition,
+        }
         if self.precondition:
             out.update(levenberg_shift=num(est.levenberg_shift), mu_mean=num(est.mu_mean))
         if np.isfinite(float(est.L_max)):
@@ -500,8 +541,16 @@ class TAMUNARun(FederatedRun):
         dt = self._x0.dtype
         nan = jnp.asarray(jnp.nan, dt)
         factor = jnp.eye(self.dim, dtype=dt) if self.precondition else ()
-        state = ServerState(self._x0, jnp.zeros((), dt), jnp.asarray(jnp.inf, dt), jnp.zeros((), jnp.int32), nan,
-                            Settings(nan, nan, nan, nan, factor), jnp.zeros((), jnp.int32), Estimates(nan, nan, nan, nan))
+        state = ServerState(
+            self._x0,
+            jnp.zeros((), dt),
+            jnp.asarray(jnp.inf, dt),
+            jnp.zeros((), jnp.int32),
+            nan,
+            Settings(nan, nan, nan, nan, factor),
+            jnp.zeros((), jnp.int32),
+            Estimates(nan, nan, nan, nan),
+        )
         return state, self._x0
 
     def setup_client(self, stage: int, key: jax.Array, x0: jax.Array, state: Any, client: ClientData):
@@ -543,8 +592,11 @@ class TAMUNARun(FederatedRun):
         dt = self._x0.dtype
         real = lambda v: jnp.asarray(np.nan if v is None else v, dt)  # noqa: E731
         settings = Settings(real(gamma), real(p), real(eta), real(eta / gamma), factor)
-        return state._replace(settings=settings, patience=jnp.asarray(math.ceil(SAFEGUARD_PATIENCE / p), jnp.int32),
-                              estimates=Estimates(real(L_max), real(mu_min), real(mu_mean), real(shift)))
+        return state._replace(
+            settings=settings,
+            patience=jnp.asarray(math.ceil(SAFEGUARD_PATIENCE / p), jnp.int32),
+            estimates=Estimates(real(L_max), real(mu_min), real(mu_mean), real(shift)),
+        )
 
     def client_settings(self, state: ServerState) -> ClientSettings:
         """gamma, p, eta / gamma (eta with the safeguard) and, with preconditioning, S: every client's local
@@ -570,8 +622,9 @@ class TAMUNARun(FederatedRun):
         steps = self.num_local_steps(client.shared_key, client.settings)
         if self._batches.active:  # local step m on the round's batch m (stochastic local steps)
             order = self._batches.order(key, client)
-            x = jax.lax.fori_loop(0, steps, lambda m, x: x - gamma * (self._grad(x, self._batches.take(order, client, m))
-                                                                        - h), x_bar)
+            x = jax.lax.fori_loop(
+                0, steps, lambda m, x: x - gamma * (self._grad(x, self._batches.take(order, client, m)) - h), x_bar
+            )
         else:
             x = jax.lax.fori_loop(0, steps, lambda _, x: x - gamma * (self._grad(x, client) - h), x_bar)
         q = self.column(client.shared_key, client.slot)
@@ -691,6 +744,25 @@ class TAMUNARun(FederatedRun):
         return final_exchange(self, key, carry[0], carry[1], stack_clients(problem.data))
 
 
-__all__ = ["TAMUNA", "Scaffnew", "GD", "FedAvg", "mask", "mask_column", "template_column", "aggregate",
-           "recommended_p", "recommended_s", "max_eta", "theorem1_rate", "expected_uplink_floats",
-           "estimate_condition", "check_init", "resolve_init", "map_estimate", "map_solve", "map_objective", "POPULATION_MEAN"]
+__all__ = [
+    "TAMUNA",
+    "Scaffnew",
+    "GD",
+    "FedAvg",
+    "mask",
+    "mask_column",
+    "template_column",
+    "aggregate",
+    "recommended_p",
+    "recommended_s",
+    "max_eta",
+    "theorem1_rate",
+    "expected_uplink_floats",
+    "estimate_condition",
+    "check_init",
+    "resolve_init",
+    "map_estimate",
+    "map_solve",
+    "map_objective",
+    "POPULATION_MEAN",
+]

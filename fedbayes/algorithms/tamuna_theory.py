@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -157,13 +158,16 @@ def preconditioner(hess: np.ndarray) -> tuple[np.ndarray, float]:
                     return S, shift
         except np.linalg.LinAlgError:
             pass
-        shift = 1e-10 * scale * 10.0 ** k
-    raise ModelError("the Hessian of the negative log posterior at the start is not finite; pass init= a "
-                     "dict of constrained starting values, or precondition=False")
+        shift = 1e-10 * scale * 10.0**k
+    raise ModelError(
+        "the Hessian of the negative log posterior at the start is not finite; pass init= a "
+        "dict of constrained starting values, or precondition=False"
+    )
 
 
-def estimate_condition_at(run: Any, clients: ClientData, x: jax.Array, dense_max: int = 1000,
-                          iters: int = 300) -> tuple[float, float]:
+def estimate_condition_at(
+    run: Any, clients: ClientData, x: jax.Array, dense_max: int = 1000, iters: int = 300
+) -> tuple[float, float]:
     """(mu_min, L_max): the smallest and largest eigenvalue of any client's Hessian of f_i at x.
 
     Dense Hessians (exact eigenvalues) for d <= ``dense_max``; beyond, power iterations on
@@ -173,8 +177,9 @@ def estimate_condition_at(run: Any, clients: ClientData, x: jax.Array, dense_max
     return float(jnp.min(lo)), float(jnp.max(hi))
 
 
-def client_extremes(run: Any, client: ClientData, x: jax.Array, dense_max: int = 1000,
-                    iters: int = 300) -> tuple[jax.Array, jax.Array]:
+def client_extremes(
+    run: Any, client: ClientData, x: jax.Array, dense_max: int = 1000, iters: int = 300
+) -> tuple[jax.Array, jax.Array]:
     """(mu_i, L_i): the smallest and largest eigenvalue of one client's Hessian of f_i at x (dense for
     d <= ``dense_max``, else power iterations on Hessian-vector products)."""
     if x.size <= dense_max:
@@ -189,8 +194,15 @@ def client_extremes(run: Any, client: ClientData, x: jax.Array, dense_max: int =
 
 
 @serialized
-def estimate_condition(model, data, *, at: Mapping[str, Any] | None = None, model_kwargs=None,
-                       local_latents: str | None = None, jacobian: bool = False) -> dict[str, float]:
+def estimate_condition(
+    model,
+    data,
+    *,
+    at: Mapping[str, Any] | None = None,
+    model_kwargs=None,
+    local_latents: str | None = None,
+    jacobian: bool = False,
+) -> dict[str, float]:
     """``{"L": L_max, "mu": mu_min, "kappa": L_max / mu_min}`` of the clients' TAMUNA objectives
     f_i = -log p(D_i | x) - log p(x) / n at ``at`` (constrained values; default: the initial point).
 
@@ -203,7 +215,8 @@ def estimate_condition(model, data, *, at: Mapping[str, Any] | None = None, mode
     fm = FedModel(model, fd, model_kwargs)
     from .tamuna import TAMUNA
 
-    run = TAMUNA(step_size=1.0, p=1.0, local_latents=local_latents, jacobian=jacobian,
-                 init=at).build(Problem(fm, fd, 1))
+    run = TAMUNA(step_size=1.0, p=1.0, local_latents=local_latents, jacobian=jacobian, init=at).build(
+        Problem(fm, fd, 1)
+    )
     mu, L = estimate_condition_at(run, stack_clients(fd), run._x0)
     return {"L": L, "mu": mu, "kappa": L / mu if mu > 0 else float("inf")}

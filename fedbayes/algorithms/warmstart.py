@@ -8,7 +8,8 @@ samplers also start their chains at the mode it finds (:func:`map_solve`).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +28,9 @@ def check_init(init: Any, who: str) -> None:
         return
     if isinstance(getattr(init, "params", None), Mapping) and hasattr(init, "history"):
         return
-    raise ConfigError(f"{who} init must be None, a dict of constrained values, a fit Result, 'map' or 'prior', "
-                      f"got {init!r}")
+    raise ConfigError(
+        f"{who} init must be None, a dict of constrained values, a fit Result, 'map' or 'prior', got {init!r}"
+    )
 
 
 def resolve_init(init: Any, problem: Problem, *, jacobian: bool = False) -> Mapping[str, Any] | None:
@@ -64,8 +66,7 @@ def map_objective(fm: FedModel, *, jacobian: bool = False):
     return loglik, log_prior, unravel
 
 
-def map_solve(problem: Problem, *, jacobian: bool = False, init: Mapping[str, Any] | None = None,
-              max_iter: int = 100):
+def map_solve(problem: Problem, *, jacobian: bool = False, init: Mapping[str, Any] | None = None, max_iter: int = 100):
     """The MAP of the global sites by the federated damped Newton method
     (:func:`fedbayes.algorithms.newton.federated_newton`, every client at every iteration), from the
     deterministic start (or the constrained values ``init``). Models with local latents: the
@@ -77,13 +78,16 @@ def map_solve(problem: Problem, *, jacobian: bool = False, init: Mapping[str, An
     fm: FedModel = problem.model
     loglik, log_prior, unravel = map_objective(fm, jacobian=jacobian)
     x0 = ravel_pytree(fm.init_globals(None, init))[0]
-    out = federated_newton(loglik, log_prior, x0, stack_clients(problem.data), max_iter=max_iter,
-                           freeze_unidentified=bool(fm.local_names))
+    out = federated_newton(
+        loglik, log_prior, x0, stack_clients(problem.data), max_iter=max_iter, freeze_unidentified=bool(fm.local_names)
+    )
     out.unravel = unravel
     return out
 
 
-def map_estimate(problem: Problem, *, jacobian: bool = False, num_rounds: int = 300, seed: int = 0) -> dict[str, np.ndarray]:
+def map_estimate(
+    problem: Problem, *, jacobian: bool = False, num_rounds: int = 300, seed: int = 0
+) -> dict[str, np.ndarray]:
     """Constrained MAP of the global sites by :func:`map_solve` (federated damped Newton, every client
     at every iteration; scale-free and monotone, see :mod:`fedbayes.algorithms.newton`). Models with
     local latents: the non-personalised model, latents at their population mean, and coordinates it
@@ -94,6 +98,8 @@ def map_estimate(problem: Problem, *, jacobian: bool = False, num_rounds: int = 
     fm: FedModel = problem.model
     out = map_solve(problem, jacobian=jacobian, max_iter=max(1, min(int(num_rounds), 100)))
     if not (bool(jnp.all(jnp.isfinite(out.x))) and np.isfinite(out.value)):
-        raise ConfigError("the MAP warm start ('map') found no finite objective: the model's log-density is not "
-                          "finite at its start; pass init= a dict of constrained starting values")
+        raise ConfigError(
+            "the MAP warm start ('map') found no finite objective: the model's log-density is not "
+            "finite at its start; pass init= a dict of constrained starting values"
+        )
     return {k: np.asarray(v) for k, v in fm.constrain(out.unravel(out.x)).items()}

@@ -60,14 +60,18 @@ def _as_probs(probs: Any, labels: Any | None = None) -> tuple[np.ndarray, np.nda
     if p.ndim == 1:
         p = np.stack([1.0 - p, p], axis=1)
     if p.ndim != 2 or p.shape[1] < 2:
-        raise DataError(f"probs must be (N, K) class probabilities with K >= 2 or (N,) for binary, got {np.shape(probs)}")
+        raise DataError(
+            f"probs must be (N, K) class probabilities with K >= 2 or (N,) for binary, got {np.shape(probs)}"
+        )
     tol = sum_tolerance(raw.dtype, p.shape[1])
     if not np.all(np.isfinite(p)) or np.any(p < 0) or np.any(p > 1 + tol):
         raise DataError("probs must be finite probabilities in [0, 1]")
     worst = np.max(np.abs(p.sum(1) - 1), initial=0.0)
     if worst > tol:
-        raise DataError(f"each row of probs must sum to 1 (a row misses by {worst:.3g}, more than the {tol:.3g} that "
-                        f"rounding in {raw.dtype} explains for {p.shape[1]} classes)")
+        raise DataError(
+            f"each row of probs must sum to 1 (a row misses by {worst:.3g}, more than the {tol:.3g} that "
+            f"rounding in {raw.dtype} explains for {p.shape[1]} classes)"
+        )
     if labels is None:
         return p, None
     y = np.asarray(labels)
@@ -251,13 +255,23 @@ def _draws_and_obs(draws, y):
     obs = np.asarray(y, dtype=np.float64).ravel()
     d = np.asarray(draws, dtype=np.float64)
     if obs.size == 0 or d.ndim < 2 or d.shape[-1] != obs.size or d.size // obs.size < 2:
-        raise DataError(f"draws must be (S, N) predictive draws with S >= 2 for N = {obs.size} observations, "
-                        f"got {d.shape}")
+        raise DataError(
+            f"draws must be (S, N) predictive draws with S >= 2 for N = {obs.size} observations, got {d.shape}"
+        )
     return d.reshape(-1, obs.size), obs
 
 
 __all__ = [
-    "reliability", "reliability_diagram", "expected_calibration_error", "maximum_calibration_error",
-    "classwise_ece", "brier_score", "negative_log_predictive_density", "accuracy_vs_confidence",
-    "pav", "pav_reliability", "interval_coverage", "pit",
+    "reliability",
+    "reliability_diagram",
+    "expected_calibration_error",
+    "maximum_calibration_error",
+    "classwise_ece",
+    "brier_score",
+    "negative_log_predictive_density",
+    "accuracy_vs_confidence",
+    "pav",
+    "pav_reliability",
+    "interval_coverage",
+    "pit",
 ]

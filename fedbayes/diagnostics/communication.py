@@ -14,7 +14,8 @@ and ``res.bits_down`` include it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -32,7 +33,7 @@ def _as_named(results: Any) -> dict[str, Any]:
 
 
 def _trajectory(res: Any) -> dict[str, np.ndarray]:
-    return {k[len("theta/"):]: v for k, v in res.history.items() if k.startswith("theta/")}
+    return {k[len("theta/") :]: v for k, v in res.history.items() if k.startswith("theta/")}
 
 
 def _error_curve(res: Any, reference: Mapping[str, Any] | None, error: Callable | None) -> np.ndarray:
@@ -51,11 +52,18 @@ def _error_curve(res: Any, reference: Mapping[str, Any] | None, error: Callable 
         return np.linalg.norm(diff, axis=1) / (scale if scale > 0 else 1.0)
     if "objective" in res.history:
         return np.asarray(res.history["objective"], dtype=np.float64)
-    raise ConfigError("give reference={site: value} or error=fn(params), or fit with an algorithm that records an objective")
+    raise ConfigError(
+        "give reference={site: value} or error=fn(params), or fit with an algorithm that records an objective"
+    )
 
 
-def communication_table(results: Any, *, reference: Mapping[str, Any] | None = None,
-                        error: Callable[[dict[str, np.ndarray]], float] | None = None, every: int = 1) -> Any:
+def communication_table(
+    results: Any,
+    *,
+    reference: Mapping[str, Any] | None = None,
+    error: Callable[[dict[str, np.ndarray]], float] | None = None,
+    every: int = 1,
+) -> Any:
     """Long table (pandas DataFrame) of convergence against communication, one row per method and round.
 
     ``results``: a Result or ``{name: Result}``. The ``error`` column is the relative distance of the
@@ -73,8 +81,11 @@ def communication_table(results: Any, *, reference: Mapping[str, Any] | None = N
         up = np.cumsum(res.history["bits_up"], dtype=np.int64) + res.init_bits[0]
         down = np.cumsum(res.history["bits_down"], dtype=np.int64) + res.init_bits[1]
         keep = np.unique(np.append(np.arange(0, len(err), every), len(err) - 1))
-        frames.append(pd.DataFrame({"method": name, "round": keep + 1, "bits_up": up[keep], "bits_down": down[keep],
-                                    "error": err[keep]}))
+        frames.append(
+            pd.DataFrame(
+                {"method": name, "round": keep + 1, "bits_up": up[keep], "bits_down": down[keep], "error": err[keep]}
+            )
+        )
     return pd.concat(frames, ignore_index=True)
 
 
@@ -86,7 +97,12 @@ def communication_to_reach(table: Any, tolerance: float) -> Any:
     for name, t in table.groupby("method", sort=False):
         hit = t[t["error"] <= tolerance]
         first = hit.iloc[0] if len(hit) else None
-        rows.append({"method": name, "round": np.nan if first is None else int(first["round"]),
-                     "bits_up": np.nan if first is None else int(first["bits_up"]),
-                     "bits_down": np.nan if first is None else int(first["bits_down"])})
+        rows.append(
+            {
+                "method": name,
+                "round": np.nan if first is None else int(first["round"]),
+                "bits_up": np.nan if first is None else int(first["bits_up"]),
+                "bits_down": np.nan if first is None else int(first["bits_down"]),
+            }
+        )
     return pd.DataFrame(rows).set_index("method")

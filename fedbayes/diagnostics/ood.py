@@ -68,7 +68,7 @@ def ood_auroc(scores_in: Any, scores_out: Any) -> float:
         raise DataError("scores_in and scores_out must be non-empty and finite")
     both = np.concatenate([a, b])
     ranks = _average_ranks(both)
-    return float((ranks[a.size:].sum() - b.size * (b.size + 1) / 2) / (a.size * b.size))  # Mann-Whitney U
+    return float((ranks[a.size :].sum() - b.size * (b.size + 1) / 2) / (a.size * b.size))  # Mann-Whitney U
 
 
 def _average_ranks(x: np.ndarray) -> np.ndarray:
@@ -113,8 +113,9 @@ def _probs_of(fit: Any, inputs: Any, client: Any, num_samples: int | None, seed:
     return fit.predictive_probs(inputs, client, num_samples=num_samples, seed=seed)
 
 
-def ood_report(fit: Any, inputs_in: Any, inputs_out: Any, *, client: Any = None, num_samples: int | None = None,
-               seed: int = 0) -> Any:
+def ood_report(
+    fit: Any, inputs_in: Any, inputs_out: Any, *, client: Any = None, num_samples: int | None = None, seed: int = 0
+) -> Any:
     """OOD report of a classification fit: :func:`ood_scores` on the fit's class-probability draws
     (``fit.predictive_probs``) at in-distribution inputs ``inputs_in`` and OOD inputs ``inputs_out``.
 
@@ -147,8 +148,16 @@ def novelty_score(local_draws: Any, prior_draws: Any, kind: str = "mahalanobis")
     raise ConfigError(f"kind must be 'mahalanobis' or 'kl', got {kind!r}")
 
 
-def client_novelty(fit: Any, new_client_data: Any, *, kind: str = "mahalanobis", num_samples: int = 500,
-                   warmup: int = 500, prior_samples: int = 4000, seed: int = 0) -> dict[str, Any]:
+def client_novelty(
+    fit: Any,
+    new_client_data: Any,
+    *,
+    kind: str = "mahalanobis",
+    num_samples: int = 500,
+    warmup: int = 500,
+    prior_samples: int = 4000,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Novelty of a new client for a personalised fit (FedSOUL): its :func:`novelty_score` and the
     fraction of training clients scoring at least as high (an empirical p-value: small = novel).
 
@@ -180,6 +189,10 @@ def client_novelty(fit: Any, new_client_data: Any, *, kind: str = "mahalanobis",
 
     prior = flat(prior_u)
     score = novelty_score(flat_u(new), prior, kind)
-    train = np.array([novelty_score(flat_u({k: v[i] for k, v in fit.local_samples.items()}), prior, kind)
-                      for i in range(fit._data.num_clients)])
+    train = np.array(
+        [
+            novelty_score(flat_u({k: v[i] for k, v in fit.local_samples.items()}), prior, kind)
+            for i in range(fit._data.num_clients)
+        ]
+    )
     return {"score": score, "p_value": float(np.mean(train >= score)), "training_scores": train}

@@ -6,7 +6,8 @@ this package, so what a figure shows is what the tables report.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -46,8 +47,16 @@ def _named(x: Any) -> dict[str, Any]:
     return dict(x) if isinstance(x, Mapping) else {"": x}
 
 
-def plot_reliability(probs: Any, labels: Any, *, n_bins: int = 15, strategy: str = "uniform", pav: bool = True,
-                     ax: Any = None, path: str | os.PathLike | None = None) -> Any:
+def plot_reliability(
+    probs: Any,
+    labels: Any,
+    *,
+    n_bins: int = 15,
+    strategy: str = "uniform",
+    pav: bool = True,
+    ax: Any = None,
+    path: str | os.PathLike | None = None,
+) -> Any:
     """Top-label reliability diagram: bin accuracy against bin confidence (markers sized by bin count)
     and, with ``pav``, the binning-free PAV (CORP) curve; the diagonal is perfect calibration.
 
@@ -62,20 +71,37 @@ def plot_reliability(probs: Any, labels: Any, *, n_bins: int = 15, strategy: str
         nz = rel["count"] > 0
         ece = expected_calibration_error(p, labels, n_bins, strategy)
         size = 15 + 200 * rel["count"][nz] / rel["count"].sum()
-        ax.scatter(rel["confidence"][nz], rel["accuracy"][nz], s=size, color=colour, alpha=0.8,
-                   label=f"{name + ': ' if name else ''}bins (ECE {ece:.3f})")
+        ax.scatter(
+            rel["confidence"][nz],
+            rel["accuracy"][nz],
+            s=size,
+            color=colour,
+            alpha=0.8,
+            label=f"{name + ': ' if name else ''}bins (ECE {ece:.3f})",
+        )
         if pav:
             curve = pav_reliability(p, labels)
-            ax.step(curve["confidence"], curve["calibrated"], where="post", color=colour, lw=1.5,
-                    label=f"{name + ': ' if name else ''}PAV")
-    ax.set(xlabel="confidence (max probability)", ylabel="accuracy", xlim=(0, 1), ylim=(0, 1.02),
-           title="reliability")
+            ax.step(
+                curve["confidence"],
+                curve["calibrated"],
+                where="post",
+                color=colour,
+                lw=1.5,
+                label=f"{name + ': ' if name else ''}PAV",
+            )
+    ax.set(xlabel="confidence (max probability)", ylabel="accuracy", xlim=(0, 1), ylim=(0, 1.02), title="reliability")
     ax.legend(fontsize=7, loc="lower right")
     return _finish(fig, path)
 
 
-def plot_score_histograms(scores: Any, *, bins: int = 30, xlabel: str = "predictive entropy", ax: Any = None,
-                          path: str | os.PathLike | None = None) -> Any:
+def plot_score_histograms(
+    scores: Any,
+    *,
+    bins: int = 30,
+    xlabel: str = "predictive entropy",
+    ax: Any = None,
+    path: str | os.PathLike | None = None,
+) -> Any:
     """Histograms of an OOD score on in- and out-of-distribution inputs, one panel per method:
     ``scores`` is ``(in, out)`` or ``{name: (in, out)}`` (e.g. :func:`predictive_entropy` values)."""
     named = _named(scores)
@@ -102,7 +128,11 @@ def plot_pit(draws: Any, y: Any, *, bins: int = 20, ax: Any = None, path: str | 
     n = u.size
     fig, (ax,) = _axes(ax)
     ax.hist(u, bins=bins, range=(0, 1), color="C0", alpha=0.8)
-    cdf = np.cumsum([comb(n, k) * (1 / bins) ** k * (1 - 1 / bins) ** (n - k) for k in range(n + 1)]) if n <= 1000 else None
+    cdf = (
+        np.cumsum([comb(n, k) * (1 / bins) ** k * (1 - 1 / bins) ** (n - k) for k in range(n + 1)])
+        if n <= 1000
+        else None
+    )
     if cdf is not None:
         lo, hi = int(np.searchsorted(cdf, 0.005)), int(np.searchsorted(cdf, 0.995))
     else:  # normal approximation of the binomial
@@ -115,14 +145,22 @@ def plot_pit(draws: Any, y: Any, *, bins: int = 20, ax: Any = None, path: str | 
     return _finish(fig, path)
 
 
-def plot_communication(results: Any, *, reference: Mapping[str, Any] | None = None, error: Any = None,
-                       logy: bool = True, path: str | os.PathLike | None = None) -> Any:
+def plot_communication(
+    results: Any,
+    *,
+    reference: Mapping[str, Any] | None = None,
+    error: Any = None,
+    logy: bool = True,
+    path: str | os.PathLike | None = None,
+) -> Any:
     """Error against rounds, cumulative bits up and cumulative bits down, every method on the same
     three panels (data: :func:`communication_table`). ``results``: a Result, ``{name: Result}``, or a
     table from :func:`communication_table`."""
     import pandas as pd
 
-    table = results if isinstance(results, pd.DataFrame) else communication_table(results, reference=reference, error=error)
+    table = (
+        results if isinstance(results, pd.DataFrame) else communication_table(results, reference=reference, error=error)
+    )
     fig, axes = _axes(None, 3, (4.2, 3.6))
     for name, t in table.groupby("method", sort=False):
         for a, col in zip(axes, ("round", "bits_up", "bits_down")):
@@ -166,8 +204,9 @@ def plot_arviz_pit(data: Any, *, path: str | os.PathLike | None = None, **kwargs
     return _save_arviz(out, path)
 
 
-def plot_arviz_pava(data: Any, *, data_type: str = "categorical", path: str | os.PathLike | None = None,
-                    **kwargs: Any) -> Any:
+def plot_arviz_pava(
+    data: Any, *, data_type: str = "categorical", path: str | os.PathLike | None = None, **kwargs: Any
+) -> Any:
     """PAV-adjusted calibration of a discrete posterior predictive: ArviZ's ``plot_ppc_pava`` on ArviZ
     1.x. ArviZ 0.x has none; there the top-label PAV reliability of the posterior predictive class
     frequencies is drawn by :func:`plot_reliability` instead."""

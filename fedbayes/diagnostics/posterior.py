@@ -164,8 +164,9 @@ def _metrics(a: np.ndarray, b: np.ndarray, max_draws: int, seed: int) -> dict[st
     return row
 
 
-def compare_to_reference(fit: Any, reference: Any, *, var_names: Any = None, max_draws: int = 1000,
-                         seed: int = 0) -> Any:
+def compare_to_reference(
+    fit: Any, reference: Any, *, var_names: Any = None, max_draws: int = 1000, seed: int = 0
+) -> Any:
     """One table (pandas DataFrame, a row per site) of a fit's posterior against reference draws.
 
     ``fit`` is a ``fed_fit`` result or ArviZ data; ``reference`` ArviZ data such as
@@ -182,17 +183,24 @@ def compare_to_reference(fit: Any, reference: Any, *, var_names: Any = None, max
     names = [n for n in a_sets if n in b_sets] if var_names is None else list(np.atleast_1d(var_names))
     missing = [n for n in names if n not in a_sets or n not in b_sets]
     if missing or not names:
-        raise DataError(f"sites {missing or '(none in common)'} are not in both the fit ({sorted(a_sets)}) "
-                        f"and the reference ({sorted(b_sets)})")
+        raise DataError(
+            f"sites {missing or '(none in common)'} are not in both the fit ({sorted(a_sets)}) "
+            f"and the reference ({sorted(b_sets)})"
+        )
     rows = []
     for n in names:
         (a, a_local), (b, b_local) = a_sets[n], b_sets[n]
         if a_local != b_local or a.shape[1:] != b.shape[1:]:
             raise DataError(f"site '{n}' has shape {a.shape[1:]} in the fit and {b.shape[1:]} in the reference")
         if not a_local:
-            rows.append({"site": n, "clients": 0, **_metrics(a.reshape(len(a), -1), b.reshape(len(b), -1), max_draws, seed)})
+            rows.append(
+                {"site": n, "clients": 0, **_metrics(a.reshape(len(a), -1), b.reshape(len(b), -1), max_draws, seed)}
+            )
             continue
-        per = [_metrics(a[:, i].reshape(len(a), -1), b[:, i].reshape(len(b), -1), max_draws, seed) for i in range(a.shape[1])]
+        per = [
+            _metrics(a[:, i].reshape(len(a), -1), b[:, i].reshape(len(b), -1), max_draws, seed)
+            for i in range(a.shape[1])
+        ]
         row = {k: float(np.mean([p[k] for p in per])) for k in per[0]}
         row.update(mean_err=max(p["mean_err"] for p in per), sd_err=max(p["sd_err"] for p in per))
         rows.append({"site": n, "clients": a.shape[1], **row})

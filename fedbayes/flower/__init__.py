@@ -18,8 +18,19 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["FlowerSpec", "LocalGrid", "OUTPUT_KEY", "SecAggPlus", "client_app", "flwr_available", "payload_bytes", "run_server",
-           "server_app", "simulate", "write_personal_posterior"]
+__all__ = [
+    "FlowerSpec",
+    "LocalGrid",
+    "OUTPUT_KEY",
+    "SecAggPlus",
+    "client_app",
+    "flwr_available",
+    "payload_bytes",
+    "run_server",
+    "server_app",
+    "simulate",
+    "write_personal_posterior",
+]
 
 
 def flwr_available() -> bool:

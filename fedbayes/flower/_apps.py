@@ -10,7 +10,8 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
+from collections.abc import Callable, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +23,22 @@ from flwr.serverapp import Grid, ServerApp
 
 from .. import engine, wire
 from . import _secagg
-from ._secagg import SecAggPlus
+from ._secagg import SecAggPlus  # noqa: F401 (fedbayes.flower's SecAggPlus comes from here)
 from ..seeds import seed_key
 from ..algorithms.elf import LangevinSampler
 from ..api import fault_table, public_history, validate_fit
 from ..data import FederatedData
-from ..engine import (Progress, host_records, first_short_round, resolve_cohort_size, round_plan, server_half,
-                      setup_client_key, setup_keys, stack_clients)
+from ..engine import (
+    Progress,
+    host_records,
+    first_short_round,
+    resolve_cohort_size,
+    round_plan,
+    server_half,
+    setup_client_key,
+    setup_keys,
+    stack_clients,
+)
 from ..errors import ConfigError, FedbayesError, TooFewClientsError
 from ..faults import FaultPolicy
 from ..introspect import FedModel
@@ -74,16 +84,28 @@ class _Runtime:
     """
 
     def __init__(self, spec: FlowerSpec, role: str):
-        fit = validate_fit(spec.model, spec.data, spec.algorithm, spec.num_rounds, spec.clients_per_round, spec.seed,
-                         spec.model_kwargs, 50, None, spec.fault_policy)
+        fit = validate_fit(
+            spec.model,
+            spec.data,
+            spec.algorithm,
+            spec.num_rounds,
+            spec.clients_per_round,
+            spec.seed,
+            spec.model_kwargs,
+            50,
+            None,
+            spec.fault_policy,
+        )
         if isinstance(fit.algorithm, LangevinSampler) and fit.algorithm.init is None:
             # the samplers' default search for the mode takes a data-dependent number of exchanges, which
             # the set-up protocol does not have: on a network they start at the prior centre
             fit = fit._replace(algorithm=dataclasses.replace(fit.algorithm, init="prior"))
         if isinstance(getattr(fit.algorithm, "init", None), str) and fit.algorithm.init != "prior":
-            raise ConfigError(f"{fit.algorithm.name}: init={fit.algorithm.init!r} runs a fit over every client's data "
-                              "before the start; on a network, fit the MAP first (e.g. fb.flower.simulate or run_server "
-                              "with fb.TAMUNA) and pass init=<that result>")
+            raise ConfigError(
+                f"{fit.algorithm.name}: init={fit.algorithm.init!r} runs a fit over every client's data "
+                "before the start; on a network, fit the MAP first (e.g. fb.flower.simulate or run_server "
+                "with fb.TAMUNA) and pass init=<that result>"
+            )
         self.spec, self.role, self.fit = spec, role, fit
         self.data = data = fit.data.blank() if role == "server" else fit.data
         self.cohort = resolve_cohort_size(fit.clients_per_round, data.num_clients)
@@ -105,13 +127,28 @@ class _Runtime:
             if spec.secure_aggregation is not None:  # the server sees sums: a screen of single uploads cannot apply
                 policy = policy or FaultPolicy()
                 if policy.max_abs is not None:
-                    raise ConfigError("FaultPolicy(max_abs=...) bounds one upload; under secure aggregation the server "
-                                      "sees only their sum: leave max_abs=None (clients flag their own non-finite uploads)")
+                    raise ConfigError(
+                        "FaultPolicy(max_abs=...) bounds one upload; under secure aggregation the server "
+                        "sees only their sum: leave max_abs=None (clients flag their own non-finite uploads)"
+                    )
                 policy = dataclasses.replace(policy, relative=None)
 
             def serve(server_state, payload, bits, broadcast_bits, expected, received, k, cohort, k_server, k_shared):
-                return server_half(run, server_state, wire.decode_tree(payload), bits, broadcast_bits, expected,
-                                   received, policy, k, cohort, data.num_clients, k_server, k_shared)
+                return server_half(
+                    run,
+                    server_state,
+                    wire.decode_tree(payload),
+                    bits,
+                    broadcast_bits,
+                    expected,
+                    received,
+                    policy,
+                    k,
+                    cohort,
+                    data.num_clients,
+                    k_server,
+                    k_shared,
+                )
 
             self.serve = jax.jit(serve)
             if run.resyncs:
@@ -119,20 +156,26 @@ class _Runtime:
             if run.final_exchange:
                 self.final_message = jax.jit(run.final_message)
             return
-        self.setup_step = [jax.jit(lambda key, payload, state, member, s=s: run.setup_client(s, key, payload, state,
-                                                                                             member))
-                           for s in range(run.setup_stages)]
-        self.client_step = jax.jit(lambda key, payload, state, member: run.client_step(
-            key, wire.decode_tree(payload), state, member))
+        self.setup_step = [
+            jax.jit(lambda key, payload, state, member, s=s: run.setup_client(s, key, payload, state, member))
+            for s in range(run.setup_stages)
+        ]
+        self.client_step = jax.jit(
+            lambda key, payload, state, member: run.client_step(key, wire.decode_tree(payload), state, member)
+        )
         if run.resyncs:
             self.resync = jax.jit(lambda state, payload: run.resync(state, wire.decode_tree(payload)))
         if run.final_exchange:
-            self.final_client = jax.jit(lambda key, payload, state, member: run.final_client(
-                key, wire.decode_tree(payload), state, member))
+            self.final_client = jax.jit(
+                lambda key, payload, state, member: run.final_client(key, wire.decode_tree(payload), state, member)
+            )
         self.finish = None
         if run.replies:
-            self.finish = jax.jit(lambda reply, state, member, upload: run.client_finish(
-                wire.decode_tree(reply), state, member, wire.decode_tree(upload)))
+            self.finish = jax.jit(
+                lambda reply, state, member, upload: run.client_finish(
+                    wire.decode_tree(reply), state, member, wire.decode_tree(upload)
+                )
+            )
 
     def _setup_templates(self) -> None:
         """Every set-up message's structure, the client state's and the first broadcast's, by
@@ -145,13 +188,15 @@ class _Runtime:
         self.setup_payloads, self.setup_states, self.setup_uploads = [], [], []
         for s in range(run.setup_stages):
             self.setup_payloads.append(payload)
-            state, upload = jax.eval_shape(lambda k, p, c, m, s=s: run.setup_client(s, k, p, c, m), key, payload, state,
-                                           member)
+            state, upload = jax.eval_shape(
+                lambda k, p, c, m, s=s: run.setup_client(s, k, p, c, m), key, payload, state, member
+            )
             self.setup_states.append(jax.tree_util.tree_structure(state))
             self.setup_uploads.append(upload)
             stacked = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct((n, *a.shape), a.dtype), upload)
-            server_state, payload = jax.eval_shape(lambda k, st, u, s=s: run.setup_server_step(s, k, st, u), key,
-                                                   server_state, stacked)
+            server_state, payload = jax.eval_shape(
+                lambda k, st, u, s=s: run.setup_server_step(s, k, st, u), key, server_state, stacked
+            )
         self.state_template, self.server_template = state, server_state
         # what the clients receive once after set-up (the server state's structure is fixed at set-up)
         self.settings_template = jax.eval_shape(run.client_settings, server_state)
@@ -167,9 +212,13 @@ class _Runtime:
         """A round's upload structure (traced when first needed; the client settings enter as a template)."""
         if "upload" not in self._templates:
             member = self.member(0, 0, jax.random.PRNGKey(0))
-            shapes = jax.eval_shape(lambda k, b, c, m: self.run.client_step(k, wire.decode_tree(b), c, m),
-                                    jax.random.PRNGKey(0), self.broadcast_template, self.state_template,
-                                    member._replace(settings=self.settings_template))
+            shapes = jax.eval_shape(
+                lambda k, b, c, m: self.run.client_step(k, wire.decode_tree(b), c, m),
+                jax.random.PRNGKey(0),
+                self.broadcast_template,
+                self.state_template,
+                member._replace(settings=self.settings_template),
+            )
             self._templates["upload"] = shapes[1].payload
         return self._templates["upload"]
 
@@ -178,20 +227,27 @@ class _Runtime:
         if "final" not in self._templates:
             key = jax.random.PRNGKey(0)
             payload = jax.eval_shape(self.run.final_message, key, self.server_template)
-            local, upload = jax.eval_shape(self.run.final_client, key, payload, self.state_template,
-                                           self.member(0, settings=self.settings_template))
+            local, upload = jax.eval_shape(
+                self.run.final_client,
+                key,
+                payload,
+                self.state_template,
+                self.member(0, settings=self.settings_template),
+            )
             self._templates["final"] = payload, local, upload
         return self._templates["final"]
 
     def reply_template(self) -> Any:
         """The structure of the server's reply to a cohort member (None: no reply)."""
         if "reply" not in self._templates:
-            self._templates["reply"] = (jax.eval_shape(self.reply_payload, self.broadcast_template)
-                                        if self.run.replies else None)
+            self._templates["reply"] = (
+                jax.eval_shape(self.reply_payload, self.broadcast_template) if self.run.replies else None
+            )
         return self._templates["reply"]
 
-    def member(self, i: int, slot: int | None = None, shared_key: jax.Array | None = None,
-               settings: Any = None) -> ClientData:
+    def member(
+        self, i: int, slot: int | None = None, shared_key: jax.Array | None = None, settings: Any = None
+    ) -> ClientData:
         """Client ``i``'s data (and, in a round, its slot and the round's public key; after set-up the
         client settings it received)."""
         one = jax.tree_util.tree_map(lambda a: a[i], self.clients)
@@ -264,7 +320,7 @@ def unpack_settings(data: bytes, template: Any) -> Any:
     values, start, leaves = np.frombuffer(data, dtype=np.float64), 0, []
     for t in jax.tree_util.tree_leaves(template):
         size = int(np.prod(t.shape, dtype=np.int64))
-        leaves.append(jnp.asarray(values[start:start + size].reshape(t.shape), dtype=t.dtype))
+        leaves.append(jnp.asarray(values[start : start + size].reshape(t.shape), dtype=t.dtype))
         start += size
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(template), leaves)
 
@@ -380,9 +436,12 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         payload = jax.device_get(upload.payload)
         data, bits = wire.pack(payload, wire.Context(k_shared, slot))
         if bits != int(upload.bits):
-            raise FedbayesError(f"{rt.run.name}: the upload's encoding has {bits} bits, its ledger entry {int(upload.bits)}")
-        context.state[_STATE + ".upload"] = ArrayRecord({"": Array(dtype="uint8", shape=(len(data),), stype="raw",
-                                                                    data=data)})
+            raise FedbayesError(
+                f"{rt.run.name}: the upload's encoding has {bits} bits, its ledger entry {int(upload.bits)}"
+            )
+        context.state[_STATE + ".upload"] = ArrayRecord(
+            {"": Array(dtype="uint8", shape=(len(data),), stype="raw", data=data)}
+        )
         return payload, data, bits
 
     @app.train("setup")
@@ -413,7 +472,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         from flwr.compat.common import recorddict_compat
 
         cfg = msg.content.config_records["fitins.config"]
-        h = {k[len(_secagg.CONFIG) + 1:]: v for k, v in cfg.items() if k.startswith(_secagg.CONFIG + ".")}
+        h = {k[len(_secagg.CONFIG) + 1 :]: v for k, v in cfg.items() if k.startswith(_secagg.CONFIG + ".")}
         if h["kind"] == "setup":
             upload = _setup_stage(int(h["stage"]), h["data"], context)
             bits = engine.dense_bits(upload)
@@ -424,9 +483,12 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         # Flower would quantise a NaN to a finite integer and spoil the sum unseen: a non-finite upload is
         # sent as zeros (adding nothing) and flagged, and the server counts this client as failed
         nonfinite = not np.all(np.isfinite(vector))
-        res = FitRes(status=Status(Code.OK, ""), parameters=ndarrays_to_parameters([np.where(nonfinite, 0.0, vector)]),
-                     num_examples=1, metrics={f"{_secagg.CONFIG}.bits": int(bits),
-                                              f"{_secagg.CONFIG}.nonfinite": int(nonfinite)})
+        res = FitRes(
+            status=Status(Code.OK, ""),
+            parameters=ndarrays_to_parameters([np.where(nonfinite, 0.0, vector)]),
+            num_examples=1,
+            metrics={f"{_secagg.CONFIG}.bits": int(bits), f"{_secagg.CONFIG}.nonfinite": int(nonfinite)},
+        )
         return Message(recorddict_compat.fitres_to_recorddict(res, False), reply_to=msg)
 
     @app.train("resync")
@@ -462,8 +524,9 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         rt, index = _runtime_of(context), _client_index(context)
         state = _settle(context, rt, int(_header(msg)["accepted"]))
         payload_t = rt.final_templates()[0]
-        local, upload = rt.final_client(rt.k_final, wire.unpack(_data(msg), payload_t), state,
-                                        rt.member(index, settings=rt.settings_of(context)))
+        local, upload = rt.final_client(
+            rt.k_final, wire.unpack(_data(msg), payload_t), state, rt.member(index, settings=rt.settings_of(context))
+        )
         _save(context, _LOCAL, local)
         if context.node_config.get(OUTPUT_KEY):
             write_personal_posterior(str(context.node_config[OUTPUT_KEY]), index, rt.model, local)
@@ -475,8 +538,10 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         """What the final exchange left on this client (its personal posterior): collected by
         :func:`simulate` only, outside the ledger; a deployment's server never asks for it."""
         leaves = context.state[_LOCAL].to_numpy_ndarrays() if _LOCAL in context.state else []
-        return Message(RecordDict({"local": ArrayRecord(leaves), HEADER: ConfigRecord({"client": _client_index(context)})}),
-                       reply_to=msg)
+        return Message(
+            RecordDict({"local": ArrayRecord(leaves), HEADER: ConfigRecord({"client": _client_index(context)})}),
+            reply_to=msg,
+        )
 
     @app.query("hello")
     def hello(msg: Message, context: Context) -> Message:
@@ -504,15 +569,21 @@ class _Server:
         cfg = spec.secure_aggregation
         if cfg is not None:
             if not isinstance(cfg, _secagg.SecAggPlus):
-                raise ConfigError(f"secure_aggregation must be a fb.flower.SecAggPlus or None, got {type(cfg).__name__}")
+                raise ConfigError(
+                    f"secure_aggregation must be a fb.flower.SecAggPlus or None, got {type(cfg).__name__}"
+                )
             num = self.rt.data.num_clients
             cfg.check(self.rt.run, num)
             self.secure = _secagg.SecureSum(cfg, cfg.resolved_range(self.rt.run, num), spec.timeout)
             dp = getattr(self.rt.run, "_dp", None)
             if dp is not None and dp.dp.noise_seed is not None:
-                warnings.warn("secure aggregation with DP(noise_seed=...): the server holds the noise seed (it is in "
-                              "the algorithm's configuration), so it can recompute every client's noise share and "
-                              "remove it from the sum; leave noise_seed=None outside tests", UserWarning, stacklevel=2)
+                warnings.warn(
+                    "secure aggregation with DP(noise_seed=...): the server holds the noise seed (it is in "
+                    "the algorithm's configuration), so it can recompute every client's noise share and "
+                    "remove it from the sum; leave noise_seed=None outside tests",
+                    UserWarning,
+                    stacklevel=2,
+                )
 
     def _secure_sum(self, k: int, configs: dict[int, dict[str, Any]]) -> tuple[np.ndarray | None, dict[int, int]]:
         """The sum of the uploads of the nodes in ``configs`` (node -> fedbayes' message fields) by SecAgg+,
@@ -545,10 +616,19 @@ class _Server:
             self.node_of[int(_header(reply)["client"])] = node
         missing = sorted(set(range(num)) - set(self.node_of))
         if missing:
-            raise FedbayesError(f"no Flower node hosts client(s) {missing[:10]}: start {num} SuperNodes, one per client")
+            raise FedbayesError(
+                f"no Flower node hosts client(s) {missing[:10]}: start {num} SuperNodes, one per client"
+            )
 
-    def _to_every_client(self, kind: str, k: int, data: bytes, bits: int, reply_template: Any,
-                         header: Mapping[str, Any] | Callable[[int], Mapping[str, Any]]) -> list[Any]:
+    def _to_every_client(
+        self,
+        kind: str,
+        k: int,
+        data: bytes,
+        bits: int,
+        reply_template: Any,
+        header: Mapping[str, Any] | Callable[[int], Mapping[str, Any]],
+    ) -> list[Any]:
         """One payload to every client (message type ``train.<kind>``, group ``k``, or ``"setup"`` when k
         is -1) and their replies, unpacked with ``reply_template`` in client order (None: no answer).
         Both directions go into ``message_bytes`` as ``kind`` and ``kind-reply``."""
@@ -556,16 +636,23 @@ class _Server:
         msgs = []
         for client in range(num):
             head = header(client) if callable(header) else header
-            msgs.append(Message(_content(data, head), dst_node_id=self.node_of[client], message_type=f"train.{kind}",
-                                group_id="setup" if k < 0 else str(k)))
+            msgs.append(
+                Message(
+                    _content(data, head),
+                    dst_node_id=self.node_of[client],
+                    message_type=f"train.{kind}",
+                    group_id="setup" if k < 0 else str(k),
+                )
+            )
             self.message_bytes.append((kind, k, client, len(data), bits))
         client_of = {node: client for client, node in self.node_of.items()}
         uploads: list[Any] = [None] * num
         for node, reply in self._send(msgs).items():
             client = client_of[node]
             uploads[client] = wire.unpack(_data(reply), reply_template)
-            self.message_bytes.append((f"{kind}-reply", k, client, payload_bytes(reply),
-                                       engine.dense_bits(reply_template)))
+            self.message_bytes.append(
+                (f"{kind}-reply", k, client, payload_bytes(reply), engine.dense_bits(reply_template))
+            )
         return uploads
 
     def setup(self) -> None:
@@ -579,25 +666,31 @@ class _Server:
             if self.secure is not None:  # the server needs the sum alone
                 for client in range(num):
                     self.message_bytes.append(("setup", -1, client, len(data), bits))
-                total, answered = self._secure_sum(-1, {self.node_of[c]: {"kind": "setup", "stage": stage, "data": data}
-                                                        for c in range(num)})
+                total, answered = self._secure_sum(
+                    -1, {self.node_of[c]: {"kind": "setup", "stage": stage, "data": data} for c in range(num)}
+                )
                 if total is None or len(answered) < num:
-                    raise FedbayesError(f"{run.name}: {num - len(answered)} client(s) did not answer set-up stage {stage} "
-                                        "(secure aggregation), or sent non-finite values; the set-up needs every client")
+                    raise FedbayesError(
+                        f"{run.name}: {num - len(answered)} client(s) did not answer set-up stage {stage} "
+                        "(secure aggregation), or sent non-finite values; the set-up needs every client"
+                    )
                 return _summed(rt.setup_uploads[stage], total, num, 0)
             uploads = self._to_every_client("setup", -1, data, bits, rt.setup_uploads[stage], {"stage": stage})
             missing = [c for c in range(num) if uploads[c] is None]
             if missing:
-                raise FedbayesError(f"{run.name}: client(s) {missing[:10]} did not answer set-up stage {stage}; the "
-                                    "set-up needs every client (it starts their states and sums their statistics)")
+                raise FedbayesError(
+                    f"{run.name}: client(s) {missing[:10]} did not answer set-up stage {stage}; the "
+                    "set-up needs every client (it starts their states and sums their statistics)"
+                )
             return jax.tree_util.tree_map(lambda *xs: np.stack(xs), *uploads)
 
         rt.server_state, rt.broadcast, self.setup_bits = engine.staged_setup(run, rt.k_init, num, exchange)
         settings = jax.device_get(run.client_settings(rt.server_state))
         if jax.tree_util.tree_leaves(settings):
             data = pack_settings(settings)
-            acks = self._to_every_client("setup", -1, data, engine.setting_bits(settings), (),
-                                         {"stage": run.setup_stages})  # empty acknowledgements
+            acks = self._to_every_client(
+                "setup", -1, data, engine.setting_bits(settings), (), {"stage": run.setup_stages}
+            )  # empty acknowledgements
             if any(ack is None for ack in acks):
                 raise FedbayesError(f"{run.name}: a client did not acknowledge the client settings")
 
@@ -607,8 +700,10 @@ class _Server:
         cohort, expected = np.asarray(cohort), np.asarray(expected)
         data, down_bits = wire.pack(jax.device_get(rt.broadcast.payload), wire.Context(k_shared, 0))
         if down_bits != int(rt.broadcast.bits):
-            raise FedbayesError(f"{rt.run.name}: the broadcast's encoding has {down_bits} bits, its ledger entry "
-                                f"{int(rt.broadcast.bits)}")
+            raise FedbayesError(
+                f"{rt.run.name}: the broadcast's encoding has {down_bits} bits, its ledger entry "
+                f"{int(rt.broadcast.bits)}"
+            )
         resync_bits, missed = self._resync(k, cohort, expected)
         msgs, slot_of = [], {}
         for j in np.flatnonzero(expected & ~missed):
@@ -623,8 +718,9 @@ class _Server:
         upload_template = rt.upload_template()
         zero = jax.tree_util.tree_map(lambda t: np.zeros(t.shape, t.dtype), upload_template)
         if self.secure is not None:  # SecAgg+: the sum of the uploads, in the first answering slot's row
-            total, answered = self._secure_sum(k, {m.metadata.dst_node_id: {**_header(m), "kind": "step", "data": data}
-                                                   for m in msgs})
+            total, answered = self._secure_sum(
+                k, {m.metadata.dst_node_id: {**_header(m), "kind": "step", "data": data} for m in msgs}
+            )
             for node, b in answered.items():
                 received[slot_of[node]], bits[slot_of[node]] = True, b
             first = int(np.flatnonzero(received)[0]) if received.any() else 0
@@ -640,8 +736,17 @@ class _Server:
                 self.message_bytes.append(("upload", k, int(cohort[j]), payload_bytes(reply), int(bits[j])))
             stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *[u if u is not None else zero for u in uploads])
         state, new_broadcast, payload, record = rt.serve(
-            rt.server_state, stacked, jnp.asarray(bits), rt.broadcast.bits, jnp.asarray(expected),
-            jnp.asarray(received), jnp.asarray(k), jnp.asarray(cohort), k_server, k_shared)
+            rt.server_state,
+            stacked,
+            jnp.asarray(bits),
+            rt.broadcast.bits,
+            jnp.asarray(expected),
+            jnp.asarray(received),
+            jnp.asarray(k),
+            jnp.asarray(cohort),
+            k_server,
+            k_shared,
+        )
         active, faulty = np.asarray(record.pop("_active")), np.asarray(record.pop("_faulty"))
         reply_bits = np.zeros(cohort_size, np.int64)
         if rt.run.resyncs:
@@ -655,14 +760,21 @@ class _Server:
             for j in np.flatnonzero(active):
                 client = int(cohort[j])
                 data, reply_bits[j] = wire.pack(jax.device_get(reply), wire.Context(k_shared, int(j)))
-                msgs.append(Message(_content(data, {"round": k, "slot": int(j)}), dst_node_id=self.node_of[client],
-                                    message_type="train.finish", group_id=str(k)))
+                msgs.append(
+                    Message(
+                        _content(data, {"round": k, "slot": int(j)}),
+                        dst_node_id=self.node_of[client],
+                        message_type="train.finish",
+                        group_id=str(k),
+                    )
+                )
                 self.message_bytes.append(("reply", k, client, len(data), int(reply_bits[j])))
             self._send(msgs)
         # the ledger's rule (engine.downlink_bits); re-sent copies are charged when sent (fed_fit charges them in
         # the round of the fault), and a member whose copy did not arrive was sent no broadcast
-        record["bits_down"] = np.asarray(engine.downlink_bits(down_bits, expected, reply_bits, resync_bits,
-                                                              reached=~missed)).astype(np.int64)
+        record["bits_down"] = np.asarray(
+            engine.downlink_bits(down_bits, expected, reply_bits, resync_bits, reached=~missed)
+        ).astype(np.int64)
         rt.server_state, rt.broadcast = state, new_broadcast
         self.records.append(jax.tree_util.tree_map(lambda x: np.asarray(x)[None], record))
 
@@ -677,8 +789,9 @@ class _Server:
         again = self.rt.resync_message(self.opened)
         data, r_bits = wire.pack(jax.device_get(again.payload))
         if r_bits != int(again.bits):
-            raise FedbayesError(f"{self.rt.run.name}: the resync's encoding has {r_bits} bits, its ledger entry "
-                                f"{int(again.bits)}")
+            raise FedbayesError(
+                f"{self.rt.run.name}: the resync's encoding has {r_bits} bits, its ledger entry {int(again.bits)}"
+            )
         if not r_bits:  # LMC and D-ELF keep no copy: nothing to re-send
             self.stale.clear()
             return bits, missed
@@ -686,8 +799,14 @@ class _Server:
         for j in todo:
             client = int(cohort[j])
             header = {"round": k, "accepted": int(self.accepted[client])}
-            msgs.append(Message(_content(data, header), dst_node_id=self.node_of[client], message_type="train.resync",
-                                group_id=str(k)))
+            msgs.append(
+                Message(
+                    _content(data, header),
+                    dst_node_id=self.node_of[client],
+                    message_type="train.resync",
+                    group_id=str(k),
+                )
+            )
             slot_of[self.node_of[client]] = j
             bits[j] = r_bits
             self.message_bytes.append(("resync", k, client, len(data), r_bits))
@@ -710,13 +829,17 @@ class _Server:
         payload_t, local_t, upload_t = rt.final_templates()
         data, bits = wire.pack(jax.device_get(rt.final_message(rt.k_final, rt.server_state)))
         sent = wire.decode_tree(wire.unpack(data, payload_t))  # the estimate as the clients read it
-        uploads = self._to_every_client("final", k, data, bits, upload_t,
-                                        lambda client: {"accepted": int(self.accepted[client])})
+        uploads = self._to_every_client(
+            "final", k, data, bits, upload_t, lambda client: {"accepted": int(self.accepted[client])}
+        )
         missing = [c for c in range(num) if uploads[c] is None]
         if missing:
-            warnings.warn(f"{run.name}: client(s) {missing[:10]} did not answer the final exchange; the result has "
-                          "neither what needs every client (FedMM's information) nor their personal posteriors",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"{run.name}: client(s) {missing[:10]} did not answer the final exchange; the result has "
+                "neither what needs every client (FedMM's information) nor their personal posteriors",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         answered = [c for c in range(num) if uploads[c] is not None]
         locals_ = self._collect_locals(local_t, answered) if collect_locals else None
         arrived = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *[uploads[c] for c in answered]) if answered else ()
@@ -730,8 +853,12 @@ class _Server:
         msgs = [Message(RecordDict({}), dst_node_id=self.node_of[c], message_type="query.local") for c in clients]
         leaves_t, treedef = jax.tree_util.tree_flatten(local_t)
         num = self.rt.data.num_clients
-        stacked = [np.full((num, *t.shape), np.nan, t.dtype) if np.issubdtype(t.dtype, np.floating) else
-                   np.zeros((num, *t.shape), t.dtype) for t in leaves_t]
+        stacked = [
+            np.full((num, *t.shape), np.nan, t.dtype)
+            if np.issubdtype(t.dtype, np.floating)
+            else np.zeros((num, *t.shape), t.dtype)
+            for t in leaves_t
+        ]
         got = set()
         for reply in self._send(msgs).values():
             client = int(_header(reply)["client"])
@@ -739,8 +866,12 @@ class _Server:
                 leaf[client] = value
             got.add(client)
         if set(clients) - got:
-            warnings.warn(f"client(s) {sorted(set(clients) - got)[:10]} did not return their personal posteriors "
-                          "(NaN in the result)", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"client(s) {sorted(set(clients) - got)[:10]} did not return their personal posteriors "
+                "(NaN in the result)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in stacked])
 
     def run(self, collect_locals: bool = False) -> Result:
@@ -754,8 +885,11 @@ class _Server:
             self.round(k)
             if first_short_round(self.records[-1], min_clients) is not None:
                 before = {n: v for n, v in _concatenated(self.records[:-1]).items() if not n.startswith("_")}
-                raise TooFewClientsError(f"{rt.run.name} on Flower: round {k} left fewer answering clients than "
-                                         f"min_clients={min_clients}", round=k, history=before)
+                raise TooFewClientsError(
+                    f"{rt.run.name} on Flower: round {k} left fewer answering clients than min_clients={min_clients}",
+                    round=k,
+                    history=before,
+                )
             bar.update(k + 1)
         history = host_records(_concatenated(self.records), time.perf_counter() - t0)
         problem = Problem(FedModel(rt.fit.model, rt.data, rt.fit.model_kwargs), rt.data, rt.fit.num_rounds, rt.cohort)
@@ -770,8 +904,15 @@ class _Server:
         if self.secure is not None and parts.get("privacy"):
             parts.privacy = {**parts.privacy, "secure_aggregation": "SecAgg+ (Flower)"}
         fm = FedModel(rt.fit.model, rt.fit.data, rt.fit.model_kwargs)
-        result = Result(model=fm, data=rt.fit.data, run=rt.run, algorithm=rt.run.name, seed=spec.seed, parts=parts,
-                        history=public_history(history))
+        result = Result(
+            model=fm,
+            data=rt.fit.data,
+            run=rt.run,
+            algorithm=rt.run.name,
+            seed=spec.seed,
+            parts=parts,
+            history=public_history(history),
+        )
         result.faults = fault_table(history, rt.k_rounds, rt.data.num_clients, rt.cohort)
         result.flower_messages = self.message_bytes
         return result
@@ -829,13 +970,25 @@ class LocalGrid:
     round, or with ``round == num_rounds`` in the final exchange (the set-up always reaches every node).
     ``node_config`` is added to every node's (e.g. ``{"fedbayes-output": folder}``)."""
 
-    def __init__(self, app: ClientApp, num_clients: int, unreachable: Callable[[int, int], bool] | None = None,
-                 run_config: Mapping[str, Any] | None = None, node_config: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        app: ClientApp,
+        num_clients: int,
+        unreachable: Callable[[int, int], bool] | None = None,
+        run_config: Mapping[str, Any] | None = None,
+        node_config: Mapping[str, Any] | None = None,
+    ):
         self.app, self.unreachable = app, unreachable
-        self.contexts = {i + 1: Context(run_id=0, node_id=i + 1,
-                                        node_config={**dict(node_config or {}), "partition-id": i,
-                                                     "num-partitions": num_clients},
-                                        state=RecordDict(), run_config=dict(run_config or {})) for i in range(num_clients)}
+        self.contexts = {
+            i + 1: Context(
+                run_id=0,
+                node_id=i + 1,
+                node_config={**dict(node_config or {}), "partition-id": i, "num-partitions": num_clients},
+                state=RecordDict(),
+                run_config=dict(run_config or {}),
+            )
+            for i in range(num_clients)
+        }
         self._ids = itertools.count(1)
 
     def get_node_ids(self) -> Iterable[int]:
@@ -871,12 +1024,23 @@ def _server_identity():
             setattr(TaskIdentity, name, value)
 
 
-def simulate(model: Callable, data: FederatedData | Mapping[str, Any], algorithm: Any = "fedsoul", *,
-             num_rounds: int = 500, clients_per_round: int | float | None = None, seed: int = 0,
-             model_kwargs: Mapping[str, Any] | None = None, fault_policy: FaultPolicy | None = None,
-             backend: str = "ray", num_cpus_per_client: float = 1.0, timeout: float | None = 600.0,
-             progress: bool | None = None, unreachable: Callable[[int, int], bool] | None = None,
-             secure_aggregation: Any = None) -> Result:
+def simulate(
+    model: Callable,
+    data: FederatedData | Mapping[str, Any],
+    algorithm: Any = "fedsoul",
+    *,
+    num_rounds: int = 500,
+    clients_per_round: int | float | None = None,
+    seed: int = 0,
+    model_kwargs: Mapping[str, Any] | None = None,
+    fault_policy: FaultPolicy | None = None,
+    backend: str = "ray",
+    num_cpus_per_client: float = 1.0,
+    timeout: float | None = 600.0,
+    progress: bool | None = None,
+    unreachable: Callable[[int, int], bool] | None = None,
+    secure_aggregation: Any = None,
+) -> Result:
     """Run ``algorithm`` on Flower in this process and return the :class:`fedbayes.Result` of
     :func:`fedbayes.fed_fit` with the same arguments.
 
@@ -897,9 +1061,22 @@ def simulate(model: Callable, data: FederatedData | Mapping[str, Any], algorithm
     ``secagg:<stage>`` and ``secagg:<stage>-reply``; the sums are exact to the quantisation's
     2 n R / Q per coordinate, with a random rounding from NumPy's global generator (not the fit's seed).
     """
-    fit = validate_fit(model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, 50, None, fault_policy)
-    spec = FlowerSpec(fit.model, fit.data, fit.algorithm, fit.num_rounds, fit.clients_per_round, fit.seed,
-                      fit.model_kwargs, fit.fault_policy, timeout, progress, secure_aggregation)
+    fit = validate_fit(
+        model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, 50, None, fault_policy
+    )
+    spec = FlowerSpec(
+        fit.model,
+        fit.data,
+        fit.algorithm,
+        fit.num_rounds,
+        fit.clients_per_round,
+        fit.seed,
+        fit.model_kwargs,
+        fit.fault_policy,
+        timeout,
+        progress,
+        secure_aggregation,
+    )
     if backend == "local":
         grid = LocalGrid(client_app(spec), fit.data.num_clients, unreachable)
         try:
@@ -914,8 +1091,12 @@ def simulate(model: Callable, data: FederatedData | Mapping[str, Any], algorithm
     from flwr.simulation import run_simulation
 
     try:
-        run_simulation(server_app=server_app(spec, collect_locals=True), client_app=client_app(spec), num_supernodes=fit.data.num_clients,
-                       backend_config={"client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": 0.0}})
+        run_simulation(
+            server_app=server_app(spec, collect_locals=True),
+            client_app=client_app(spec),
+            num_supernodes=fit.data.num_clients,
+            backend_config={"client_resources": {"num_cpus": num_cpus_per_client, "num_gpus": 0.0}},
+        )
         if spec.token not in _RESULTS:
             raise FedbayesError("the Flower simulation ended without a result; its log above says why")
         return _RESULTS.pop(spec.token)

@@ -21,7 +21,8 @@ import contextlib
 import dataclasses
 import logging
 import numbers
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
@@ -38,8 +39,10 @@ from flwr.server.workflow.secure_aggregation.secaggplus_workflow import Workflow
 
 from ..errors import ConfigError
 
-GENERIC = ("fedbayes runs secure aggregation only for the algorithms whose server needs every exchange's uploads "
-           "summed and nothing else (LMC and P-ELF with full uploads, e.g. LMC with distributed DP)")
+GENERIC = (
+    "fedbayes runs secure aggregation only for the algorithms whose server needs every exchange's uploads "
+    "summed and nothing else (LMC and P-ELF with full uploads, e.g. LMC with distributed DP)"
+)
 CONFIG = "fedbayes"  # the prefix of fedbayes' fields in the FitIns config a secure exchange sends
 
 
@@ -78,8 +81,9 @@ class SecAggPlus:
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise ConfigError(f"SecAggPlus {name} must be an int or a fraction, got {v!r}")
             if isinstance(v, numbers.Integral) and not (v == 1 or v > 2 - (name == "reconstruction_threshold")):
-                raise ConfigError(f"SecAggPlus {name} as an int must be 1 (all) or > {2 - (name != 'num_shares')}, "
-                                  f"got {v!r}")
+                raise ConfigError(
+                    f"SecAggPlus {name} as an int must be 1 (all) or > {2 - (name != 'num_shares')}, got {v!r}"
+                )
             if not isinstance(v, numbers.Integral) and not 0 < v <= 1:
                 raise ConfigError(f"SecAggPlus {name} as a float is a fraction in (0, 1], got {v!r}")
         t, k = self.reconstruction_threshold, self.num_shares
@@ -93,8 +97,10 @@ class SecAggPlus:
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 2:
                 raise ConfigError(f"SecAggPlus {name} must be an integer >= 2, got {v!r}")
         if self.quantization_range >= 2**31:  # Flower rounds to int32
-            raise ConfigError(f"SecAggPlus quantization_range must be below 2^31 (Flower rounds to int32), got "
-                              f"{self.quantization_range}")
+            raise ConfigError(
+                f"SecAggPlus quantization_range must be below 2^31 (Flower rounds to int32), got "
+                f"{self.quantization_range}"
+            )
         if self.modulus_range & (self.modulus_range - 1):
             raise ConfigError(f"SecAggPlus modulus_range must be a power of two, got {self.modulus_range}")
 
@@ -104,8 +110,10 @@ class SecAggPlus:
             return float(self.clipping_range)
         dp = getattr(run, "_dp", None)
         if dp is None or not getattr(dp, "distributed", False):
-            raise ConfigError("SecAggPlus needs clipping_range (a bound on every uploaded coordinate) when the "
-                              "algorithm has no distributed DP to take it from")
+            raise ConfigError(
+                "SecAggPlus needs clipping_range (a bound on every uploaded coordinate) when the "
+                "algorithm has no distributed DP to take it from"
+            )
         return float(dp.dp.clip + 8.0 * float(dp.added_std()) / np.sqrt(num_clients))
 
     def check(self, run: Any, num_clients: int) -> None:
@@ -113,11 +121,12 @@ class SecAggPlus:
         the sum of ``num_clients`` quantised uploads."""
         reason = getattr(run, "sums_uploads", None)
         if reason is not True:
-            raise ConfigError(f"{run.name} cannot run with secure aggregation: "
-                              f"{reason or GENERIC}")
+            raise ConfigError(f"{run.name} cannot run with secure aggregation: {reason or GENERIC}")
         if num_clients * self.quantization_range >= self.modulus_range:
-            raise ConfigError(f"SecAggPlus: the sum of {num_clients} uploads quantised to {self.quantization_range} levels "
-                              f"overflows modulus_range {self.modulus_range}; raise modulus_range (a power of two)")
+            raise ConfigError(
+                f"SecAggPlus: the sum of {num_clients} uploads quantised to {self.quantization_range} levels "
+                f"overflows modulus_range {self.modulus_range}; raise modulus_range (a power of two)"
+            )
         self.resolved_range(run, num_clients)
 
 
@@ -128,11 +137,20 @@ class _Proxy(ClientProxy):
         super().__init__(str(node_id))
         self.node_id = node_id
 
-    def get_properties(self, *a, **k): raise NotImplementedError  # noqa: E704
-    def get_parameters(self, *a, **k): raise NotImplementedError  # noqa: E704
-    def fit(self, *a, **k): raise NotImplementedError  # noqa: E704
-    def evaluate(self, *a, **k): raise NotImplementedError  # noqa: E704
-    def reconnect(self, *a, **k): raise NotImplementedError  # noqa: E704
+    def get_properties(self, *a, **k):
+        raise NotImplementedError  # noqa: E704
+
+    def get_parameters(self, *a, **k):
+        raise NotImplementedError  # noqa: E704
+
+    def fit(self, *a, **k):
+        raise NotImplementedError  # noqa: E704
+
+    def evaluate(self, *a, **k):
+        raise NotImplementedError  # noqa: E704
+
+    def reconnect(self, *a, **k):
+        raise NotImplementedError  # noqa: E704
 
 
 class _Sum(Strategy):
@@ -157,8 +175,11 @@ class _Sum(Strategy):
             mean = parameters_to_ndarrays(results[0][1].parameters)[0]
             self.total = np.asarray(mean, np.float64) * len(results)
             # a client whose upload was not finite sent zeros (they add nothing) and says so: not counted
-            self.bits = {int(proxy.node_id): int(res.metrics[f"{CONFIG}.bits"]) for proxy, res in results
-                         if not int(res.metrics.get(f"{CONFIG}.nonfinite", 0))}
+            self.bits = {
+                int(proxy.node_id): int(res.metrics[f"{CONFIG}.bits"])
+                for proxy, res in results
+                if not int(res.metrics.get(f"{CONFIG}.nonfinite", 0))
+            }
         return None, {}
 
     def configure_evaluate(self, *a):
@@ -199,14 +220,27 @@ class _Recorded:
             stage = str(cfg[Key.STAGE]) if cfg is not None and Key.STAGE in cfg else "fit"
             stage_of[node] = stage
             self.record((f"secagg:{stage}", self.k, self.client_of[node], proto.ByteSize(), 0))
-            sent.append(Message(recorddict_from_proto(proto), dst_node_id=node, message_type=msg.metadata.message_type,
-                                group_id=msg.metadata.group_id))
+            sent.append(
+                Message(
+                    recorddict_from_proto(proto),
+                    dst_node_id=node,
+                    message_type=msg.metadata.message_type,
+                    group_id=msg.metadata.group_id,
+                )
+            )
         replies = list(self.grid.send_and_receive(sent, timeout=timeout))
         for reply in replies:
             if not reply.has_error():
                 node = reply.metadata.src_node_id
-                self.record((f"secagg:{stage_of.get(node, 'fit')}-reply", self.k, self.client_of[node],
-                             recorddict_to_proto(reply.content).ByteSize(), 0))
+                self.record(
+                    (
+                        f"secagg:{stage_of.get(node, 'fit')}-reply",
+                        self.k,
+                        self.client_of[node],
+                        recorddict_to_proto(reply.content).ByteSize(),
+                        0,
+                    )
+                )
         return replies
 
 
@@ -228,25 +262,41 @@ class SecureSum:
     shared no secret, and Flower 1.42's unmasking would otherwise ask the others for shares of it."""
 
     def __init__(self, cfg: SecAggPlus, clipping_range: float, timeout: float | None):
-        self.workflow = SecAggPlusWorkflow(cfg.num_shares, cfg.reconstruction_threshold, max_weight=1.0,
-                                           clipping_range=clipping_range, quantization_range=cfg.quantization_range,
-                                           modulus_range=cfg.modulus_range, timeout=timeout)
+        self.workflow = SecAggPlusWorkflow(
+            cfg.num_shares,
+            cfg.reconstruction_threshold,
+            max_weight=1.0,
+            clipping_range=clipping_range,
+            quantization_range=cfg.quantization_range,
+            modulus_range=cfg.modulus_range,
+            timeout=timeout,
+        )
 
-    def __call__(self, grid: Any, k: int, configs: Mapping[int, Mapping[str, Any]], client_of: Mapping[int, int],
-                 record: Callable[[tuple], None]) -> tuple[np.ndarray | None, dict[int, int]]:
+    def __call__(
+        self,
+        grid: Any,
+        k: int,
+        configs: Mapping[int, Mapping[str, Any]],
+        client_of: Mapping[int, int],
+        record: Callable[[tuple], None],
+    ) -> tuple[np.ndarray | None, dict[int, int]]:
         """``configs``: node -> the FitIns config it gets (fedbayes' message). Returns the sum (float64; None
         when the protocol halted) and, per node whose upload is in it, the ledger bits it reported."""
         strategy = _Sum(configs)
-        context = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
-                                strategy=strategy, client_manager=_Nodes(len(configs)))
+        context = LegacyContext(
+            Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+            strategy=strategy,
+            client_manager=_Nodes(len(configs)),
+        )
         # the round names the messages' group, as fedbayes' own messages: the round, or -1 for the set-up
         context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: int(k)})
         context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
         state, wf = WorkflowState(), self.workflow
         recorded = _Recorded(grid, record, k, client_of)
         with _quiet():
-            for i, stage in enumerate((wf.setup_stage, wf.share_keys_stage, wf.collect_masked_vectors_stage,
-                                       wf.unmask_stage)):
+            for i, stage in enumerate(
+                (wf.setup_stage, wf.share_keys_stage, wf.collect_masked_vectors_stage, wf.unmask_stage)
+            ):
                 if not stage(recorded, context, state):
                     return None, {}
                 if i < 2:

@@ -46,9 +46,16 @@ def linear_regression(noise_scale: float = 1.0, prior_scale: float = 1.0):
     return model
 
 
-def make_glm_clients(num_clients: int, dim: int, points_per_client: int | tuple[int, int] = 50, *,
-                     family: str = "logistic", heterogeneity: float = 1.0, noise_scale: float = 1.0,
-                     seed: int = 0) -> tuple[FederatedData, np.ndarray]:
+def make_glm_clients(
+    num_clients: int,
+    dim: int,
+    points_per_client: int | tuple[int, int] = 50,
+    *,
+    family: str = "logistic",
+    heterogeneity: float = 1.0,
+    noise_scale: float = 1.0,
+    seed: int = 0,
+) -> tuple[FederatedData, np.ndarray]:
     """Heterogeneous synthetic clients for :func:`logistic_regression` or :func:`linear_regression`.
 
     Client i draws features ``x ~ N(m_i, diag(s_i^2))`` with its own mean shift m_i (scale
@@ -81,15 +88,16 @@ def make_glm_clients(num_clients: int, dim: int, points_per_client: int | tuple[
     return FederatedData({"x": xs, "y": ys}), w
 
 
-
 def prior_scale_for_kappa(data: FederatedData, kappa: float) -> float:
     """The prior scale of :func:`logistic_regression` giving the clients' TAMUNA objectives condition
     number ``kappa`` = L_max / mu, with L_max = max_i lambda_max(X_i' X_i) / 4 + mu (the logistic
     Hessian is largest at w = 0) and mu = 1 / (n prior_scale^2) (each client's share of the prior)."""
     if not kappa > 1:
         raise ConfigError(f"kappa must be > 1, got {kappa!r}")
-    lam = max(np.linalg.eigvalsh(np.asarray(data.client(i)["x"]).T @ np.asarray(data.client(i)["x"]))[-1]
-              for i in range(data.num_clients))
+    lam = max(
+        np.linalg.eigvalsh(np.asarray(data.client(i)["x"]).T @ np.asarray(data.client(i)["x"]))[-1]
+        for i in range(data.num_clients)
+    )
     return float(np.sqrt(4 * (kappa - 1) / (data.num_clients * lam)))
 
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 import glob
 import gzip
 import os
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,8 +34,12 @@ from ..errors import ConfigError, DataError
 from ..introspect import local
 from ..partition import shard_classes
 
-FASHION_DIRS = ("/usr/share/dataset-fashion-mnist", "/usr/share/datasets/fashion-mnist", "/usr/share/fashion-mnist",
-                "/usr/share/dataset-fashion-mnist/data/fashion")
+FASHION_DIRS = (
+    "/usr/share/dataset-fashion-mnist",
+    "/usr/share/datasets/fashion-mnist",
+    "/usr/share/fashion-mnist",
+    "/usr/share/dataset-fashion-mnist/data/fashion",
+)
 """Where the Debian package's files are looked for (after ``$FEDBAYES_FASHION_MNIST``), recursively."""
 
 
@@ -75,6 +80,7 @@ def load_images(source: str = "auto", seed: int = 0) -> dict[str, Any]:
         raise ConfigError(f"source must be 'auto', 'fashion-mnist' or 'digits', got {source!r}")
     folder = _find_fashion() if source != "digits" else None
     if folder is not None:
+
         def part(kind: str) -> tuple[np.ndarray, np.ndarray]:
             x = read_idx(glob.glob(os.path.join(folder, f"{kind}-images-idx3-ubyte*"))[0])
             y = read_idx(glob.glob(os.path.join(folder, f"{kind}-labels-idx1-ubyte*"))[0])
@@ -83,8 +89,10 @@ def load_images(source: str = "auto", seed: int = 0) -> dict[str, Any]:
         (xa, ya), (xb, yb) = part("train"), part("t10k")
         return {"x_train": xa, "y_train": ya, "x_test": xb, "y_test": yb, "name": "fashion-mnist"}
     if source == "fashion-mnist":
-        raise DataError("Fashion-MNIST not found: install Debian's dataset-fashion-mnist or set FEDBAYES_FASHION_MNIST "
-                        f"to a folder holding its IDX files (looked in {', '.join(FASHION_DIRS)})")
+        raise DataError(
+            "Fashion-MNIST not found: install Debian's dataset-fashion-mnist or set FEDBAYES_FASHION_MNIST "
+            f"to a folder holding its IDX files (looked in {', '.join(FASHION_DIRS)})"
+        )
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -97,12 +105,19 @@ def load_images(source: str = "auto", seed: int = 0) -> dict[str, Any]:
     return {"x_train": x[~test], "y_train": y[~test], "x_test": x[test], "y_test": y[test], "name": "digits"}
 
 
-def _client_items(pool_labels: np.ndarray, classes: np.ndarray, counts: Sequence[int], holders: dict[int, list[int]],
-                  rng: np.random.Generator) -> tuple[list[np.ndarray], bool]:
+def _client_items(
+    pool_labels: np.ndarray,
+    classes: np.ndarray,
+    counts: Sequence[int],
+    holders: dict[int, list[int]],
+    rng: np.random.Generator,
+) -> tuple[list[np.ndarray], bool]:
     """Each client's items: ``counts[i]`` split evenly over its classes; a class's items are dealt to its holders
     without repetition when the pool holds enough, else each holder draws its share independently."""
     num_clients = len(counts)
-    per_class = {i: np.diff(np.linspace(0, counts[i], len(classes[i]) + 1).round().astype(int)) for i in range(num_clients)}
+    per_class = {
+        i: np.diff(np.linspace(0, counts[i], len(classes[i]) + 1).round().astype(int)) for i in range(num_clients)
+    }
     chosen: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
     repeated = False
     for k, owners in holders.items():
@@ -120,9 +135,17 @@ def _client_items(pool_labels: np.ndarray, classes: np.ndarray, counts: Sequence
     return [rng.permutation(np.concatenate(c)) for c in chosen], repeated
 
 
-def make_fedpop_images(num_clients: int = 100, classes_per_client: int = 2, *, train_size: int = 500,
-                       test_size: int = 100, small_fraction: float = 0.0, small_size: int = 5,
-                       source: str = "auto", seed: int = 0) -> tuple[FederatedData, FederatedData, dict[str, Any]]:
+def make_fedpop_images(
+    num_clients: int = 100,
+    classes_per_client: int = 2,
+    *,
+    train_size: int = 500,
+    test_size: int = 100,
+    small_fraction: float = 0.0,
+    small_size: int = 5,
+    source: str = "auto",
+    seed: int = 0,
+) -> tuple[FederatedData, FederatedData, dict[str, Any]]:
     """Train / test data of FedPop's image protocol: client i holds ``classes_per_client`` = S classes,
     ``perm[(i S + j) mod 10]`` for j < S (``fb.partition_shards``'s rule: each class held by about 10 S
     clients), with ``train_size`` training and ``test_size`` test images balanced over them; the first
@@ -154,8 +177,9 @@ def make_fedpop_images(num_clients: int = 100, classes_per_client: int = 2, *, t
     return train, test, {"classes": classes, "source": images["name"], "with_replacement": rep_a or rep_b}
 
 
-def fedpop_classifier(x, y=None, *, hidden: Sequence[int] = (32, 16), num_classes: int = 10,
-                      prior_scale: float | None = None):
+def fedpop_classifier(
+    x, y=None, *, hidden: Sequence[int] = (32, 16), num_classes: int = 10, prior_scale: float | None = None
+):
     """FedPop's personalised classifier: a flax MLP feature extractor phi (tanh layers of sizes ``hidden``)
     shared by all clients, and a personal last layer z_i in R^{h x K} with the population prior
     z_i ~ N(mu, sigma^2 I), mu learned, sigma learned (``prior_scale=None``) or fixed at ``prior_scale``
@@ -183,16 +207,20 @@ def fedpop_classifier(x, y=None, *, hidden: Sequence[int] = (32, 16), num_classe
     net = flax_module("phi", Features(tuple(hidden)), input_shape=(1, x.shape[-1]))
     width = hidden[-1]
     mu = numpyro.param("mu", jnp.zeros((width, num_classes)))
-    sigma = (numpyro.param("sigma", jnp.ones(()), constraint=constraints.positive) if prior_scale is None
-             else jnp.asarray(prior_scale, jnp.result_type(float)))
+    sigma = (
+        numpyro.param("sigma", jnp.ones(()), constraint=constraints.positive)
+        if prior_scale is None
+        else jnp.asarray(prior_scale, jnp.result_type(float))
+    )
     with local():
         head = numpyro.sample("head", dist.Normal(mu, sigma).expand([width, num_classes]).to_event(2))
     with numpyro.plate("obs", x.shape[0]):
         numpyro.sample("y", dist.Categorical(logits=net(x) @ head), obs=y)
 
 
-def classification_scores(res: Any, test: FederatedData, *, num_samples: int | None = 100, seed: int = 0,
-                          n_bins: int = 10) -> Any:
+def classification_scores(
+    res: Any, test: FederatedData, *, num_samples: int | None = 100, seed: int = 0, n_bins: int = 10
+) -> Any:
     """Per-client test scores of a classifier fit: a pandas DataFrame indexed by client with ``accuracy``,
     ``ece`` (top-label, ``n_bins`` equal-width bins), ``brier`` (multi-class, summed over classes) and
     ``nll`` (mean negative log predictive probability) of the posterior predictive
@@ -208,7 +236,12 @@ def classification_scores(res: Any, test: FederatedData, *, num_samples: int | N
         p = np.asarray(probs[i].mean(0))[:n].astype(np.float64)
         p /= p.sum(-1, keepdims=True)
         labels = np.asarray(test.client(i)["y"])
-        rows.append({"accuracy": float(np.mean(p.argmax(-1) == labels)),
-                     "ece": expected_calibration_error(p, labels, n_bins=n_bins),
-                     "brier": brier_score(p, labels), "nll": negative_log_predictive_density(p, labels)})
+        rows.append(
+            {
+                "accuracy": float(np.mean(p.argmax(-1) == labels)),
+                "ece": expected_calibration_error(p, labels, n_bins=n_bins),
+                "brier": brier_score(p, labels),
+                "nll": negative_log_predictive_density(p, labels),
+            }
+        )
     return pd.DataFrame(rows, index=pd.Index(test.client_coordinate(), name="client"))

@@ -41,7 +41,9 @@ def gaussian_mixture(num_components: int, dim: int, *, covariance: str = "full",
             weights = numpyro.param("weights", jnp.ones(K) / K, constraint=constraints.simplex)
             means = numpyro.param("means", init_means)
         if covariance == "full":
-            covs = numpyro.param("covs", jnp.broadcast_to(jnp.eye(D), (K, D, D)), constraint=constraints.positive_definite)
+            covs = numpyro.param(
+                "covs", jnp.broadcast_to(jnp.eye(D), (K, D, D)), constraint=constraints.positive_definite
+            )
         else:
             sds = numpyro.param("sds", jnp.ones((K, D)), constraint=constraints.positive)
         with numpyro.plate("obs", y.shape[0]):
@@ -87,8 +89,16 @@ def ppca(dim: int, latent_dim: int):
     return model
 
 
-def make_gaussian_mixture(num_clients: int = 20, *, num_components: int = 3, dim: int = 2, sizes=(50, 150),
-                          concentration: float = 0.5, separation: float = 4.0, seed: int = 0):
+def make_gaussian_mixture(
+    num_clients: int = 20,
+    *,
+    num_components: int = 3,
+    dim: int = 2,
+    sizes=(50, 150),
+    concentration: float = 0.5,
+    separation: float = 4.0,
+    seed: int = 0,
+):
     """Heterogeneous clients of a Gaussian mixture: each client's mixing weights ~ Dirichlet(concentration).
 
     Returns ``(FederatedData({"y": ...}), truth)`` with the true means, covariances and per-client weights.

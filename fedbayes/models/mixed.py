@@ -75,7 +75,7 @@ def personalized_logistic(features, y=None, *, num_classes: int = 2, hidden: int
     with local():
         head = numpyro.sample("head", dist.Normal(mu, sigma).expand([d]).to_event(1))
     h = jnp.tanh(features @ w_phi + c_phi)
-    w, b = head[: hidden * num_classes].reshape(hidden, num_classes), head[hidden * num_classes:]
+    w, b = head[: hidden * num_classes].reshape(hidden, num_classes), head[hidden * num_classes :]
     with numpyro.plate("obs", features.shape[0]):
         numpyro.sample("y", dist.Categorical(logits=h @ w + b), obs=y)
 
@@ -128,6 +128,10 @@ def eight_schools_pooled(y, sigma):
 
 def eight_schools_data() -> FederatedData:
     """The eight schools as eight clients, each with its one estimate ``y`` and standard error ``sigma``."""
-    return FederatedData({"y": [EIGHT_SCHOOLS_Y[j:j + 1] for j in range(8)],
-                          "sigma": [EIGHT_SCHOOLS_SIGMA[j:j + 1] for j in range(8)]},
-                         client_names=[f"school {chr(ord('A') + j)}" for j in range(8)])
+    return FederatedData(
+        {
+            "y": [EIGHT_SCHOOLS_Y[j : j + 1] for j in range(8)],
+            "sigma": [EIGHT_SCHOOLS_SIGMA[j : j + 1] for j in range(8)],
+        },
+        client_names=[f"school {chr(ord('A') + j)}" for j in range(8)],
+    )
