@@ -238,7 +238,9 @@ def fed_fit(
     seed:
         An integer in ``[0, 2**64)``; the fit is a deterministic function of ``seed`` on a given machine.
     progress:
-        Show a progress line (default: only when stderr is a terminal).
+        Progress after each chunk (:class:`fedbayes.engine.Progress`). None (default): a live line on a
+        terminal or in a Jupyter notebook, nothing elsewhere; True: also in a log, one line per chunk;
+        False: none.
     chunk_size:
         Rounds per compiled ``lax.scan`` chunk (progress, callbacks and checkpoints happen between chunks).
     faults:

@@ -372,12 +372,30 @@ def _roll_back(algorithm: FederatedRun, active: jax.Array, new: PyTree, old: PyT
     )
 
 
+def _in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (its stderr is no terminal, but it redraws a line on ``\\r``)."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    try:
+        shell = ipython.get_ipython()
+    except Exception:
+        return False
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
 class Progress:
-    """A one-line progress report on stderr, shown only on a terminal unless forced."""
+    """Progress on stderr, in the form that suits where it goes.
+
+    ``enabled=None`` (default): shown on a terminal and in a Jupyter notebook, as one live line redrawn
+    after each chunk (``\\r``). ``True`` elsewhere (a log file, a CI job, a pipe): one line per chunk, each
+    ending in a newline, so a log reads as lines rather than a wall of carriage returns. ``False``: none."""
 
     def __init__(self, total: int, label: str, enabled: bool | None):
         self.total, self.label = total, label
-        self.enabled = sys.stderr.isatty() if enabled is None else bool(enabled)
+        live = sys.stderr.isatty() or _in_notebook()
+        self.enabled = live if enabled is None else bool(enabled)
+        self.live = live
         self.start = time.perf_counter()
 
     def update(self, done: int) -> None:
@@ -386,12 +404,14 @@ class Progress:
         elapsed = time.perf_counter() - self.start
         rate = done / elapsed if elapsed > 0 else float("nan")
         eta = (self.total - done) / rate if rate > 0 else float("nan")
-        sys.stderr.write(
-            f"\r[fedbayes] {self.label}: round {done}/{self.total} ({100 * done / self.total:.0f}%), "
-            f"{rate:.1f} rounds/s, ~{eta:.0f}s left "
+        line = (
+            f"[fedbayes] {self.label}: round {done}/{self.total} ({100 * done / self.total:.0f}%), "
+            f"{rate:.1f} rounds/s, ~{eta:.0f}s left"
         )
-        if done >= self.total:
-            sys.stderr.write("\n")
+        if self.live:
+            sys.stderr.write("\r" + line + " " + ("\n" if done >= self.total else ""))
+        else:
+            sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
 

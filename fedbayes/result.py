@@ -34,6 +34,16 @@ def _options(cfg: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is None or isinstance(v, (numbers.Number, str))}
 
 
+def _human_bits(bits: int) -> str:
+    """A bit count as bytes in B / kB / MB / GB (powers of 1000)."""
+    size = bits / 8
+    for unit in ("B", "kB", "MB"):
+        if size < 1000:
+            return f"{size:.3g} {unit}"
+        size /= 1000
+    return f"{size:.3g} GB"
+
+
 class Result:
     """What ``fed_fit`` returns.
 
@@ -160,6 +170,102 @@ class Result:
             f"Result({self.algorithm}, {len(self.history.get('bits_up', []))} rounds, "
             f"{self._data.num_clients} clients, up {self.bits_up:,} bits, down {self.bits_down:,} bits; {est})"
         )
+
+    # ------------------------------------------------------------------ summaries
+    def summary(self, prob: float = 0.95) -> Any:
+        """The global sites, one row per scalar coordinate (pandas DataFrame indexed by ``site[i, j]``).
+
+        Columns ``estimate`` (``res.params``), ``sd`` (the samplers: the draws' standard deviation; the
+        point estimates: the standard error of ``res.standard_errors``, NaN where the fit has none) and
+        the central ``prob`` interval ``lower`` / ``upper`` (the samplers: the draws' quantiles; the point
+        estimates: estimate -/+ z sd, the normal approximation's interval, z the standard normal's
+        (1 + prob) / 2 quantile)."""
+        import pandas as pd
+        from scipy import stats
+
+        if not 0 < prob < 1:
+            raise ValueError(f"prob must lie in (0, 1), got {prob!r}")
+        rows, index = [], []
+        tail = (1 - prob) / 2
+        z = float(stats.norm.ppf(1 - tail))
+        for site, value in self.params.items():
+            value = np.asarray(value, dtype=np.float64)
+            draws = self.global_samples.get(site)
+            if draws is not None:
+                flat = np.asarray(draws, dtype=np.float64).reshape((-1,) + value.shape)
+                sd = flat.std(0, ddof=1) if flat.shape[0] > 1 else np.full(value.shape, np.nan)
+                lower, upper = np.quantile(flat, [tail, 1 - tail], axis=0)
+            else:
+                se = self.standard_errors.get(site)
+                sd = np.full(value.shape, np.nan) if se is None else np.asarray(se, dtype=np.float64)
+                lower, upper = value - z * sd, value + z * sd
+            for idx in np.ndindex(value.shape):
+                index.append(site + ("[" + ", ".join(map(str, idx)) + "]" if idx else ""))
+                rows.append((value[idx], sd[idx], lower[idx], upper[idx]))
+        return pd.DataFrame(rows, index=pd.Index(index, name="site"), columns=["estimate", "sd", "lower", "upper"])
+
+    def _headline(self) -> tuple[str, str, list[str]]:
+        """(what was fitted, communication, the failed checks' lines) for the text and HTML summaries."""
+        rounds = len(self.history.get("bits_up", []))
+        what = f"{self.algorithm} fit: {rounds} rounds, {self._data.num_clients} clients, seed {self.seed}"
+        comm = (
+            f"communication: up {_human_bits(self.bits_up)}, down {_human_bits(self.bits_down)} "
+            f"(set-up {_human_bits(self.init_bits[0])} / {_human_bits(self.init_bits[1])}, "
+            f"final exchange {_human_bits(self.final_bits[0])} / {_human_bits(self.final_bits[1])})"
+        )
+        try:
+            table = self.diagnostics
+        except Exception as err:  # a summary must print whatever the checks do
+            return what, comm, [f"convergence checks failed to run: {err}"]
+        failed = table[~table["ok"]]
+        lines = [f"{r.check} ({r.site}): {r.value:.4g} against {r.threshold:.4g}" for r in failed.itertuples()]
+        return what, comm, lines
+
+    def _estimates_note(self, prob: float) -> str:
+        if self.global_samples:
+            return f"posterior mean, sd and central {prob:.0%} interval of the draws"
+        if self.standard_errors:
+            return f"estimate, standard error and {prob:.0%} interval of the normal approximation"
+        return "estimate (this fit has no standard errors)"
+
+    def __str__(self) -> str:
+        """``print(res)``: the fit, its communication, its convergence and the globals' estimates with
+        their uncertainty (:meth:`summary`)."""
+        what, comm, failed = self._headline()
+        status = "converged (every check passed)" if not failed else "NOT converged: " + "; ".join(failed)
+        lines = [what, comm, status]
+        if self.privacy:
+            lines.append(
+                f"privacy: epsilon {self.privacy.get('epsilon', float('nan')):.3g} at delta "
+                f"{self.privacy.get('delta', float('nan')):.3g} (client-level DP; res.privacy has the report)"
+            )
+        table = self.summary()
+        if len(table):
+            lines.append(self._estimates_note(0.95) + ":")
+            lines.append(table.to_string(float_format=lambda v: f"{v:.4g}"))
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """The notebook summary: :meth:`__str__`'s content as HTML."""
+        from html import escape
+
+        what, comm, failed = self._headline()
+        if failed:
+            status = "<b style='color:#b00'>not converged</b><ul>" + "".join(f"<li>{escape(f)}</li>" for f in failed)
+            status += "</ul>"
+        else:
+            status = "<b style='color:#060'>converged</b> (every check passed)"
+        parts = [f"<div><p><b>{escape(what)}</b><br>{escape(comm)}<br>{status}</p>"]
+        if self.privacy:
+            parts.append(
+                f"<p>privacy: epsilon {self.privacy.get('epsilon', float('nan')):.3g} at delta "
+                f"{self.privacy.get('delta', float('nan')):.3g}</p>"
+            )
+        table = self.summary()
+        if len(table):
+            parts.append(f"<p>{escape(self._estimates_note(0.95))}</p>")
+            parts.append(table.to_html(float_format=lambda v: f"{v:.4g}", max_rows=60))
+        return "".join(parts) + "</div>"
 
     # ------------------------------------------------------------------ ArviZ
     @property

@@ -1,5 +1,7 @@
 """Engine pieces: cohorts, cohort sizes, progress reporting, optax-compatible server optimisers."""
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,3 +113,21 @@ def test_the_final_exchange_in_blocks_of_clients_is_the_final_exchange_of_all_at
         np.testing.assert_allclose(blocks.standard_errors[name], whole.standard_errors[name], rtol=1e-4)
     assert whole.final_bits == blocks.final_bits and whole.final_bits[0] > 0
     fb.clear_cache()
+
+
+def test_progress_is_one_line_per_chunk_in_a_log_and_one_live_line_on_a_terminal(capsys, monkeypatch):
+    """Forced on where stderr is no terminal (capsys: a log), each update is a line of its own; on a terminal
+    (or in a notebook) the same updates redraw one line with carriage returns and end with one newline."""
+    bar = Progress(30, "GD", True)
+    for done in (10, 20, 30):
+        bar.update(done)
+    err = capsys.readouterr().err
+    assert "\r" not in err and err.count("\n") == 3
+    assert [line.split(": round ")[1].split(" ")[0] for line in err.splitlines()] == ["10/30", "20/30", "30/30"]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    bar = Progress(30, "GD", None)
+    assert bar.enabled and bar.live
+    for done in (10, 20, 30):
+        bar.update(done)
+    err = capsys.readouterr().err
+    assert err.count("\r") == 3 and err.count("\n") == 1 and err.endswith("\n")

@@ -48,6 +48,7 @@ from .posterior import (
 )
 
 _PLOTS = (
+    "plot_fit",
     "plot_reliability",
     "plot_score_histograms",
     "plot_pit",

@@ -175,6 +175,75 @@ def plot_communication(
     return _finish(fig, path)
 
 
+def plot_fit(
+    res: Any,
+    *,
+    sites: Any = None,
+    max_coords: int = 10,
+    path: str | os.PathLike | None = None,
+) -> Any:
+    """A fit in one figure: the trajectory of each global site over the rounds (``res.history["theta/<site>"]``;
+    the first ``max_coords`` coordinates of a larger site, the reported estimate ``res.params`` dashed
+    in the same colour), the objective per round where the algorithm reports a finite one
+    (``history["objective"]``: FedSOUL's and FedMM's complete-data log-likelihood, TAMUNA's log
+    posterior), and the cumulative bits up and down over the rounds (``history["bits_up"]`` /
+    ``["bits_down"]``; the set-up and final exchanges are in the title). Every line is the history's
+    values as they are. ``sites``: the global sites to show (default: all)."""
+    history = res.history
+    names = [k[len("theta/") :] for k in history if k.startswith("theta/")]
+    if sites is not None:
+        wanted = [sites] if isinstance(sites, str) else list(sites)
+        unknown = [s for s in wanted if s not in names]
+        if unknown:
+            raise DataError(f"plot_fit: no trajectory for {unknown}; the fit's global sites are {names}")
+        names = wanted
+    objective = np.asarray(history.get("objective", []), dtype=np.float64)
+    show_objective = objective.size > 0 and bool(np.any(np.isfinite(objective)))
+    panels = len(names) + show_objective + 1
+    ncols = min(3, panels)
+    nrows = -(-panels // ncols)
+    plt = _pyplot()
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False)
+    axes = axes.ravel()
+    for a in axes[panels:]:
+        a.set_visible(False)
+    for a, name in zip(axes, names):
+        trace = np.asarray(history[f"theta/{name}"], dtype=np.float64)
+        rounds = np.arange(1, trace.shape[0] + 1)
+        flat = trace.reshape(trace.shape[0], -1)
+        estimate = np.asarray(res.params.get(name, np.full(flat.shape[1:], np.nan)), dtype=np.float64).reshape(-1)
+        for j in range(min(max_coords, flat.shape[1])):
+            (line,) = a.plot(rounds, flat[:, j], lw=1, label=f"{name}[{j}]" if flat.shape[1] > 1 else name)
+            if j < estimate.size:
+                a.axhline(estimate[j], color=line.get_color(), ls="--", lw=0.8)
+        shown = "" if flat.shape[1] <= max_coords else f" (first {max_coords} of {flat.shape[1]})"
+        a.set(xlabel="round", ylabel=name, title=f"{name}{shown}")
+        if 1 < flat.shape[1] <= 6:
+            a.legend(fontsize=7)
+    k = len(names)
+    if show_objective:
+        a = axes[k]
+        a.plot(np.arange(1, objective.size + 1), objective, lw=1)
+        a.set(xlabel="round", ylabel="objective", title="objective per round")
+        k += 1
+    a = axes[k]
+    up = np.cumsum(np.asarray(history.get("bits_up", []), dtype=np.float64))
+    down = np.cumsum(np.asarray(history.get("bits_down", []), dtype=np.float64))
+    a.plot(np.arange(1, up.size + 1), up, label="up")
+    a.plot(np.arange(1, down.size + 1), down, label="down")
+    a.set(
+        xlabel="round",
+        ylabel="bits (cumulative)",
+        title=f"set-up {res.init_bits[0]:,} / {res.init_bits[1]:,} bits, "
+        f"final {res.final_bits[0]:,} / {res.final_bits[1]:,}",
+    )
+    a.title.set_fontsize(8)
+    a.legend(fontsize=8)
+    fig.suptitle(f"{res.algorithm}: {up.size} rounds, {'converged' if res.converged else 'NOT converged'}")
+    fig.tight_layout()
+    return _finish(fig, path)
+
+
 # ----------------------------------------------------------------------------- ArviZ's own plots
 
 

@@ -1,0 +1,102 @@
+"""The daily loop's summaries of a fit: ``res.summary()``, ``print(res)``, the notebook's ``_repr_html_`` and
+``fb.diagnostics.plot_fit`` (issue 27): their numbers are the fit's own (estimates, standard errors, draws,
+history), checked here against those attributes."""
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import numpy as np
+import pytest
+from scipy import stats
+
+import fedbayes as fb
+
+
+@pytest.fixture(scope="module")
+def em_fit():
+    data, _ = fb.models.make_linear_mixed_effects(12, seed=0)
+    return fb.fed_fit(fb.models.linear_mixed_effects, data, fb.FedMM(), num_rounds=60, seed=0, progress=False)
+
+
+@pytest.fixture(scope="module")
+def lmc_fit():
+    data = fb.models.make_glm_clients(4, 2, 30, family="linear", seed=0)[0]
+    return fb.fed_fit(fb.models.linear_regression(), data, fb.LMC(), num_rounds=400, seed=0, progress=False)
+
+
+def test_summary_of_a_point_estimate_is_its_estimate_and_standard_errors(em_fit):
+    res = em_fit
+    table = res.summary(prob=0.9)
+    z = stats.norm.ppf(0.95)
+    for site, value in res.params.items():
+        value, se = np.asarray(value), np.asarray(res.standard_errors[site])
+        for idx in np.ndindex(value.shape):
+            row = table.loc[site + ("[" + ", ".join(map(str, idx)) + "]" if idx else "")]
+            assert row["estimate"] == value[idx] and row["sd"] == se[idx]
+            np.testing.assert_allclose([row["lower"], row["upper"]], [value[idx] - z * se[idx], value[idx] + z * se[idx]])
+    assert len(table) == sum(np.size(v) for v in res.params.values())
+
+
+def test_summary_of_a_sampler_is_its_draws(lmc_fit):
+    res = lmc_fit
+    table = res.summary()
+    draws = np.asarray(res.global_samples["beta"]).reshape(-1, 2)
+    np.testing.assert_array_equal(table.loc[["beta[0]", "beta[1]"], "estimate"], np.asarray(res.params["beta"]))
+    np.testing.assert_allclose(table.loc[["beta[0]", "beta[1]"], "sd"], draws.std(0, ddof=1), rtol=1e-12)
+    np.testing.assert_allclose(table.loc[["beta[0]", "beta[1]"], "lower"], np.quantile(draws, 0.025, 0), rtol=1e-12)
+    np.testing.assert_allclose(table.loc[["beta[0]", "beta[1]"], "upper"], np.quantile(draws, 0.975, 0), rtol=1e-12)
+    with pytest.raises(ValueError):
+        res.summary(prob=1.0)
+
+
+def test_text_and_html_summaries(em_fit):
+    res = em_fit
+    text, html = str(res), res._repr_html_()
+    assert text.startswith(f"FedMM fit: 60 rounds, 12 clients, seed 0")
+    assert ("converged (every check passed)" in text) == res.converged
+    assert "communication: up" in text and "estimate, standard error and 95% interval" in text
+    first = res.summary().index[0]
+    assert first in text and first in html and "<table" in html
+    assert f"{res.summary().iloc[0]['estimate']:.4g}" in text
+    assert repr(res).startswith("Result(FedMM, 60 rounds")  # the one-line repr stays
+
+
+def test_an_unconverged_fit_says_so_in_both_summaries():
+    data, _ = fb.models.make_linear_mixed_effects(12, seed=0)
+    with pytest.warns(fb.ConvergenceWarning):
+        res = fb.fed_fit(fb.models.linear_mixed_effects, data, fb.FedMM(), num_rounds=2, seed=0, progress=False)
+    failed = res.diagnostics[~res.diagnostics["ok"]]
+    assert len(failed)
+    text, html = str(res), res._repr_html_()
+    assert "NOT converged: " in text and "not converged" in html
+    for r in failed.itertuples():
+        assert f"{r.check} ({r.site})" in text and f"{r.check} ({r.site})" in html
+
+
+def test_plot_fit_draws_the_history(em_fit, tmp_path):
+    res = em_fit
+    fig = fb.diagnostics.plot_fit(res, path=tmp_path / "fit.png")
+    assert (tmp_path / "fit.png").stat().st_size > 0
+    sites = [k[len("theta/"):] for k in res.history if k.startswith("theta/")]
+    axes = {a.get_title().split(" (")[0]: a for a in fig.axes if a.get_visible()}
+    for site in sites:
+        trace = np.asarray(res.history[f"theta/{site}"]).reshape(len(res.history["bits_up"]), -1)
+        lines = axes[site].get_lines()
+        data_lines = [ln for ln in lines if len(ln.get_xdata()) == trace.shape[0]]
+        for j, ln in enumerate(data_lines):
+            np.testing.assert_array_equal(ln.get_ydata(), trace[:, j])
+            np.testing.assert_array_equal(ln.get_xdata(), np.arange(1, trace.shape[0] + 1))
+        dashed = [ln.get_ydata()[0] for ln in lines if ln.get_linestyle() == "--"]
+        np.testing.assert_array_equal(dashed, np.asarray(res.params[site]).reshape(-1)[: len(dashed)])
+    comm = [a for a in fig.axes if a.get_ylabel() == "bits (cumulative)"][0]
+    up, down = comm.get_lines()
+    np.testing.assert_array_equal(up.get_ydata(), np.cumsum(res.history["bits_up"]))
+    np.testing.assert_array_equal(down.get_ydata(), np.cumsum(res.history["bits_down"]))
+    if np.any(np.isfinite(res.history.get("objective", [np.nan]))):
+        obj = [a for a in fig.axes if a.get_ylabel() == "objective"][0]
+        np.testing.assert_array_equal(obj.get_lines()[0].get_ydata(), res.history["objective"])
+    with pytest.raises(fb.DataError):
+        fb.diagnostics.plot_fit(res, sites="nope")
+    one = fb.diagnostics.plot_fit(res, sites=sites[0])
+    assert sum(a.get_visible() for a in one.axes) <= 3
