@@ -53,6 +53,7 @@ SECOND_TIER: dict[str, object] = {
         "test_noise_multiplier_for_a_target_epsilon",  # 5-10 s each: the accountant over a bisection
         "test_private_fedsoul_fit_reports_its_epsilon_and_releases_nothing_else",  # two FedSOUL fits, ~30 s
         "test_private_fedmm_on_flower_equals_fed_fit",  # ~30 s: compiles FedMM for Flower's server and clients
+        "test_private_fedavg_on_flower_equals_fed_fit",  # ~13 s: two fits and a Flower run
         "test_private_fedmm_reports_its_epsilon_and_refuses_unaccounted_releases",  # ~15 s
         "test_lmc_with_secure_aggregation_equals_the_plain_run_and_shows_the_server_sums_only",  # ~15 s each
         "test_p_elf_without_privacy_runs_with_secure_aggregation",  # ~15 s

@@ -62,6 +62,7 @@ from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
 from ..introspect import FedModel
 from ..minibatch import check_batch_size
+from ..privacy import DP, SumPrivacy
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo
 from .tamuna_theory import (  # noqa: F401 - the masks and theory helpers, re-exported as fb.tamuna.*
     _real,
@@ -216,6 +217,22 @@ class TAMUNA:
         and lower the step with batches. The set-up (the curvature, the safeguard's objective at the
         broadcast point) uses all rows. A model's ``numpyro.plate(..., subsample_size=B)`` sets B the
         same way.
+    privacy:
+        Central client-level differential privacy for ``fb.GD`` and ``fb.FedAvg``, a ``fb.privacy.DP``
+        (None: none). The server clips each cohort member's update, Delta_i = x_i - x_bar (its local
+        iterate minus the broadcast), to L2 norm C, and steps x_bar <- x_bar + (1/c) sum_i clip(Delta_i) +
+        N(0, (sigma C / c)^2 I): DP-FedAvg's fixed-denominator mean (McMahan et al., 2018), c the cohort
+        size (a member that did not answer adds nothing, so the step shrinks rather than reweights), each
+        round a Gaussian mechanism with noise multiplier sigma (:class:`fedbayes.privacy.SumPrivacy`; the
+        denominator c is public, so with full participation the neighbouring relation is zero-out, and
+        replace-one with a sampled cohort). The fixed point moves with the clip: clipped updates are a
+        biased estimate of the mean update when C binds. Every other release of the clients' data is
+        refused: the automatic step and preconditioning (the clients' Hessians in the set-up exchange:
+        give ``step_size``), the safeguard (the clients' objectives every round) and the final exchange
+        (the gradient and information of the convergence check and of standard errors: a private fit's
+        convergence rests on its trace). ``fb.TAMUNA`` and ``fb.Scaffnew`` have no privacy option: their
+        control variates h_i keep sum_i h_i = 0, and with it the fixed point x*, only while x_bar is the
+        exact average; noise on x_bar moves that sum, and the fit, by a random walk.
     """
 
     step_size: float | None = None
@@ -232,6 +249,7 @@ class TAMUNA:
     safeguard: bool | None = None
     precondition: bool | None = None
     batch_size: int | None = None
+    privacy: Any = None
 
     name = "TAMUNA"
     control_variates = True
@@ -279,6 +297,44 @@ class TAMUNA:
         require_choice(self.precondition, f"{n} precondition", (None, True, False))
         as_aggregation(self.aggregation)
         check_batch_size(self.batch_size, self.name)
+        self._check_privacy()
+
+    def _check_privacy(self) -> None:
+        """Central DP covers the clipped, noised mean update only (``privacy``): every other release of the
+        clients' data is refused, and so are the control variates that noise would unbalance."""
+        if self.privacy is None:
+            return
+        n = self.name
+        if not isinstance(self.privacy, DP):
+            raise ConfigError(f"{n} privacy must be a fb.privacy.DP or None, got {type(self.privacy).__name__}")
+        if self.control_variates:
+            raise ConfigError(
+                f"{n} has no privacy option: its control variates h_i keep sum_i h_i = 0, and with it the fixed point, "
+                "only while the server's average is exact; noise on the average moves that sum, and the fit, by a "
+                "random walk. Use fb.GD or fb.FedAvg (no control variates) with privacy"
+            )
+        if self.privacy.mode != "central":
+            raise ConfigError(
+                f"{n}'s privacy is central (the server clips each member's update and adds the noise): "
+                "mode='distributed' is not available for it"
+            )
+        if self.step_size is None:
+            raise ConfigError(
+                f"{n} with privacy needs a step_size: the automatic step is measured from every client's Hessian "
+                "in the set-up exchange, a release the accountant does not cover"
+            )
+        if self.precondition:
+            raise ConfigError(
+                f"{n} with privacy cannot precondition: the set-up exchange would collect every client's Hessian, "
+                "a release the accountant does not cover"
+            )
+        if self.safeguard:
+            raise ConfigError(
+                f"{n} with privacy has no safeguard: it needs every client's objective each round, a release the "
+                "accountant does not cover"
+            )
+        if not (isinstance(self.aggregation, str) and self.aggregation == "mean"):
+            raise ConfigError(f"{n} with privacy needs aggregation='mean': the noise is calibrated to a sum")
 
     def build(self, problem: Problem) -> TAMUNARun:
         fm: FedModel = problem.model
@@ -402,6 +458,20 @@ class TAMUNARun(FederatedRun):
                 "Leave precondition=None (off for large d)"
             )
         self.precondition = bool(pre)
+        dp = cfg.privacy
+        self._dp = None
+        if dp is not None:
+            self._dp = SumPrivacy(
+                dp,
+                problem.num_rounds,
+                self.n,
+                self.c,
+                mechanism="central: each cohort member's update x_i - x_bar clipped at the server, Gaussian noise "
+                "on the mean update over the cohort (fixed denominator c); no set-up curvature, no safeguard, "
+                "no final exchange",
+                public="the cohort size c, the mean update's denominator",
+            )
+            self.final_exchange = False  # its gradient and information would be releases the accountant does not cover
         need_p = cfg.p is None and cfg.local_steps is None
         self._estimate = cfg.step_size is None or (need_p and cfg.kappa is None) or self.precondition
         if not self._estimate:
@@ -638,7 +708,10 @@ class TAMUNARun(FederatedRun):
         a coordinate none of whose holders answered keeps its value. Faulty members get no reply and
         keep their h_i, so sum_i h_i = 0 still holds."""
         masked = uploads.payload[0] if self.safeguard else uploads.payload
-        if info.faulty is None and not self._aggregate.robust:
+        if self._dp is not None:  # central DP (GD, FedAvg: s = c): the clipped mean update, noised
+            updates = jnp.where(info.active[:, None], self._dp.clipped(masked - state.x), 0.0)
+            x = state.x + self._dp.noisy(key, jnp.sum(updates, axis=0) / self.c, 1.0 / self.c)
+        elif info.faulty is None and not self._aggregate.robust:
             x = jnp.sum(masked, axis=0) / self.s
         else:
             q = jax.vmap(self.column, in_axes=(None, 0))(info.shared_key, jnp.arange(self.c)) & info.active[:, None]
@@ -728,6 +801,8 @@ class TAMUNARun(FederatedRun):
         params = self._fm.constrain(theta)
         settings = self.settings(state)
         parts = FitParts(theta=theta, params=params, params_last=params, settings=settings, final_state=state)
+        if self._dp is not None:
+            parts.privacy = self._dp.report()
         if uploads is None:
             return parts
         log_prior = lambda y: self._fm.log_prior(self._unravel(y), jacobian=self.cfg.jacobian)  # noqa: E731
@@ -740,7 +815,10 @@ class TAMUNARun(FederatedRun):
         return parts
 
     def finalize(self, key, carry, problem: Problem, history=None) -> FitParts:
-        """The estimate, with the final exchange's gradient and information (``final_bits``)."""
+        """The estimate, with the final exchange's gradient and information (``final_bits``); under privacy
+        the estimate alone (no final exchange)."""
+        if not self.final_exchange:
+            return self.final_server(key, carry[0], None, None, None)
         return final_exchange(self, key, carry[0], carry[1], stack_clients(problem.data))
 
 
