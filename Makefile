@@ -6,11 +6,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedbayes-installed
 
-.PHONY: demo test test-slow test-heavy test-arviz1 lint dist-check bench fuzz clean
+.PHONY: demo test test-slow test-heavy test-arviz1 lint dist-check docs bench fuzz clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plot,flower,nn,privacy]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plot,flower,nn,privacy,docs]"
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -50,6 +50,12 @@ dist-check: $(STAMP)
 	$(PYTHON) -m venv build/dist-venv
 	build/dist-venv/bin/python -m pip install --quiet --disable-pip-version-check build/dist/fedbayes-*.whl
 	cd build && MPLBACKEND=Agg dist-venv/bin/python ../tests/wheel_smoke.py
+
+# The documentation site into build/site: the examples gallery first (every example's short version, its
+# output and figures: docs/gallery.py), then MkDocs with warnings as errors (mkdocs.yml: strict).
+docs: $(STAMP)
+	MPLBACKEND=Agg $(PY) docs/gallery.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # The ArviZ 1.x line (DataTree) needs Python >= 3.12: run the ArviZ-facing tests there.
 # Usage: make test-arviz1 PYTHON=python3.12

@@ -276,6 +276,8 @@ def fed_fit(
         device holds and runs its share of the clients; the server's sums over clients become sums
         across devices, so the result equals the one-device fit up to the order of those float sums.
 
+    Notes
+    -----
     A second call with the same model function, data, algorithm, number of rounds and cohort size reuses
     the first call's analysis, set-up and compiled computations (only the seed, chunk size, faults and
     the rest may differ): see :func:`fedbayes.clear_cache`, and :func:`fedbayes.compilation_cache` to keep

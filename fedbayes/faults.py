@@ -12,7 +12,7 @@ The engine (:func:`fedbayes.engine.make_round`) checks every upload, zeroes faul
 server step and tells the server who they were (``RoundInfo.faulty``); the faulty member's client
 state is **not** committed (its round is rolled back), so error-feedback memories and control
 variates stay exactly in step with the server's mirrors of them. Each algorithm then does what its
-estimator needs (stated in its docstring and the README):
+estimator needs (stated in its docstring and in docs/guides/errors-faults-checkpoints.md):
 
 * averages over the cohort (FedSOUL, QLSD, parameter-averaging EM) already divide by the number of
   members that answered: a uniform random subset of a uniform cohort is a uniform cohort;

@@ -34,6 +34,10 @@ def _options(cfg: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is None or isinstance(v, (numbers.Number, str))}
 
 
+SUMMARY_ROWS = 20
+"""The most rows of global coordinates ``print(res)`` shows (the first and last halves; 60 in a notebook)."""
+
+
 def _human_bits(bits: int) -> str:
     """A bit count as bytes in B / kB / MB / GB (powers of 1000)."""
     size = bits / 8
@@ -228,6 +232,14 @@ class Result:
             return f"estimate, standard error and {prob:.0%} interval of the normal approximation"
         return "estimate (this fit has no standard errors)"
 
+    def _shown_summary(self) -> Any:
+        """:meth:`summary` as the text and HTML summaries show it: the estimate alone where no coordinate
+        has an uncertainty."""
+        table = self.summary()
+        if len(table) and table["sd"].isna().all():
+            table = table[["estimate"]]
+        return table
+
     def __str__(self) -> str:
         """``print(res)``: the fit, its communication, its convergence and the globals' estimates with
         their uncertainty (:meth:`summary`)."""
@@ -239,10 +251,12 @@ class Result:
                 f"privacy: epsilon {self.privacy.get('epsilon', float('nan')):.3g} at delta "
                 f"{self.privacy.get('delta', float('nan')):.3g} (client-level DP; res.privacy has the report)"
             )
-        table = self.summary()
+        table = self._shown_summary()
         if len(table):
             lines.append(self._estimates_note(0.95) + ":")
-            lines.append(table.to_string(float_format=lambda v: f"{v:.4g}"))
+            lines.append(table.to_string(float_format=lambda v: f"{v:.4g}", max_rows=SUMMARY_ROWS))
+            if len(table) > SUMMARY_ROWS:
+                lines.append(f"({len(table)} coordinates: res.summary() has them all)")
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
@@ -261,10 +275,10 @@ class Result:
                 f"<p>privacy: epsilon {self.privacy.get('epsilon', float('nan')):.3g} at delta "
                 f"{self.privacy.get('delta', float('nan')):.3g}</p>"
             )
-        table = self.summary()
+        table = self._shown_summary()
         if len(table):
             parts.append(f"<p>{escape(self._estimates_note(0.95))}</p>")
-            parts.append(table.to_html(float_format=lambda v: f"{v:.4g}", max_rows=60))
+            parts.append(table.to_html(float_format=lambda v: f"{v:.4g}", max_rows=3 * SUMMARY_ROWS))
         return "".join(parts) + "</div>"
 
     # ------------------------------------------------------------------ ArviZ

@@ -287,7 +287,7 @@ def test_fedsoul_with_faults_reaches_the_maximum_marginal_likelihood():
 # Drop-outs and NaN uploads at 30% and 60% of the expected members per round. A NaN upload is zeroed
 # and its round rolled back exactly like a lost one, so the two kinds give bit-identical fits (checked
 # below); they differ only in the records and the ledger. benchmarks/bench_faults.py prints the full
-# table (every family, both kinds, both rates) quoted in the README.
+# table (every family, both kinds, both rates) quoted in docs/guides/errors-faults-checkpoints.md.
 
 
 def lmc_moments_under_faults(data, prior_sd, gamma, q, empty="noise"):

@@ -41,11 +41,13 @@ def test_summary_of_a_point_estimate_is_its_estimate_and_standard_errors(em_fit)
 def test_summary_of_a_sampler_is_its_draws(lmc_fit):
     res = lmc_fit
     table = res.summary()
-    draws = np.asarray(res.global_samples["beta"]).reshape(-1, 2)
-    np.testing.assert_array_equal(table.loc[["beta[0]", "beta[1]"], "estimate"], np.asarray(res.params["beta"]))
-    np.testing.assert_allclose(table.loc[["beta[0]", "beta[1]"], "sd"], draws.std(0, ddof=1), rtol=1e-12)
-    np.testing.assert_allclose(table.loc[["beta[0]", "beta[1]"], "lower"], np.quantile(draws, 0.025, 0), rtol=1e-12)
-    np.testing.assert_allclose(table.loc[["beta[0]", "beta[1]"], "upper"], np.quantile(draws, 0.975, 0), rtol=1e-12)
+    (site,) = res.params  # the regression's weights, 2 of them
+    rows = [f"{site}[0]", f"{site}[1]"]
+    draws = np.asarray(res.global_samples[site]).reshape(-1, 2)
+    np.testing.assert_array_equal(table.loc[rows, "estimate"], np.asarray(res.params[site]))
+    np.testing.assert_allclose(table.loc[rows, "sd"], draws.std(0, ddof=1), rtol=1e-12)
+    np.testing.assert_allclose(table.loc[rows, "lower"], np.quantile(draws, 0.025, 0), rtol=1e-12)
+    np.testing.assert_allclose(table.loc[rows, "upper"], np.quantile(draws, 0.975, 0), rtol=1e-12)
     with pytest.raises(ValueError):
         res.summary(prob=1.0)
 
@@ -100,3 +102,18 @@ def test_plot_fit_draws_the_history(em_fit, tmp_path):
         fb.diagnostics.plot_fit(res, sites="nope")
     one = fb.diagnostics.plot_fit(res, sites=sites[0])
     assert sum(a.get_visible() for a in one.axes) <= 3
+
+
+def test_a_large_fit_without_uncertainty_prints_a_short_table():
+    """Estimates alone where no coordinate has an uncertainty, and at most SUMMARY_ROWS of them (FedPop's
+    synthetic model: phi has 40 coordinates; Adam's FedSOUL fit here has no standard errors)."""
+    from fedbayes.result import SUMMARY_ROWS
+
+    train, _, _ = fb.models.make_fedpop_synthetic(20, seed=0)
+    res = fb.fed_fit(fb.models.fedpop_synthetic, train, fb.FedSOUL(server_optimizer="adam", uncertainty=False),
+                     num_rounds=5, seed=0, progress=False)
+    text = str(res)
+    assert "estimate (this fit has no standard errors)" in text and "lower" not in text
+    assert f"({len(res.summary())} coordinates: res.summary() has them all)" in text
+    table_lines = [line for line in text.splitlines() if line.split("[")[0].split(" ")[0] in res.params]
+    assert len(table_lines) == SUMMARY_ROWS

@@ -111,8 +111,8 @@ class FedMM:
         sends ``G^T (y - o)`` and ``G^T G``, counted in ``res.init_bits``). EM started with the fixed
         effects far from the data lets the random effects absorb the misfit (their covariance starts
         huge) and then crawls along the ridge where fixed effects and random-effect means trade off;
-        the population start removes that ridge from the path (see the README, "Defaults and
-        convergence"). False: start at ``init`` / the model's own values.
+        the population start removes that ridge from the path (see docs/guides/defaults-and-convergence.md).
+        False: start at ``init`` / the model's own values.
     statistics:
         ``fb.CustomStatistics`` to supply S and T by hand; default: derived from the model.
     langevin_steps, burn_in, langevin_step:

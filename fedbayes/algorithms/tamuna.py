@@ -381,7 +381,7 @@ class GD(TAMUNA):
 
     With one step and every client uploading everything, the control variates cancel in the average
     (sum_i h_i = 0), so they are left out: the iterates are exactly gradient descent's, without the
-    floating-point drift of sum_i h_i (see the README) and without the reply message.
+    floating-point drift of sum_i h_i (see docs/design.md) and without the reply message.
     """
 
     local_steps: int | None = 1

@@ -39,7 +39,7 @@ def sum_tolerance(dtype: Any, num_classes: int) -> float:
 
     ``max(1e-6, SUM_ULPS * num_classes * eps(dtype))``. Each probability computed in a float type carries a
     relative error of a few ``eps`` (``exp`` of a log-probability, a softmax), and averaging S draws
-    (``probs.mean(0)``, the README's recipe: a running sum along axis 0) adds error growing like
+    (``probs.mean(0)``, the documentation's recipe: a running sum along axis 0) adds error growing like
     ``sqrt(S) eps`` in practice (up to ``S eps``); a row sums K such errors. Measured on float32 softmax
     draws (S = 4000, K = 10) a row misses 1 by up to 1.1 eps per class, above the former fixed 1e-6 (8.4
     float32 eps in all): 64 eps per class leaves a wide margin while a row that misses 1 by a real amount

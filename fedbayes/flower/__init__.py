@@ -11,7 +11,7 @@
 * :func:`simulate`: the same apps under Flower's simulation engine in this process, returning the
   :class:`fedbayes.Result` that :func:`fedbayes.fed_fit` returns for the same arguments.
 
-See the README section "Run on Flower" for the way from a notebook to ``flwr run`` on real nodes.
+See docs/guides/flower.md ("Run on Flower") for the way from a notebook to ``flwr run`` on real nodes.
 """
 
 from __future__ import annotations
