@@ -137,6 +137,26 @@ def _poisson_score_by_quadrature(x, y, beta, tau):
     return np.append(g_beta, g_log_tau)
 
 
+def _poisson_random_intercepts():
+    """50 clients of 4 Poisson counts with random intercepts (x, y as arrays), their Problem and a built FedSOUL."""
+    rng = np.random.default_rng(0)
+    C, n = 50, 4
+    x = np.stack([np.ones((C, n)), np.repeat(rng.normal(size=(C, 1)), n, 1), rng.integers(0, 2, (C, n))], -1)
+    y = rng.poisson(np.exp(x @ np.array([2.0, 0.5, -0.2]) + rng.normal(0, 0.5, (C, 1)))).astype(float)
+    data = fb.FederatedData({"x": list(x), "y": list(y)})
+    problem = Problem(fb.FedModel(poisson_glmm, data), data, 10)
+    return x, y, problem, fb.FedSOUL().build(problem)
+
+
+def _poisson_start(problem, run, beta, tau):
+    """(theta, the stacked clients, every client's set-up state) at the constrained (beta, tau)."""
+    theta = problem.model.unconstrain({"beta": jnp.asarray(beta), "tau": jnp.asarray(tau)})
+    clients = jax.tree_util.tree_map(jnp.asarray, stack_clients(problem.data))
+    keys = jax.random.split(jax.random.PRNGKey(0), problem.data.num_clients)
+    states, _ = jax.jit(jax.vmap(lambda k, c: run.setup_client(0, k, theta, None, c)))(keys, clients)
+    return theta, clients, states
+
+
 @pytest.mark.slow  # second tier: ~30 s
 def test_fisher_gradient_is_exact_on_a_poisson_random_intercept_model():
     """At a fixed theta away from the optimum, FedSOUL's uploads averaged over 300 rounds equal the exact
@@ -144,23 +164,14 @@ def test_fisher_gradient_is_exact_on_a_poisson_random_intercept_model():
     kernel is taken at their anchors, not at their chains' states: taken at the state, the exp link's
     curvature makes the step depend on where the chain is, the chain lingers where its steps are small, and
     on MASS epil the intercept's gradient came out -8 against +25 (its standard error here is about 2)."""
-    rng = np.random.default_rng(0)
-    C, n = 50, 4
-    x = np.stack([np.ones((C, n)), np.repeat(rng.normal(size=(C, 1)), n, 1), rng.integers(0, 2, (C, n))], -1)
-    y = rng.poisson(np.exp(x @ np.array([2.0, 0.5, -0.2]) + rng.normal(0, 0.5, (C, 1)))).astype(float)
-    data = fb.FederatedData({"x": list(x), "y": list(y)})
-    problem = Problem(fb.FedModel(poisson_glmm, data), data, 10)
-    run = fb.FedSOUL().build(problem)
+    x, y, problem, run = _poisson_random_intercepts()
     assert run.local_metric == "dense"
     beta, tau = np.array([1.2, 0.2, 0.0]), 1.5  # the intercept 0.8 low: on the ridge against the b_i's mean
-    theta = problem.model.unconstrain({"beta": jnp.asarray(beta), "tau": jnp.asarray(tau)})
-    clients = jax.tree_util.tree_map(jnp.asarray, stack_clients(data))
-    keys = jax.random.split(jax.random.PRNGKey(0), C)
-    states, _ = jax.jit(jax.vmap(lambda k, c: run.setup_client(0, k, theta, None, c)))(keys, clients)
+    theta, clients, states = _poisson_start(problem, run, beta, tau)
     step = jax.jit(jax.vmap(lambda k, s, c: run.client_step(k, theta, s, c)))
     rounds = []
     for r in range(320):
-        states, msg = step(jax.random.split(jax.random.PRNGKey(r + 1), C), states, clients)
+        states, msg = step(jax.random.split(jax.random.PRNGKey(r + 1), len(x)), states, clients)
         g = decode_tree(msg.payload).grad[1]
         rounds.append(np.append(np.asarray(g["beta"]).sum(0), np.asarray(g["tau"]).sum()))
     rounds = np.array(rounds[20:])
@@ -332,18 +343,9 @@ def test_final_exchange_gradient_and_information_on_a_poisson_random_intercept_m
     quadratic in b, which a linear control variate only partly removes); and Louis' information equals
     jax.hessian of the quadrature marginal log-likelihood within 2% on its diagonal (measured 0.4% at
     most)."""
-    rng = np.random.default_rng(0)
-    C, n = 50, 4
-    x = np.stack([np.ones((C, n)), np.repeat(rng.normal(size=(C, 1)), n, 1), rng.integers(0, 2, (C, n))], -1)
-    y = rng.poisson(np.exp(x @ np.array([2.0, 0.5, -0.2]) + rng.normal(0, 0.5, (C, 1)))).astype(float)
-    data = fb.FederatedData({"x": list(x), "y": list(y)})
-    problem = Problem(fb.FedModel(poisson_glmm, data), data, 10)
-    run = fb.FedSOUL().build(problem)
+    x, y, problem, run = _poisson_random_intercepts()
     beta, tau = np.array([1.9, 0.45, -0.15]), 0.6
-    theta = problem.model.unconstrain({"beta": jnp.asarray(beta), "tau": jnp.asarray(tau)})
-    clients = jax.tree_util.tree_map(jnp.asarray, stack_clients(data))
-    keys = jax.random.split(jax.random.PRNGKey(0), C)
-    states, _ = jax.jit(jax.vmap(lambda k, c: run.setup_client(0, k, theta, None, c)))(keys, clients)
+    theta, clients, states = _poisson_start(problem, run, beta, tau)
     final = jax.jit(jax.vmap(lambda s, c: run.final_client(jax.random.PRNGKey(1), theta, s, c)))
     kept, (grads, info_tris, cov_tris) = final(states, clients)
     d = 4
