@@ -798,6 +798,7 @@ class Result:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("privacy", None)  # saved before fits could be private
+        state.setdefault("params_averaged", None)  # saved before FedSOUL's one-step estimate
         self.__dict__.update(state)
 
     def _algorithm_config(self) -> Any:
