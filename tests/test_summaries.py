@@ -117,3 +117,11 @@ def test_a_large_fit_without_uncertainty_prints_a_short_table():
     assert f"({len(res.summary())} coordinates: res.summary() has them all)" in text
     table_lines = [line for line in text.splitlines() if line.split("[")[0].split(" ")[0] in res.params]
     assert len(table_lines) == SUMMARY_ROWS
+
+
+def test_a_result_saved_before_the_one_step_estimate_loads(em_fit):
+    state = em_fit.__getstate__()
+    state.pop("params_averaged")  # what a result pickled before the field existed holds
+    old = fb.Result.__new__(fb.Result)
+    old.__setstate__(state)
+    assert old.params_averaged is None and old.params.keys() == em_fit.params.keys()
