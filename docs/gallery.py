@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import concurrent.futures
 import os
 import pathlib
 import shutil
@@ -22,6 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 OUTPUT = EXAMPLES / "output"
 GALLERY = ROOT / "docs" / "gallery"
+JOBS = 2
 
 # (script, arguments, the figures it writes into examples/output/)
 SCRIPTS = [
@@ -47,23 +49,30 @@ def run(only: list[str] | None = None) -> None:
             "`docs/gallery.py`, which ran each script's short version for this build: the figures and the "
             "printed output below are theirs.", ""]
     env = {**os.environ, "MPLBACKEND": "Agg"}
-    for script, args, figures in SCRIPTS:
-        name = script[:-3]
-        if only and name not in only:
-            continue
+    chosen = [entry for entry in SCRIPTS if not only or entry[0][:-3] in only]
+    for _, _, figures in chosen:
         for fig in figures:
             (OUTPUT / fig).unlink(missing_ok=True)
+
+    def execute(entry):
+        script, args, _ = entry
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT, env=env,
                               capture_output=True, text=True)
-        seconds = time.perf_counter() - t0
+        return proc, time.perf_counter() - t0
+
+    # two scripts at a time (CI has two cores; each script spends much of its time compiling, on one)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=JOBS) as pool:
+        done = list(pool.map(execute, chosen))
+    for (script, args, figures), (proc, seconds) in zip(chosen, done):
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout + proc.stderr)
             raise SystemExit(f"gallery: examples/{script} {' '.join(args)} failed (exit {proc.returncode})")
         doc = _docstring(EXAMPLES / script).split("\n")
         page += [f"## `{script}`", "", doc[0], "", *doc[1:], "",
                  f"Output of `python examples/{script} {' '.join(args)}` ({seconds:.0f} s on the machine that built "
-                 "this page):", "", "```text", *proc.stdout.rstrip().split("\n")[-40:], "```", ""]
+                 "this page, beside another example):", "",
+                 "```text", *proc.stdout.rstrip().split("\n")[-40:], "```", ""]
         for fig in figures:
             src = OUTPUT / fig
             if not src.exists():
