@@ -232,6 +232,10 @@ class Result:
             return f"estimate, standard error and {prob:.0%} interval of the normal approximation"
         return "estimate (this fit has no standard errors)"
 
+    def _privacy_line(self) -> str:
+        nan = float("nan")
+        return f"privacy: epsilon {self.privacy.get('epsilon', nan):.3g} at delta {self.privacy.get('delta', nan):.3g}"
+
     def _shown_summary(self) -> Any:
         """:meth:`summary` as the text and HTML summaries show it: the estimate alone where no coordinate
         has an uncertainty."""
@@ -247,10 +251,7 @@ class Result:
         status = "converged (every check passed)" if not failed else "NOT converged: " + "; ".join(failed)
         lines = [what, comm, status]
         if self.privacy:
-            lines.append(
-                f"privacy: epsilon {self.privacy.get('epsilon', float('nan')):.3g} at delta "
-                f"{self.privacy.get('delta', float('nan')):.3g} (client-level DP; res.privacy has the report)"
-            )
+            lines.append(self._privacy_line() + " (client-level DP; res.privacy has the report)")
         table = self._shown_summary()
         if len(table):
             lines.append(self._estimates_note(0.95) + ":")
@@ -271,10 +272,7 @@ class Result:
             status = "<b style='color:#060'>converged</b> (every check passed)"
         parts = [f"<div><p><b>{escape(what)}</b><br>{escape(comm)}<br>{status}</p>"]
         if self.privacy:
-            parts.append(
-                f"<p>privacy: epsilon {self.privacy.get('epsilon', float('nan')):.3g} at delta "
-                f"{self.privacy.get('delta', float('nan')):.3g}</p>"
-            )
+            parts.append(f"<p>{escape(self._privacy_line())}</p>")
         table = self._shown_summary()
         if len(table):
             parts.append(f"<p>{escape(self._estimates_note(0.95))}</p>")

@@ -125,3 +125,13 @@ def test_a_result_saved_before_the_one_step_estimate_loads(em_fit):
     old = fb.Result.__new__(fb.Result)
     old.__setstate__(state)
     assert old.params_averaged is None and old.params.keys() == em_fit.params.keys()
+
+
+def test_a_private_fit_names_its_epsilon_in_both_summaries():
+    pytest.importorskip("dp_accounting")
+    data = fb.models.make_glm_clients(6, 3, 25, family="linear", seed=0)[0]
+    dp = fb.privacy.DP(clip=1.0, noise_multiplier=2.0)
+    res = fb.fed_fit(fb.models.linear_regression(), data, fb.GD(step_size=0.005, privacy=dp), num_rounds=20, seed=0,
+                     progress=False)
+    line = f"privacy: epsilon {res.privacy['epsilon']:.3g} at delta {res.privacy['delta']:.3g}"
+    assert line in str(res) and line in res._repr_html_()
