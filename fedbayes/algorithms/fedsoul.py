@@ -992,8 +992,8 @@ class FedSOULRun(FederatedRun):
         prior_info = -jax.hessian(lambda x: fm.log_prior(unravel(x)))(flat)
         information = prior_info + _symmetric(jnp.sum(info_tris, 0), d)
         gradient = prior_grad + jnp.sum(grads, 0)
-        lam, vec = jnp.linalg.eigh(0.5 * (information + information.T))
-        pd = jnp.all(jnp.isfinite(lam)) & (jnp.min(lam) > 0) & jnp.all(jnp.isfinite(gradient))
+        _, lam, vec, pd = louis.information_eigen(information)
+        pd = pd & jnp.all(jnp.isfinite(gradient))
         step = vec @ ((vec.T @ gradient) / jnp.where(pd, lam, 1.0))
         take = pd & (gradient @ step <= ONE_STEP_MAX) & self._one_step
         stepped = self._project(fm, unravel(jnp.where(take, flat + step, flat)))

@@ -229,6 +229,14 @@ def draws_information(
     return mean, info[rows, cols], grad_cov[rows, cols]
 
 
+def information_eigen(information: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """``(I, lam, vec, positive_definite)``: the symmetrised information, its eigenvalues and vectors, and
+    whether it is finite and positive definite (traceable)."""
+    information = 0.5 * (information + information.T)
+    lam, vec = jnp.linalg.eigh(information)
+    return information, lam, vec, jnp.all(jnp.isfinite(lam)) & (jnp.min(lam) > 0)
+
+
 def normal_approximation_arrays(
     fm, key: jax.Array, theta_u: Params, information: jax.Array, shape: tuple[int, int] = (1, NUM_DRAWS)
 ) -> dict[str, Any]:
@@ -238,9 +246,7 @@ def normal_approximation_arrays(
     where it is false the standard errors and draws are NaN (:func:`finish_normal_approximation` turns
     it into a bool and drops the draws)."""
     flat, unravel = ravel_pytree(theta_u)
-    information = 0.5 * (information + information.T)
-    lam, vec = jnp.linalg.eigh(information)
-    pd = jnp.all(jnp.isfinite(lam)) & (jnp.min(lam) > 0)
+    information, lam, vec, pd = information_eigen(information)
     cov_u = (vec / jnp.where(lam > 0, lam, jnp.nan)) @ vec.T
     constrained_flat = lambda x: ravel_pytree(fm.constrain(unravel(x)))[0]  # noqa: E731
     Jc = jax.jacfwd(constrained_flat)(flat)
