@@ -321,6 +321,21 @@ class DP:
         return self.delta if self.delta is not None else min(1e-5, 1.0 / num_clients**1.1)
 
 
+def check_dp(privacy: Any, name: str) -> None:
+    """An algorithm's ``privacy`` option is a :class:`DP` or None (``ConfigError`` otherwise)."""
+    if privacy is not None and not isinstance(privacy, DP):
+        raise ConfigError(f"{name} privacy must be a fb.privacy.DP or None, got {type(privacy).__name__}")
+
+
+def check_central(privacy: DP, name: str) -> None:
+    """The algorithm has the central mode only (the server clips and adds the noise): refuse the distributed."""
+    if privacy.mode != "central":
+        raise ConfigError(
+            f"{name}'s privacy is central (the server clips what each client sends and adds the noise): "
+            "mode='distributed' is not available for it"
+        )
+
+
 class _Mechanism:
     """What the mechanisms share: each client's upload clipped as one vector, and the report's common
     part. Subclasses set ``dp``, ``sigma``, ``epsilon`` and ``delta``."""

@@ -46,7 +46,7 @@ from ..engine import run_jit, stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..kernels import curvature
 from ..minibatch import check_batch_size
-from ..privacy import DP, LangevinPrivacy, folded
+from ..privacy import LangevinPrivacy, check_dp, folded
 from ..introspect import FedModel, serialized
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from ..faults import fault_weight
@@ -148,9 +148,7 @@ class LangevinSampler:
         check_init(self.init, self.name)
         check_batch_size(self.batch_size, self.name)
         self._channels(None)  # refuse a compressor of the wrong kind now, not at fit time
-        privacy = getattr(self, "privacy", None)  # LMC, P-, D- and B-ELF have the option
-        if privacy is not None and not isinstance(privacy, DP):
-            raise ConfigError(f"{self.name} privacy must be a fb.privacy.DP or None, got {type(privacy).__name__}")
+        check_dp(getattr(self, "privacy", None), self.name)  # LMC, P-, D- and B-ELF have the option
 
     def _channels(self, dim: int | None) -> tuple[Any, Any]:
         """(uplink, downlink) channels (:mod:`fedbayes.algorithms.channels`) for ``dim`` coordinates (None:

@@ -48,7 +48,7 @@ from ..errors import ConfigError, ModelError, require_choice, require_fraction, 
 from ..protocol import ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from .expfam import CustomStatistics, Derived, derive
 from ..faults import fault_weight
-from ..privacy import DP, SumPrivacy
+from ..privacy import SumPrivacy, check_central, check_dp
 from ..introspect import FedModel, Params
 from ..optim import as_schedule
 from . import louis
@@ -234,15 +234,10 @@ class FedMM:
         every other release of the clients' data is refused or switched off (see ``privacy``)."""
         if self.privacy is None:
             return
-        if not isinstance(self.privacy, DP):
-            raise ConfigError(f"{self.name} privacy must be a fb.privacy.DP or None, got {type(self.privacy).__name__}")
+        check_dp(self.privacy, self.name)
         if type(self) not in (FedMM, FedEM):
             raise ConfigError(f"{self.name} has no privacy option (FedMM and FedEM have)")
-        if self.privacy.mode != "central":
-            raise ConfigError(
-                f"{self.name}'s privacy is central (the server clips each upload and adds the noise): "
-                "mode='distributed' is not available for it"
-            )
+        check_central(self.privacy, self.name)
         if not isinstance(self.compressor, type(identity())):
             raise ConfigError(
                 f"{self.name} with privacy needs the identity compressor: the clip bounds the vector "

@@ -57,7 +57,7 @@ from jax.flatten_util import ravel_pytree
 from .. import minibatch, optim
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import client_key, final_exchange, run_jit, stack_clients
-from ..privacy import DP, SumPrivacy
+from ..privacy import SumPrivacy, check_central, check_dp
 from ..convergence import ONE_STEP_MAX
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
@@ -357,15 +357,10 @@ class FedSOUL:
         only: every other release of the clients' data is refused or switched off."""
         if self.privacy is None:
             return
-        if not isinstance(self.privacy, DP):
-            raise ConfigError(f"{self.name} privacy must be a fb.privacy.DP or None, got {type(self.privacy).__name__}")
+        check_dp(self.privacy, self.name)
         if type(self) is not FedSOUL:
             raise ConfigError(f"{self.name} has no privacy option yet (FedSOUL has)")
-        if self.privacy.mode != "central":
-            raise ConfigError(
-                "FedSOUL's privacy is central (the server clips each upload and adds the noise): "
-                "mode='distributed' is not available for it"
-            )
+        check_central(self.privacy, self.name)
         if isinstance(self.server_optimizer, str) and self.server_optimizer == "fisher":
             raise ConfigError(
                 "FedSOUL with privacy cannot use Fisher scoring: its information uploads are a release "

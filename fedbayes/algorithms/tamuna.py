@@ -62,7 +62,7 @@ from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
 from ..introspect import FedModel
 from ..minibatch import check_batch_size
-from ..privacy import DP, SumPrivacy
+from ..privacy import SumPrivacy, check_central, check_dp
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo
 from .tamuna_theory import (  # noqa: F401 - the masks and theory helpers, re-exported as fb.tamuna.*
     _real,
@@ -305,19 +305,14 @@ class TAMUNA:
         if self.privacy is None:
             return
         n = self.name
-        if not isinstance(self.privacy, DP):
-            raise ConfigError(f"{n} privacy must be a fb.privacy.DP or None, got {type(self.privacy).__name__}")
+        check_dp(self.privacy, n)
         if self.control_variates:
             raise ConfigError(
                 f"{n} has no privacy option: its control variates h_i keep sum_i h_i = 0, and with it the fixed point, "
                 "only while the server's average is exact; noise on the average moves that sum, and the fit, by a "
                 "random walk. Use fb.GD or fb.FedAvg (no control variates) with privacy"
             )
-        if self.privacy.mode != "central":
-            raise ConfigError(
-                f"{n}'s privacy is central (the server clips each member's update and adds the noise): "
-                "mode='distributed' is not available for it"
-            )
+        check_central(self.privacy, n)
         if self.step_size is None:
             raise ConfigError(
                 f"{n} with privacy needs a step_size: the automatic step is measured from every client's Hessian "
