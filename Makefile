@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedbayes-installed
 
-.PHONY: demo test test-slow test-heavy test-arviz1 lint dist-check docs bench fuzz clean
+.PHONY: demo test test-slow test-heavy test-arviz1 lint typecheck dist-check docs bench fuzz clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,19 +28,27 @@ SLOW_TESTS := tests/test_fedmm.py tests/test_flower.py tests/test_flower_app.py 
 # samplers, the known gaps' expected failures, the LAPACK structure checks, the longest FedSOUL fault,
 # save/load and run-immutability checks; tests/tiers.py lists them), which would take .ci/run past its
 # 40 minutes: run it before a release.
+#
+# Each tier runs through tests/run_tier.py: a worker that crashes (or a test that hangs past pytest-timeout's
+# limit) ends the run at once, and if no test failed by itself the tests not yet passed run once more; the
+# tier passes only if that rerun passes. The crash and the rerun are printed (see that file for why).
 test: $(STAMP)
-	MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not slow and not heavy" $(SLOW_TESTS) tests
+	MPLBACKEND=Agg $(PY) tests/run_tier.py -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "not slow and not heavy" $(SLOW_TESTS) tests
 
 test-slow: $(STAMP)
-	MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "slow and not heavy" $(SLOW_TESTS) tests
+	MPLBACKEND=Agg $(PY) tests/run_tier.py -q -n $(TEST_WORKERS) --dist loadfile --durations=15 -m "slow and not heavy" $(SLOW_TESTS) tests
 
 test-heavy: $(STAMP)
-	MPLBACKEND=Agg $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10 -m heavy tests
+	FEDBAYES_TIER_TIMEOUT=7200 MPLBACKEND=Agg $(PY) tests/run_tier.py -q -n $(TEST_WORKERS) --dist loadfile --durations=10 -m heavy tests
 
 # ruff's lint rules and formatting (pyproject.toml's [tool.ruff]) on the package.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fedbayes
 	$(VENV)/bin/ruff format --check fedbayes
+
+# mypy on the package (pyproject.toml's [tool.mypy]).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 # The sdist and the wheel, built from the source tree; the wheel installed alone in a fresh virtual environment
 # (build/dist-venv), imported from there and used for one fit (tests/wheel_smoke.py, run outside the tree).
@@ -60,7 +68,7 @@ docs: $(STAMP)
 # The ArviZ 1.x line (DataTree) needs Python >= 3.12: run the ArviZ-facing tests there.
 # Usage: make test-arviz1 PYTHON=python3.12
 test-arviz1: .venv312/.fedbayes-installed
-	MPLBACKEND=Agg .venv312/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/test_result.py tests/test_diagnostics.py
+	MPLBACKEND=Agg .venv312/bin/python tests/run_tier.py -q -n $(TEST_WORKERS) --dist loadfile tests/test_result.py tests/test_diagnostics.py
 
 .venv312/.fedbayes-installed: pyproject.toml
 	@test -x .venv312/bin/python || $(PYTHON) -m venv .venv312

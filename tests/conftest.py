@@ -19,6 +19,7 @@ import shutil
 import tempfile
 
 import jax
+import pytest
 
 jax.config.update("jax_enable_x64", True)
 
@@ -60,6 +61,12 @@ def pytest_collection_modifyitems(config, items):
     import pytest
     import tiers
 
+    skip = os.environ.get(_SKIP_ENV)
+    if skip:  # tests/run_tier.py's rerun: leave out the tests that passed or skipped in the first attempt
+        with open(skip) as f:
+            done = set(f.read().split("\n"))
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in done])
+        items[:] = [item for item in items if item.nodeid not in done]
     root = config.rootpath
     for item in items:
         path = item.path.relative_to(root).as_posix()
@@ -67,3 +74,36 @@ def pytest_collection_modifyitems(config, items):
         which = tiers.tier(path, name, item.name)
         if which is not None:
             item.add_marker(getattr(pytest.mark, which))
+
+
+# Outcomes for tests/run_tier.py (the tiers' runner): the controller process records which tests passed or
+# skipped, which failed and which crashed their worker (pytest-xdist's crash hook), each as node ids, one file
+# per kind, in the folder the runner names; a rerun deselects the tests listed in the runner's skip file.
+_OUTCOMES_ENV = "FEDBAYES_TEST_OUTCOMES"
+_SKIP_ENV = "FEDBAYES_TEST_SKIP"
+_config = None
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
+
+
+def _record(kind, nodeid):
+    folder = os.environ.get(_OUTCOMES_ENV)
+    if folder and _config is not None and not hasattr(_config, "workerinput"):  # the controller only
+        with open(os.path.join(folder, kind), "a") as f:
+            f.write(nodeid + "\n")
+
+
+def pytest_runtest_logreport(report):
+    if report.failed:
+        if report.when != "???":  # xdist's report of a crashed test; recorded by pytest_handlecrashitem
+            _record("failed", report.nodeid)
+    elif report.when == "call" or report.skipped:
+        _record("done", report.nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent when xdist is not loaded (-p no:xdist)
+def pytest_handlecrashitem(crashitem, report, sched):
+    _record("crashed", crashitem)
