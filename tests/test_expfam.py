@@ -181,3 +181,28 @@ def test_monte_carlo_mode_for_non_gaussian_local_latents():
     d = derive(FedModel(R.poisson_random_effects, data))
     assert d.latent_mode == "monte_carlo" and d.closed_form
     assert [t.site for t in d.tables] == ["b"]  # y's law is theta-free given b: E-step only
+
+
+def test_a_free_gamma_shape_takes_the_numerical_m_step():
+    """A Gamma's sufficient statistics (sum y, sum log y) have a closed-form maximiser only for a known shape;
+    with the shape a global the M-step is numerical. Without latents one M-step on the summed statistics is
+    the maximum-likelihood fit of the pooled data: scipy's Gamma fit (location 0) is the independent reference.
+    Both maximise the same smooth likelihood; the tolerance is the optimisers' (relative 1e-5)."""
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    ys = [rng.gamma(2.0, 1.0 / 1.5, size=n) for n in (40, 70, 55)]
+    data = fb.FederatedData({"y": ys})
+
+    def model(y):
+        a = numpyro.param("a", 1.0, constraint=constraints.positive)
+        b = numpyro.param("b", 1.0, constraint=constraints.positive)
+        with numpyro.plate("obs", y.shape[0]):
+            numpyro.sample("y", dist.Gamma(a, b), obs=y)
+
+    fm = FedModel(model, data)
+    d = derive(fm)
+    assert not d.closed_form
+    _, new = _em_step(d, fm, fm.init_globals(jax.random.PRNGKey(0)), data)
+    a, _, scale = stats.gamma.fit(np.concatenate(ys), floc=0)
+    np.testing.assert_allclose([float(new["a"]), float(new["b"])], [a, 1 / scale], rtol=1e-5)

@@ -53,6 +53,7 @@ from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import jax.scipy.optimize
 import numpy as np
 from jax.flatten_util import ravel_pytree
 from jax.scipy.special import gammaln
@@ -166,17 +167,20 @@ class Family:
     """One exponential family: its sufficient statistic, surrogate and maximum-likelihood map.
 
     ``stats(x, w)`` sums the sufficient statistic over rows with weights ``w`` (x has rows first,
-    then elements); ``expected_loglik(params, s)`` is sum_j w_j log p(x_j | params) without the
-    theta-free base measure; ``ml(s, fixed)`` is the closed-form maximiser (None if there is none),
-    where ``fixed`` holds the parameters that are constants of the model.
+    then elements; None where it needs the distribution too, see :func:`_family_stats`);
+    ``expected_loglik(params, s)`` is sum_j w_j log p(x_j | params) without the theta-free base
+    measure; ``ml(s, fixed)`` is the closed-form maximiser (None if there is none), where ``fixed``
+    holds the parameters that are constants of the model; ``ml_needs`` names the parameters without
+    which it has none (they must be in ``fixed``: a Gamma shape).
     """
 
     params: tuple[str, ...]
     get: Callable[[dist.Distribution], dict[str, jax.Array]]
-    stats: Callable[[jax.Array, jax.Array], dict[str, jax.Array]]
+    stats: Callable[[jax.Array, jax.Array], dict[str, jax.Array]] | None
     expected_loglik: Callable[[dict[str, jax.Array], dict[str, jax.Array]], jax.Array]
     ml: Callable[[dict[str, jax.Array], dict[str, jax.Array]], dict[str, jax.Array] | None]
     project: Callable[[dict[str, jax.Array]], dict[str, jax.Array]]
+    ml_needs: tuple[str, ...] = ()
 
 
 def _ws(w, x):
@@ -330,6 +334,7 @@ FAMILIES: dict[str, Family] = {
         ),
         lambda s, fixed: {"rate": fixed["concentration"] * s["s0"] / s["s1"]} if "concentration" in fixed else None,
         _nonneg("s0", "s1"),
+        ml_needs=("concentration",),
     ),
 }
 
@@ -338,7 +343,10 @@ def _family_stats(family: str, fn: dist.Distribution, x: jax.Array, w: jax.Array
     if family == "categorical":
         onehot = jax.nn.one_hot(x, _base(fn).probs.shape[-1], dtype=w.dtype)
         return {"s0": jnp.sum(_ws(w, x) * jnp.ones(x.shape, w.dtype), 0), "s1": jnp.sum(_ws(w, onehot) * onehot, 0)}
-    return FAMILIES[family].stats(x, w)
+    stats = FAMILIES[family].stats
+    if stats is None:
+        raise AssertionError(f"family {family!r} has no row statistic of its own")
+    return stats(x, w)
 
 
 # ------------------------------------------------------------------------------------ derived terms
@@ -353,12 +361,16 @@ class _Target:
     kind: str = "value"  # value | scale_tril (for an MVN covariance given by its Cholesky factor)
 
 
+# where a family parameter comes from: a global (_Target) or a constant of the model ("const", value)
+_Source = _Target | tuple[str, jax.Array]
+
+
 @dataclass(frozen=True)
 class _Table:
     site: str
     family: str
     in_plate: bool
-    targets: dict | None  # {(k, param): _Target | ("const", value)} for the closed form, or None
+    targets: dict[tuple[int, str], _Source] | None  # {(k, param): source} for the closed form, or None
 
 
 @dataclass(frozen=True)
@@ -366,7 +378,7 @@ class _Linear:
     site: str
     coef_sites: tuple[str, ...]
     support: np.ndarray  # (components, elements, P_e): coefficient indices touching each element
-    scale_targets: tuple | None  # per (k, e): (site, flat index) for the closed form, or None
+    scale_targets: tuple[tuple[str, int], ...] | None  # per (k, e): (site, flat index) for the closed form, or None
 
 
 @dataclass
@@ -653,7 +665,7 @@ class Derived:
         out = []
         for k in range(self.num_components):
             tr = self._trace(theta_c, self._row0_latents(k), data, mask)
-            comp = {}
+            comp: dict[str, Any] = {}
             for t in self.tables:
                 p = FAMILIES[t.family].get(tr[t.site]["fn"])
                 comp[t.site] = {n: self._first_row(tr[t.site], v) for n, v in p.items()}
@@ -729,10 +741,14 @@ class Derived:
         if self.latent_targets is not None:
             values[self.latent_targets.site] = s["latent"] / jnp.sum(s["latent"])
         for t in self.tables:
+            if t.targets is None:  # closed_form (_covered) requires every table's targets
+                raise AssertionError(f"no closed-form M-step for site {t.site!r}")
             for k in range(K):
                 sk = jax.tree_util.tree_map(lambda a: a[k], s[t.site]) if enum else s[t.site]
                 fixed = {p: v[1] for (kk, p), v in t.targets.items() if kk == k and isinstance(v, tuple)}
                 ml = FAMILIES[t.family].ml(sk, fixed)
+                if ml is None:  # _covered rules out the families' ml_needs among the targets
+                    raise AssertionError(f"no closed-form maximiser for site {t.site!r}")
                 for (kk, p), target in t.targets.items():
                     if kk != k or isinstance(target, tuple):
                         continue
@@ -741,6 +757,8 @@ class Derived:
                         v = lapack_free_cholesky(v)
                     _assign(values, target, v, self.fm)
         for lin in self.linears:
+            if lin.scale_targets is None:  # closed_form (_covered) requires every noise scale's target
+                raise AssertionError(f"no closed-form M-step for site {lin.site!r}")
             beta, unravel = ravel_pytree({n: jnp.zeros(self.fm.sites[n].shape) for n in lin.coef_sites})
             resid_sum: dict[tuple[str, int], Any] = {}
             for k in range(K):
@@ -838,8 +856,8 @@ def _layout_data(fm: FedModel) -> dict[str, np.ndarray]:
     """
     rng = np.random.default_rng(0)
     out = {}
-    for k, v in fm._example.items():
-        v = np.asarray(v)
+    for k, example in fm._example.items():
+        v = np.asarray(example)
         if np.issubdtype(v.dtype, np.floating):
             out[k] = rng.uniform(0.1, 0.9, v.shape).astype(v.dtype)
         elif v.dtype == np.bool_:
@@ -914,7 +932,7 @@ class _Probe:
         return jax.tree_util.tree_map(np.asarray, self._view(theta, self.latent_values(latent_i, k)))
 
 
-def _find_target(probe: _Probe, values: list, k: int, K: int, allow_tril: bool = False):
+def _find_target(probe: _Probe, values: list, k: int, K: int, allow_tril: bool = False) -> _Source | None:
     """The global site (and index k) equal to a parameter at both random thetas, or a constant."""
     v1, v2 = (np.asarray(v) for v in values)
     if _close(v1, v2):
@@ -1037,18 +1055,19 @@ def derive(fm: FedModel, *, m_step_iters: int = 200, seed: int = 0) -> Derived:
             for p in params[(0, 0, 0)]
         )
         if table:
-            targets = {}
+            targets: dict[tuple[int, str], _Source] = {}
+            complete = True
             for k in range(K):
                 for p in FAMILIES[fam].params:
                     vals = [_first(axis, params[(t, 0, k)][p]) for t in range(2)]
                     tgt = _find_target(probe, vals, k, K, allow_tril=(fam == "mvn" and p == "covariance_matrix"))
                     if tgt is None:
-                        targets = None
+                        complete = False
                         break
                     targets[(k, p)] = tgt
-                if targets is None:
+                if not complete:
                     break
-            tables.append(_Table(name, fam, axis is not None, targets))
+            tables.append(_Table(name, fam, axis is not None, targets if complete else None))
         elif fam == "normal" and axis is not None:
             linears.append(_derive_linear(d, probe, name, views, K))
         else:
@@ -1098,7 +1117,8 @@ def _derive_linear(d: Derived, probe: _Probe, name: str, views, K: int) -> _Line
                 f"EM: the scale of Normal site '{name}' varies across observations or with the latents; "
                 "the linear-Gaussian E-step needs one noise scale per component and element"
             )
-    coef, other = [], []
+    coef: list[str] = []
+    other: list[str] = []
     for g in fm.global_names:
         swapped = probe.view(theta={**probe.thetas[0], g: probe.thetas[1][g]})[name]
         moves_loc = not _close(swapped["loc"], base["loc"])
@@ -1120,7 +1140,7 @@ def _derive_linear(d: Derived, probe: _Probe, name: str, views, K: int) -> _Line
         if not (_close(G, G2) and _close(o, o2)):
             raise ModelError(f"EM: the mean of Normal site '{name}' is not affine in its coefficients {coef}")
     E = designs[(0, 0, 0)][0].shape[1]
-    support = []
+    per_component = []
     for k in range(K):
         used = np.zeros(designs[(0, 0, 0)][0].shape[1:], bool)
         for (_, _, kk), (G, _) in designs.items():
@@ -1128,16 +1148,16 @@ def _derive_linear(d: Derived, probe: _Probe, name: str, views, K: int) -> _Line
                 used |= np.any(G != 0, axis=0)
         if len({int(u.sum()) for u in used}) != 1:
             raise ModelError(f"EM: the elements of Normal site '{name}' depend on different numbers of coefficients")
-        support.append(np.stack([np.flatnonzero(u) for u in used]))
-    support = np.stack(support)  # (K, E, P_e)
-    targets = []
+        per_component.append(np.stack([np.flatnonzero(u) for u in used]))
+    support = np.stack(per_component)  # (K, E, P_e)
+    targets: list[tuple[str, int] | None] = []
     for k in range(K):
         vals = [
             np.broadcast_to(np.asarray(_first(axis, views[(t, 0, k)][name]["scale"])).reshape(-1), (E,))
             for t in range(2)
         ]
         for e in range(E):
-            found = None
+            found: tuple[str, int] | None = None
             for g in other:
                 c1, c2 = (np.asarray(th[g]).reshape(-1) for th in probe.thetas)
                 hits = np.flatnonzero(
@@ -1148,7 +1168,8 @@ def _derive_linear(d: Derived, probe: _Probe, name: str, views, K: int) -> _Line
             targets.append(found)
     flat = support.reshape(-1)
     disjoint = len(np.unique(flat)) == flat.size and flat.size == sum(int(np.prod(fm.sites[c].shape)) for c in coef)
-    scale_targets = tuple(targets) if disjoint and all(t is not None for t in targets) else None
+    found_all = [t for t in targets if t is not None]
+    scale_targets = tuple(found_all) if disjoint and len(found_all) == len(targets) else None
     return _Linear(name, tuple(coef), support, scale_targets)
 
 
@@ -1162,8 +1183,10 @@ def _covered(d: Derived) -> bool:
     for t in d.tables:
         if t.targets is None:
             return False
-        for tgt in t.targets.values():
+        for (_, p), tgt in t.targets.items():
             if isinstance(tgt, _Target):
+                if p in FAMILIES[t.family].ml_needs:  # a free Gamma shape: no closed-form maximiser
+                    return False
                 uses[tgt.site].append(tgt.index)
     for lin in d.linears:
         if lin.scale_targets is None:
