@@ -9,7 +9,7 @@ import pickle
 import re
 import sys
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -97,9 +97,10 @@ def _stopped(
     key: jax.Array,
     history: dict[str, np.ndarray],
     setup_bits: tuple[int, int],
-) -> Exception:
+) -> DivergenceError | TooFewClientsError:
     """The user-facing error of a fit stopped early, with the fit finalised at the last good round."""
     hint = f"Likely fixes: {run.divergence_hint}." if run.divergence_hint else _DEFAULT_HINT
+    kind: type[DivergenceError | TooFewClientsError]
     if err.reason == "diverged":
         message = f"{run.name} diverged: the global parameters became non-finite at round {err.round}. {hint}"
         kind = DivergenceError
@@ -125,7 +126,7 @@ def _stopped(
         kind = TooFewClientsError
     if err.round:
         message += f" err.result holds the fit at round {err.round - 1}, the last good one."
-    result = None
+    result: Result | None = None
     if err.round > 0:
         try:
             parts = finalize_parts(run, key, err.carry, problem._replace(num_rounds=err.round), history, setup_bits)
@@ -379,7 +380,7 @@ def _build(fit: _Fit, data: FederatedData, cohort: int, data_digest: str) -> tup
                 repr(fit.algorithm),
                 fit.num_rounds,
                 cohort,
-                bool(jax.config.jax_enable_x64),
+                bool(cast(Any, jax.config).jax_enable_x64),  # config options are dynamic attributes
                 jax.default_backend(),
             )
             hash(key)
@@ -502,7 +503,7 @@ def _execute_here(
     except Stopped as err:
         full = concat_records(past + [err.history]) if err.history else concat_records(past)
         stopped = _stopped(err, run, problem, fm, data, fit.seed, k_final, full, setup_bits)
-        if stopped.result is not None:
+        if isinstance(stopped.result, Result):  # the fit at the last good round, or None
             stopped.result.faults = fault_table(full, k_rounds, data.num_clients, cohort)
         raise stopped from None
     parts = finalize_parts(run, k_final, carry, problem, history, setup_bits)

@@ -23,12 +23,13 @@ ARVIZ_1 = int(az.__version__.split(".")[0]) >= 1
 """True on the ArviZ 1.x line (``xarray.DataTree``), False on 0.x (``InferenceData``)."""
 
 
-def to_arviz(groups: Mapping[str, xr.Dataset]) -> Any:
-    """The one adapter between fedbayes and ArviZ: named xarray groups -> InferenceData or DataTree."""
-    groups = {k: v for k, v in groups.items() if v is not None}
+def to_arviz(groups: Mapping[str, xr.Dataset | None]) -> Any:
+    """The one adapter between fedbayes and ArviZ: named xarray groups -> InferenceData or DataTree (groups
+    that are None are left out)."""
+    present = {k: v for k, v in groups.items() if v is not None}
     if ARVIZ_1:
-        return xr.DataTree.from_dict(dict(groups))
-    return az.InferenceData(**groups, warn_on_custom_groups=False)
+        return xr.DataTree.from_dict(present)
+    return az.InferenceData(**present, warn_on_custom_groups=False)
 
 
 def group(data: Any, name: str) -> xr.Dataset:

@@ -26,7 +26,7 @@ import io
 import json
 import os
 import pickle
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -91,7 +91,9 @@ def write_sealed(path: str | os.PathLike, entries: dict[str, np.ndarray], what: 
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, **entries)
+            # as Any: numpy's stub has an ``allow_pickle: bool`` keyword that a ``**dict[str, ndarray]`` could
+            # fill; no entry has that name
+            np.savez(f, **cast(dict[str, Any], entries))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -311,7 +313,7 @@ def versions() -> dict[str, Any]:
         "fedbayes": __version__,
         "jax": jax.__version__,
         "numpy": np.__version__,
-        "x64": bool(jax.config.jax_enable_x64),
+        "x64": bool(cast(Any, jax.config).jax_enable_x64),  # config options are dynamic attributes
         "backend": jax.default_backend(),
     }
 

@@ -580,6 +580,8 @@ class _Sparsifier(Compressor):
         """k, or max(1, round(fraction * d)) (Python's round: halves go to even)."""
         d = _dimension(d)
         if self.k is None:
+            if self.fraction is None:  # unreachable: the constructors' _sparsity gives exactly one of k, fraction
+                raise ConfigError(f"{self.func} needs exactly one of k or fraction")
             return max(1, round(self.fraction * d))
         if self.k > d:
             raise ConfigError(f"{self.name} keeps more coordinates than the vector has (d={d}); use k <= {d}")
@@ -974,15 +976,22 @@ class _Scaled(Compressor):
         return self.base.bits(d)
 
     def omega(self, d: int) -> None:
-        self.base.omega(d)
+        self._base_omega(d)
         return None
 
+    def _base_omega(self, d: int) -> float:
+        """omega(d) of the base, a float: only unbiased compressors are wrapped (:func:`scale_to_contractive`)."""
+        omega = self.base.omega(d)
+        if omega is None:
+            raise ConfigError(f"scale_to_contractive needs an unbiased compressor, but {self.base.name} is biased")
+        return omega
+
     def alpha(self, d: int) -> float:
-        return 1.0 / (1.0 + self.base.omega(d))
+        return 1.0 / (1.0 + self._base_omega(d))
 
     def _shrunk(self, x_hat: jax.Array) -> jax.Array:
         """C(x) / (1 + omega(d)), d = len(C(x))."""
-        scale = 1.0 + self.base.omega(x_hat.shape[0])
+        scale = 1.0 + self._base_omega(x_hat.shape[0])
         return _rescaled(lambda v: v / scale, x_hat)
 
     def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
@@ -994,14 +1003,14 @@ class _Scaled(Compressor):
         return self._shrunk(x_hat), bits
 
     @property
-    def has_wire_format(self) -> bool:  # type: ignore[override]
+    def has_wire_format(self) -> bool:  # type: ignore[override]  # a ClassVar on Compressor, the base's here
         return self.base.has_wire_format
 
     def encode(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
         return self.base.encode(key, x)
 
     def decode(self, codes: tuple[jax.Array, ...], d: int) -> jax.Array:
-        return self.base._decode_divided(codes, d, 1.0 + self.base.omega(d))
+        return self.base._decode_divided(codes, d, 1.0 + self._base_omega(d))
 
     def pack(self, writer: BitWriter, codes: tuple[np.ndarray, ...], d: int) -> None:
         self.base.pack(writer, codes, d)

@@ -75,6 +75,7 @@ import math
 import os
 import sys
 import warnings
+from types import FrameType
 from typing import Any
 from collections.abc import Mapping
 
@@ -685,7 +686,8 @@ def messages(res: Any, table: Any) -> list[str]:
 def _stacklevel() -> int:
     """The stack level of the first frame outside the fedbayes package (the user's call)."""
     root = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(1), 1
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
         frame, level = frame.f_back, level + 1
     return level

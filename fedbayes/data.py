@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import operator
 import sys
+import types
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, SupportsIndex, cast
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,9 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from fedbayes.errors import ClientIndexError, DataError, PrecisionWarning
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 __all__ = ["FederatedData"]
 
@@ -38,6 +43,11 @@ def _check_keys(data: Mapping[str, object]) -> None:
 
 
 _ENABLE_X64 = "enable 64-bit JAX (jax.config.update('jax_enable_x64', True))"
+
+
+def _x64_enabled() -> bool:
+    """Whether 64-bit JAX is on (``jax_enable_x64``)."""
+    return bool(cast(Any, jax.config).jax_enable_x64)  # config options are dynamic attributes
 
 
 def _pandas_type(value: object, *names: str) -> bool:
@@ -117,7 +127,8 @@ def _target_dtype(arrays: Sequence[np.ndarray]) -> np.dtype:
 
 def _caller_stacklevel() -> int:
     """The ``stacklevel`` of a warning issued here that names the first caller outside this module."""
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename == __file__:
         frame, level = frame.f_back, level + 1
     return level
@@ -139,11 +150,7 @@ def _warn_if_rounded(array: np.ndarray, dtype: np.dtype, where: str) -> None:
             f"{where}: {rounded.size} integer values are not exactly representable as {dtype} and "
             f"were rounded (e.g. {int(example)} -> {int(example.astype(dtype))}): integers and floats "
             f"of one key all become {dtype}. To keep them exact, "
-            + (
-                ""
-                if jax.config.jax_enable_x64
-                else f"{_ENABLE_X64}, where float64 holds integers exactly up to 2**53, or "
-            )
+            + ("" if _x64_enabled() else f"{_ENABLE_X64}, where float64 holds integers exactly up to 2**53, or ")
             + "pass the key as integers in every client.",
             PrecisionWarning,
             stacklevel=_caller_stacklevel(),
@@ -158,11 +165,7 @@ def _cast(array: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
         if int(array.min()) < info.min or int(array.max()) > info.max:
             raise DataError(
                 f"{where}: integer values outside the {dtype} range [{info.min}, {info.max}]; "
-                + (
-                    "rescale or re-encode the values."
-                    if jax.config.jax_enable_x64
-                    else f"{_ENABLE_X64} or rescale the values."
-                )
+                + ("rescale or re-encode the values." if _x64_enabled() else f"{_ENABLE_X64} or rescale the values.")
             )
     _warn_if_rounded(array, dtype, where)
     with np.errstate(over="ignore"):
@@ -182,7 +185,7 @@ def _check_index(value: object, size: int) -> int:
         i = None
     else:
         try:
-            i = operator.index(value)
+            i = operator.index(cast(SupportsIndex, value))  # anything else raises the TypeError caught here
         except TypeError:
             i = None
     if i is None:
@@ -203,7 +206,8 @@ def _common_count(counts: dict[str, int], message: str) -> int:
 def _check_names(names: object, num_clients: int) -> tuple:
     """``names`` as a tuple of ``num_clients`` distinct hashable client names."""
     try:
-        items = None if isinstance(names, (str, bytes)) or hasattr(names, "keys") else tuple(names)
+        # a non-iterable ``names`` raises the TypeError caught here
+        items = None if isinstance(names, (str, bytes)) or hasattr(names, "keys") else tuple(cast(Iterable[Any], names))
     except TypeError:
         items = None
     if items is None:
@@ -361,7 +365,7 @@ class FederatedData:
     @classmethod
     def from_pooled(
         cls,
-        data: Mapping[str, ArrayLike],
+        data: Mapping[str, ArrayLike] | pd.DataFrame,
         client_ids: ArrayLike,
         num_clients: int | None = None,
     ) -> FederatedData:
@@ -398,13 +402,14 @@ class FederatedData:
         from_dataframe : a long-format DataFrame with a client-id column.
         """
         if _pandas_type(data, "DataFrame"):
-            if not data.columns.is_unique:
-                duplicated = sorted(set(data.columns[data.columns.duplicated()]))
+            frame = cast("pd.DataFrame", data)
+            if not frame.columns.is_unique:
+                duplicated = sorted(set(frame.columns[frame.columns.duplicated()]))
                 raise DataError(
                     f"the DataFrame has duplicate column names {duplicated}; rename them so that "
                     "each key is one column."
                 )
-            data = {key: data[key] for key in data.columns}
+            data = {key: frame[key] for key in frame.columns}
         _check_keys(data)
         arrays = {key: _to_numpy(value, f"pooled key {key!r}") for key, value in data.items()}
         n = _common_count(

@@ -98,7 +98,7 @@ def setup_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     return k_server, k_clients
 
 
-def setup_client_key(k_clients: jax.Array, index: jax.Array, stage: int) -> jax.Array:
+def setup_client_key(k_clients: jax.Array, index: jax.typing.ArrayLike, stage: int) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(k_clients, index), stage)
 
 
@@ -118,9 +118,11 @@ def staged_setup(
         uploads = exchange(stage, k_clients, payload)
         down += num_clients * dense_bits(payload)
         up += dense_bits(uploads)
-        server_step = run_jit(
-            run, ("setup_server_step", stage), lambda s=stage: lambda k, st, u: run.setup_server_step(s, k, st, u)
-        )
+
+        def make_step(s: int = stage) -> Callable:
+            return lambda k, st, u: run.setup_server_step(s, k, st, u)
+
+        server_step = run_jit(run, ("setup_server_step", stage), make_step)
         state, payload = server_step(jax.random.fold_in(k_server, stage + 1), state, uploads)
     state = run.setup_done(state, uploads)
     down += num_clients * setting_bits(run.client_settings(state))
@@ -156,7 +158,7 @@ def final_bits(payload: PyTree, uploads: PyTree, num_clients: int) -> tuple[int,
 
 def final_exchange(
     run: Any, key: jax.Array, server_state: PyTree, client_states: PyTree, clients: ClientData
-) -> dict[str, Any]:
+) -> FitParts:
     """The final exchange (:class:`fedbayes.protocol.FederatedRun`) with every client at once (vectorised), local parts
     collected;
     the parts carry ``final_bits``."""
@@ -251,7 +253,7 @@ def resolve_devices(devices: Any, num_clients: int) -> list[Any]:
             )
         return available[:count]
     if isinstance(devices, numbers.Integral) and not isinstance(devices, bool):
-        if not 1 <= devices <= len(available):
+        if not 1 <= int(devices) <= len(available):
             raise ConfigError(
                 f"devices={devices}: this process has {len(available)} device(s) "
                 f"({available[0].platform}); give a number from 1 to {len(available)}"
@@ -350,7 +352,8 @@ def _put(tree: PyTree, idx: jax.Array, values: PyTree) -> PyTree:
 _PARTICIPATION_STREAM = 0x5EED  # a key stream of its own: the other round keys are unchanged
 _SHARED_STREAM = 0x5A4ED  # the round's public key (cohort-wide randomness), also a stream of its own
 _FAULT_STREAM = 0xFA017  # simulated faults (fb.Faults): a stream of its own, so fault-free keys are unchanged
-_CLIENT_AXES = ClientData(0, 0, 0, 0, 0, None, None)  # vmap axes: the shared key and settings are the cohort's
+# vmap axes in ClientData's structure (axis numbers, not arrays): the shared key and settings are the cohort's
+_CLIENT_AXES = ClientData._make((0, 0, 0, 0, 0, None, None))
 
 
 def _where_active(active: jax.Array, new: PyTree, old: PyTree) -> PyTree:
@@ -817,6 +820,8 @@ def run_rounds(
     ahead = dispatch(carry, *plan[0]) if plan else None  # (compiles the chunk on a first call)
     for i, (first, length) in enumerate(plan):
         before, current = carry, ahead
+        if current is None:  # every chunk of the plan is dispatched before its turn
+            raise AssertionError(f"the chunk of rounds from {first} was not dispatched")
         ahead = dispatch(current[0], *plan[i + 1]) if i + 1 < len(plan) else None
         try:
             carry, rec = wait_ready(
@@ -838,12 +843,12 @@ def run_rounds(
             expected = rec["dropped"][short] + rec["nonfinite"][short] + rec["too_large"][short]
             if 2 * rec["nonfinite"][short] >= expected:  # most members blew up at once: a divergence, not faults
                 reason = "nonfinite_uploads"
-        checks = [(reason, short)]
+        checks: list[tuple[str, int | None]] = [(reason, short)]
         if stop_on_divergence:
             checks.append(("diverged", first_nonfinite_round(rec)))
-        checks = [(bad, reason) for reason, bad in checks if bad is not None]
-        if checks:  # the earliest bad round; on a tie, the fault count's verdict (it explains the other)
-            bad, reason = min(checks, key=lambda c: (c[0], c[1] == "diverged"))
+        found = [(bad, reason) for reason, bad in checks if bad is not None]
+        if found:  # the earliest bad round; on a tie, the fault count's verdict (it explains the other)
+            bad, reason = min(found, key=lambda c: (c[0], c[1] == "diverged"))
             records.append({name: v[:bad] for name, v in rec.items()})
             good = (
                 run_chunk(before, np.arange(first, first + bad, dtype=np.int32), clients, base_key)[0]

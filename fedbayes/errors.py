@@ -6,6 +6,11 @@ with a message that says what is wrong and how to fix it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeGuard
+
+if TYPE_CHECKING:
+    import numpy as np
+
 
 class FedbayesError(Exception):
     """Base class of all fedbayes errors."""
@@ -23,12 +28,12 @@ class ConfigError(FedbayesError, ValueError):
     """An algorithm, compressor or fit option has an invalid value."""
 
 
-class _StoppedFit:
+class _StoppedFit(FedbayesError):
     """A fit stopped early. ``round`` is the first bad round; ``history`` holds the per-round records of
     the rounds before it and ``result`` the fit finalised at the last good round (None when no round
     was good or the algorithm could not finalise so early)."""
 
-    def __init__(self, message: str, *, round: int, history: dict, result: object = None):
+    def __init__(self, message: str, *, round: int, history: dict[str, np.ndarray], result: object = None):
         super().__init__(message)
         self.round, self.history, self.result = round, history, result
 
@@ -52,7 +57,8 @@ class StalledError(FedbayesError, RuntimeError):
 
     def __init__(self, message: str, *, rounds: tuple[int, int] | None = None):
         super().__init__(message)
-        self.rounds, self.history = rounds, {}
+        self.rounds = rounds
+        self.history: dict[str, np.ndarray] = {}
 
 
 class CheckpointError(FedbayesError, ValueError):
@@ -101,7 +107,7 @@ def require_int(value: object, what: str, minimum: int = 1) -> int:
     return int(value)
 
 
-def is_real(value: object) -> bool:
+def is_real(value: object) -> TypeGuard[float]:
     """A real scalar (Python or NumPy), not a bool, not an array."""
     import numbers
 

@@ -36,10 +36,11 @@ import functools
 import os
 import sys
 import threading
+import types
 import warnings
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -324,7 +325,8 @@ def _user_stacklevel() -> int:
     """The ``stacklevel`` of a warning issued by the calling function that names the first frame outside
     the fedbayes package (the user's call)."""
     root = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root + os.sep):
         frame, level = frame.f_back, level + 1
     return level
@@ -473,7 +475,8 @@ class FedModel:
         """The user's model as fedbayes evaluates it: Bernoulli-logit sites with exact derivatives at logit 0
         (:class:`_BernoulliLogits`; the same values) and plates over all their rows (:class:`_WholePlates`:
         minibatches are drawn by the algorithm). ``user_model`` is the function as given."""
-        user = self.__dict__.get("user_model", self.__dict__.get("model"))  # results pickled before user_model
+        # set by __init__ (user_model) or, in results pickled before user_model, as model
+        user = cast(Callable, self.__dict__.get("user_model", self.__dict__.get("model")))
         return _SmoothLogits(_WholePlates(_LeafParams(user, self.__dict__.get("pytree_params", {}))))
 
     @serialized
@@ -953,7 +956,7 @@ class FedModel:
         # Only the prior sites are read; client 0's data stand in (they do not enter the prior, and
         # the unused likelihood terms are dropped by XLA under jit).
         tr = handlers.trace(fn).get_trace(**self._example, **self.model_kwargs)
-        lp = sum(sum_log_prob(tr[n]) for n in prior_sites)
+        lp = cast(jax.Array, sum(sum_log_prob(tr[n]) for n in prior_sites))  # prior_sites is non-empty
         if jacobian:
             lp = lp + self._log_jacobian({n: theta_u[n] for n in prior_sites})
         return lp

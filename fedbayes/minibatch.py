@@ -77,9 +77,9 @@ class Minibatch:
         """The client's ``m``-th batch of the round (``order`` from :meth:`order`): rows
         ``order[(m B + j) mod N_i]``, j < B, with weight N_i / B (all N_i rows with weight 1 when
         N_i <= B); the client itself when batches are not :attr:`active`."""
-        if not self.active:
-            return client
         B = self.size
+        if B is None or not self.active:
+            return client
         n = client.size.astype(jnp.int32)
         small = n <= B
         j = jnp.arange(B, dtype=jnp.int32)

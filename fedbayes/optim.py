@@ -54,7 +54,7 @@ def sgd(lr: float | Schedule) -> GradientTransformation:
 
 
 class AdamState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # field shadows tuple.count on purpose (optax's state layout)
     mu: Any
     nu: Any
 

@@ -32,7 +32,7 @@ import math
 import secrets
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +112,17 @@ def relation_for(num_clients: int, cohort_size: int) -> str:
     """The neighbouring relation the accountant uses: ``"add-remove"`` with every client in every
     round, ``"replace"`` with a fixed-size cohort drawn without replacement (see the module notes)."""
     return "add-remove" if cohort_size >= num_clients else "replace"
+
+
+class _Setting(TypedDict):
+    """The keyword arguments of :func:`epsilon` and :func:`noise_multiplier_for` that a mechanism fixes."""
+
+    delta: float
+    rounds: int
+    num_clients: int
+    cohort_size: NotRequired[int | None]
+    extra_rounds: int
+    accountant: str
 
 
 def _setting(
@@ -336,6 +347,15 @@ def check_central(privacy: DP, name: str) -> None:
         )
 
 
+def _asked_multiplier(dp: DP, setting: _Setting) -> float:
+    """``dp``'s noise multiplier, or the one solved for its target epsilon in ``setting``."""
+    if dp.noise_multiplier is not None:
+        return dp.noise_multiplier
+    if dp.epsilon is None:  # refused by DP.__post_init__: exactly one of the two is set
+        raise ConfigError("DP takes exactly one of noise_multiplier and epsilon, got neither")
+    return noise_multiplier_for(dp.epsilon, **setting)
+
+
 class _Mechanism:
     """What the mechanisms share: each client's upload clipped as one vector, and the report's common
     part. Subclasses set ``dp``, ``sigma``, ``epsilon`` and ``delta``."""
@@ -386,14 +406,14 @@ class LangevinPrivacy(_Mechanism):
         self.releases = int(num_rounds) + 1
         self.inherent = langevin_noise_multiplier(self.gamma, dp.clip)
         self.delta = dp.resolved_delta(self.num_clients)
-        kw = dict(
+        kw = _Setting(
             delta=self.delta,
             rounds=int(num_rounds),
             num_clients=self.num_clients,
             extra_rounds=1,
             accountant=dp.accountant,
         )
-        asked = dp.noise_multiplier if dp.noise_multiplier is not None else noise_multiplier_for(dp.epsilon, **kw)
+        asked = _asked_multiplier(dp, kw)
         # centrally the step's own noise gives at least its multiplier; in the distributed mode that noise
         # is the server's own and does not count against it
         self.sigma = float(asked) if self.distributed else max(float(asked), self.inherent)
@@ -512,7 +532,7 @@ class SumPrivacy(_Mechanism):
         self.rounds, self.extra, self.mechanism = int(num_rounds), int(extra_rounds), mechanism
         self.public = public
         self.delta = dp.resolved_delta(self.num_clients)
-        kw = dict(
+        kw = _Setting(
             delta=self.delta,
             rounds=self.rounds,
             num_clients=self.num_clients,
@@ -520,9 +540,7 @@ class SumPrivacy(_Mechanism):
             extra_rounds=self.extra,
             accountant=dp.accountant,
         )
-        self.sigma = float(
-            dp.noise_multiplier if dp.noise_multiplier is not None else noise_multiplier_for(dp.epsilon, **kw)
-        )
+        self.sigma = float(_asked_multiplier(dp, kw))
         self.epsilon = epsilon(self.sigma, **kw)
         self.secret = secret_key(dp.noise_seed)
 

@@ -82,7 +82,7 @@ class ClientData(NamedTuple):
     data: dict[str, jax.Array]
     mask: jax.Array
     size: jax.Array
-    index: jax.Array
+    index: jax.Array  # type: ignore[assignment]  # public field name; shadowing tuple.index is intended
     slot: jax.Array | None = None
     shared_key: jax.Array | None = None
     settings: Any = None

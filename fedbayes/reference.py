@@ -101,11 +101,11 @@ def nuts(
         {},
         {"chain": np.arange(num_chains), "draw": np.arange(num_samples), "client": data.client_coordinate()},
     )
-    for n, v in theta_c.items():
-        v = np.asarray(v).reshape((num_chains, num_samples) + v.shape[1:])
+    for n, a in theta_c.items():
+        v = np.asarray(a).reshape((num_chains, num_samples) + a.shape[1:])
         post[n] = (["chain", "draw", *site_dims(n, v.shape[2:])], v)
-    for n, v in z_c.items():
-        v = np.asarray(v).reshape((num_chains, num_samples) + v.shape[1:])
+    for n, a in z_c.items():
+        v = np.asarray(a).reshape((num_chains, num_samples) + a.shape[1:])
         post[n] = (["chain", "draw", "client", *site_dims(n, v.shape[3:])], v)
     diverging = np.asarray(mcmc.get_extra_fields(group_by_chain=True)["diverging"])
     stats = xr.Dataset({"diverging": (["chain", "draw"], diverging)}, coords={k: coords[k] for k in ("chain", "draw")})

@@ -18,7 +18,7 @@ from numpyro import handlers
 
 from .seeds import require_seed, seed_key
 from .data import FederatedData
-from .protocol import ClientData
+from .protocol import ClientData, FitParts
 from . import checkpoint as checkpoint_io
 from .errors import DataError, FedbayesError
 from .introspect import FedModel, serialized
@@ -100,6 +100,9 @@ class Result:
         True when every check of ``diagnostics`` passed.
     """
 
+    _run_cfg: Any  # only on a loaded result (see __getstate__): the configuration its run is rebuilt from
+    flower_messages: list[tuple[str, int, int, int, int]]  # only on a Flower run (fedbayes.flower.simulate)
+
     def __init__(
         self,
         *,
@@ -108,7 +111,7 @@ class Result:
         run: Any,
         algorithm: str,
         seed: int,
-        parts: dict[str, Any],
+        parts: FitParts | Mapping[str, Any],
         history: dict[str, np.ndarray],
     ):
         self._fm, self._data, self._run = model, data, run
@@ -232,9 +235,10 @@ class Result:
             return f"estimate, standard error and {prob:.0%} interval of the normal approximation"
         return "estimate (this fit has no standard errors)"
 
-    def _privacy_line(self) -> str:
+    @staticmethod
+    def _privacy_line(report: Mapping[str, Any]) -> str:
         nan = float("nan")
-        return f"privacy: epsilon {self.privacy.get('epsilon', nan):.3g} at delta {self.privacy.get('delta', nan):.3g}"
+        return f"privacy: epsilon {report.get('epsilon', nan):.3g} at delta {report.get('delta', nan):.3g}"
 
     def _shown_summary(self) -> Any:
         """:meth:`summary` as the text and HTML summaries show it: the estimate alone where no coordinate
@@ -251,7 +255,7 @@ class Result:
         status = "converged (every check passed)" if not failed else "NOT converged: " + "; ".join(failed)
         lines = [what, comm, status]
         if self.privacy:
-            lines.append(self._privacy_line() + " (client-level DP; res.privacy has the report)")
+            lines.append(self._privacy_line(self.privacy) + " (client-level DP; res.privacy has the report)")
         table = self._shown_summary()
         if len(table):
             lines.append(self._estimates_note(0.95) + ":")
@@ -272,7 +276,7 @@ class Result:
             status = "<b style='color:#060'>converged</b> (every check passed)"
         parts = [f"<div><p><b>{escape(what)}</b><br>{escape(comm)}<br>{status}</p>"]
         if self.privacy:
-            parts.append(f"<p>{escape(self._privacy_line())}</p>")
+            parts.append(f"<p>{escape(self._privacy_line(self.privacy))}</p>")
         table = self._shown_summary()
         if len(table):
             parts.append(f"<p>{escape(self._estimates_note(0.95))}</p>")
@@ -697,8 +701,8 @@ class Result:
         S = chains * draws
 
         def pooled(a: jax.Array) -> np.ndarray:  # (C, S, N, ...) -> (chain, draw, total, ...)
-            a = np.moveaxis(np.asarray(a), 0, 1)[:, keep]
-            return a.reshape((chains, draws) + a.shape[1:])
+            rows = np.moveaxis(np.asarray(a), 0, 1)[:, keep]
+            return rows.reshape((chains, draws) + rows.shape[1:])
 
         groups = {}
         if log_likelihood:
@@ -713,8 +717,8 @@ class Result:
             keys = jax.vmap(lambda c: jax.random.split(jax.random.fold_in(seed_key(seed), c), S))(
                 jnp.arange(self._data.num_clients)
             )
-            per_draw = lambda k, lv, gv, d: fm.sample_observed(k, {**gv, **lv}, d)  # noqa: E731
-            rep = jax.jit(jax.vmap(jax.vmap(per_draw, in_axes=(0, 0, 0, None)), in_axes=(0, 0, None, 0)))(
+            replicate = lambda k, lv, gv, d: fm.sample_observed(k, {**gv, **lv}, d)  # noqa: E731
+            rep = jax.jit(jax.vmap(jax.vmap(replicate, in_axes=(0, 0, 0, None)), in_axes=(0, 0, None, 0)))(
                 keys, local_vals, global_vals, data
             )
             groups["posterior_predictive"] = xr.Dataset(

@@ -9,6 +9,8 @@ correct (every seed below 2**63 under x64, below 2**32 without), so earlier fits
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import jax
 import jax.numpy as jnp
 
@@ -42,7 +44,8 @@ def seed_key(seed: object, what: str = "seed") -> jax.Array:
     """
     value = require_seed(seed, what)
     high, low = value >> 32, value & 0xFFFFFFFF
-    if jax.config.jax_default_prng_impl == "threefry2x32":
+    # jax.config's options are dynamic attributes (not in its type); this one has no ``config.read``
+    if cast(Any, jax.config).jax_default_prng_impl == "threefry2x32":
         return jnp.array([high, low], dtype=jnp.uint32)
     key = jax.random.PRNGKey(low)  # another PRNG: its own seeding of the low half, the high half folded in
     return key if high == 0 else jax.random.fold_in(key, high)

@@ -149,8 +149,8 @@ _MISMATCH = (
 )
 
 
-def _unpack_parts(reader: BitReader, parts: list, context: Context) -> list:
-    out = []
+def _unpack_parts(reader: BitReader, parts: list[Any], context: Context) -> list[Coded | Masked | np.ndarray]:
+    out: list[Coded | Masked | np.ndarray] = []
     for part in parts:
         if isinstance(part, Coded):
             batch = part.batch_shape()

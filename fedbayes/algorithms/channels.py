@@ -34,12 +34,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..compress import Compressor, identity
+from ..compress import Coded, Compressor, identity
 from ..faults import fault_weight
 from ..protocol import Message, RoundInfo, dense_message
 
 
-def compress_rows(comp: Compressor, key: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def compress_rows(comp: Compressor, key: jax.Array, v: jax.Array) -> tuple[Coded, jax.Array, jax.Array]:
     """Compress each chain's row of ``v`` with its own key: (the coded rows as sent, the decoded rows, total bits)."""
     coded, out, bits = jax.vmap(comp.coded)(jax.random.split(key, v.shape[0]), v)
     return coded, out, jnp.sum(bits)
@@ -92,6 +92,8 @@ class EF21PDownlink:
         if self.precond is None:
             sent, v, bits = compress_rows(self.compressor, key, x - w)
             return w + v, Message(sent, bits)
+        if self.whiten is None:
+            raise ValueError("EF21PDownlink: a precond S needs its whiten L (S^-1 = L') too")
         sent, v, bits = compress_rows(self.compressor, key, (x - w) @ self.whiten)
         return w + v @ self.precond.T, Message(sent, bits)
 

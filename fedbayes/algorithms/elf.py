@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, Self, TypeVar
 from collections.abc import Mapping
 
 import jax
@@ -68,6 +68,24 @@ class ServerState(NamedTuple):
 class ClientState(NamedTuple):
     down: Any  # the downlink channel's state (EF21-P: the client's copy of w)
     up: Any  # the uplink channel's state (EF21: g^i; QLSD: h_i)
+
+
+class LangevinServerState(Protocol):
+    """What :class:`LangevinRun`'s server step reads and replaces: :class:`ServerState`'s fields (the joint
+    samplers' server states carry them too, and run the same step)."""
+
+    @property
+    def x(self) -> jax.Array: ...
+    @property
+    def gamma(self) -> jax.Array: ...
+    @property
+    def down(self) -> Any: ...
+    @property
+    def up(self) -> Any: ...
+    def _replace(self, *, x: jax.Array = ..., down: Any = ..., up: Any = ...) -> Self: ...
+
+
+_S = TypeVar("_S", bound=LangevinServerState)
 
 
 @dataclass(frozen=True)
@@ -362,7 +380,7 @@ class LangevinRun(FederatedRun):
     resyncs = True
     step_scale = 0.1
     """The automatic step's gamma * lambda_max."""
-    _dp = None
+    _dp: LangevinPrivacy | None = None
     """LMC's client-level privacy (:class:`fedbayes.privacy.LangevinPrivacy`); None for the runs that
     have no privacy option (the joint samplers' runs build their own state)."""
 
@@ -371,8 +389,8 @@ class LangevinRun(FederatedRun):
         self._b = problem.data.num_clients
         self._batches = minibatch.resolve(cfg.batch_size, fm, problem.data.mask.shape[1], cfg.name)
         self.warmup = cfg.warmup if cfg.warmup is not None else problem.num_rounds // 2
-        self._spread = None  # Cholesky factor of H^-1 at the mode: the chains' dispersed starts
-        self._precond = None  # the same factor S as the Langevin preconditioner (automatic step only)
+        self._spread: jax.Array | None = None  # Cholesky factor of H^-1 at the mode: the chains' dispersed starts
+        self._precond: jax.Array | None = None  # the same factor S as the Langevin preconditioner (automatic step)
         self.map_bits, self.map_iterations, self.start = (0, 0), 0, "given"
         flat, self._unravel = ravel_pytree(fm.init_globals(None))
         self.up, self.down = cfg._channels(int(flat.size))
@@ -385,16 +403,16 @@ class LangevinRun(FederatedRun):
             flat = ravel_pytree(fm.init_globals(None, resolve_init(cfg.init, problem, jacobian=True)))[0]
         self._x0, self.dim = flat, flat.size
         dp = getattr(cfg, "privacy", None)
-        self._dp = (
-            None
-            if dp is None
-            else LangevinPrivacy(dp, float(cfg.step_size), problem.num_rounds, problem.data.num_clients)
-        )
-        if self._dp is not None and isinstance(self.up, EF21Uplink):  # D-/B-ELF: the memories are what is released
-            self.up = ClippedEF21Uplink(self.up.compressor, clip=float(dp.clip))
+        self._dp = None
+        if dp is not None:
+            if cfg.step_size is None:  # refused by build (_check_privacy)
+                raise ConfigError(f"{cfg.name} with privacy needs a given step_size")
+            self._dp = LangevinPrivacy(dp, float(cfg.step_size), problem.num_rounds, problem.data.num_clients)
+            if isinstance(self.up, EF21Uplink):  # D-/B-ELF: the memories are what is released
+                self.up = ClippedEF21Uplink(self.up.compressor, clip=float(dp.clip))
 
     @property
-    def sums_uploads(self) -> bool | str:
+    def sums_uploads(self) -> bool | str:  # type: ignore[override]  # FederatedRun's plain attribute, computed here
         """True where the server needs every exchange's uploads only summed, so that secure aggregation
         can hide them (:class:`fedbayes.protocol.FederatedRun`): LMC with the identity compressor, without
         privacy or with distributed DP; otherwise why not."""
@@ -476,6 +494,7 @@ class LangevinRun(FederatedRun):
         """x_0 per chain, sent to every client: with several chains, independent draws of N(mode, H^-1)
         at the mode found by Newton, otherwise the initial point jittered by U(-0.5, 0.5) per coordinate."""
         chains = self.cfg.num_chains
+        jitter: float | jax.Array
         if chains == 1:
             jitter = 0.0
         elif self._spread is not None:
@@ -538,7 +557,7 @@ class LangevinRun(FederatedRun):
         state = ServerState(x0, gamma, self.down.server_start(x0), self.up.server_start(start))
         return self._move(key, state, total, gamma)
 
-    def _move(self, key, s: ServerState, g: jax.Array, gamma: jax.Array) -> tuple[ServerState, Message]:
+    def _move(self, key, s: _S, g: jax.Array, gamma: jax.Array) -> tuple[_S, Message]:
         """Langevin step x -> x - gamma g + sqrt(2 gamma) Z, sent through the downlink. Under central DP the
         step's noise counts towards the mechanism, so Z, like the added noise, comes from the secret key:
         drawn from the fit's public seed it could be recomputed and subtracted from the released x."""
@@ -575,7 +594,9 @@ class LangevinRun(FederatedRun):
         P-/B-ELF, takes the re-sent ``w`` as its copy."""
         return state._replace(down=self.down.resync(state.down, payload))
 
-    def server_step(self, key, state: ServerState, uploads: Message, info: RoundInfo):
+    def server_step(
+        self, key, state: _S, uploads: Message, info: RoundInfo
+    ) -> tuple[_S, Message, dict[str, jax.Array]]:
         """g from the answers through the uplink (:meth:`~fedbayes.algorithms.channels.DirectUplink.gather`:
         faulty and inactive members' uploads arrive zeroed), then the Langevin move. A round the uplink
         says holds x (nobody answered, ``FaultPolicy(min_clients=0)``, without a memory) takes the step
@@ -598,8 +619,10 @@ class LangevinRun(FederatedRun):
         new, broadcast = self._move(key, state._replace(up=up), g, gamma)
         return new, broadcast, {"_sample": sample}
 
-    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
+    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> FitParts:
         """Posterior draws of the global sites (constrained), chains x draws, after warm-up and thinning."""
+        if history is None:
+            raise ValueError(f"{self.name} reads its draws from the rounds' records: history is required")
         raw = np.asarray(history["_sample"])[self.warmup :: self.cfg.thinning]  # (draws, chains, d)
         draws = np.swapaxes(raw, 0, 1)
         constrain = run_jit(

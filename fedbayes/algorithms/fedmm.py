@@ -61,7 +61,7 @@ class ServerState(NamedTuple):
     v: jax.Array  # V = sum_i mu_i V_i
     theta: Params  # T(S_t), unconstrained
     s_sum: jax.Array  # running sum of S_t after ``average_from`` (Monte Carlo E-steps)
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # rounds summed into s_sum; the field shadows tuple.count
 
 
 class ClientState(NamedTuple):
@@ -326,6 +326,8 @@ class FedMMRun(FederatedRun):
         )
         private = self._dp is not None
         self.uncertainty = not private if cfg.uncertainty is None else bool(cfg.uncertainty)
+        # Louis' information needs every client's score covariance at the estimate (the final exchange)
+        self.final_exchange = self.source.louis and self.uncertainty
         avg = cfg.average_from if cfg.average_from is not None else (0.5 if self.source.chain or private else None)
         self._average_from = avg
         self._avg_start = None if avg is None else int(avg * problem.num_rounds)
@@ -349,7 +351,10 @@ class FedMMRun(FederatedRun):
         flat, self._unravel = ravel_pytree(template)
         self.q = int(flat.size)
         self.dim = int(ravel_pytree(theta)[0].size)
-        self._omega = float(cfg.compressor.omega(self.q))
+        omega = cfg.compressor.omega(self.q)
+        if omega is None:  # FedMM.__post_init__ requires an unbiased compressor
+            raise AssertionError(f"{cfg.name}: the compressor {cfg.compressor.name} has no variance constant")
+        self._omega = float(omega)
         omega_p = self._omega + (1 + self._omega) * (1 - self._p) / self._p
         self.alpha = (
             float(cfg.alpha) if cfg.alpha is not None else 0.0 if self._dp is not None else 1.0 / (1.0 + omega_p)
@@ -396,7 +401,7 @@ class FedMMRun(FederatedRun):
         non-personalised model at theta_0. Then: the client's chain and step (Monte Carlo E-steps) and
         s_i(theta_0) back; next V_i = s_i(theta_1) - S_0, kept and sent back."""
         if self._stage0 and stage == 0:
-            stats = self.stats.population_statistics(self._fm.constrain(payload), client.data, client.mask)
+            stats = self._derived.population_statistics(self._fm.constrain(payload), client.data, client.mask)
             return state, ravel_pytree(stats)[0]
         stage -= self._stage0
         k_z, k_e = jax.random.split(key)
@@ -434,9 +439,9 @@ class FedMMRun(FederatedRun):
         """theta_0 with the coefficients of ``self._pop_sites`` replaced by the non-personalised model's
         least-squares fit (the statistics are sums over rows, so the clients' uploads simply add)."""
         theta_c = self._fm.constrain(theta0)
-        shapes = jax.eval_shape(lambda: self.stats.population_statistics(theta_c, *self._example_rows))
+        shapes = jax.eval_shape(lambda: self._derived.population_statistics(theta_c, *self._example_rows))
         _, unravel = ravel_pytree(jax.tree_util.tree_map(lambda a: jnp.zeros(a.shape, a.dtype), shapes))
-        coef = self.stats.population_coefficients(unravel(jnp.sum(uploads, 0)), theta_c)
+        coef = self._derived.population_coefficients(unravel(jnp.sum(uploads, 0)), theta_c)
         theta = dict(theta0)
         for n in self._pop_sites:
             theta[n] = self._fm.sites[n].transform.inv(coef[n])
@@ -484,9 +489,12 @@ class FedMMRun(FederatedRun):
         return jnp.where(state.count > 0, state.s_sum / jnp.maximum(state.count, 1), state.s)
 
     @property
-    def final_exchange(self) -> bool:
-        """Louis' information needs every client's score covariance at the estimate (the final exchange)."""
-        return self.source.louis and self.uncertainty
+    def _derived(self) -> Derived:
+        """The derivation behind the statistics: the population start and Louis' final exchange need it, and
+        neither runs on a user's :class:`CustomStatistics` (no population sites, no Louis' information)."""
+        if not isinstance(self.stats, Derived):
+            raise AssertionError(f"{self.name}: custom statistics have no population start or surrogate")
+        return self.stats
 
     def _server_parts(self, server: ServerState, theta: Params) -> FitParts:
         return FitParts(
@@ -540,7 +548,7 @@ class FedMMRun(FederatedRun):
         ``gradient_cov`` = sum_i Cov_i / (kept draws) is its noise covariance as if the draws were
         independent (a chain's autocorrelation makes the true noise larger)."""
         flat, unravel = ravel_pytree(theta)
-        objective = lambda x: self.stats.surrogate(unravel(x), statistic) + self._fm.log_prior(unravel(x))  # noqa: E731
+        objective = lambda x: self._derived.surrogate(unravel(x), statistic) + self._fm.log_prior(unravel(x))  # noqa: E731
         out = {"gradient": jax.grad(objective)(flat)}
         if self.source.chain:
             keep = self.cfg.langevin_steps - self.cfg.burn_in
@@ -552,6 +560,7 @@ class FedMMRun(FederatedRun):
         (:func:`fedbayes.engine.final_exchange`): local posteriors and Louis' asymptotic covariance."""
         server, states, _ = carry
         if self.final_exchange:
+            # the parts of this run's final_server (engine.final_exchange is typed for any run)
             parts = final_exchange(self, key, server, states, stack_clients(problem.data))
         else:
             parts = self._server_parts(server, self._m_step_jit(self.final_statistic(server), server.theta))
@@ -594,6 +603,10 @@ class ParamAveragingEM(FedMM):
 class ParamAveragingRun(FedMMRun):
     """Starts, like FedMM, from T of a federated E-step at theta_0 (its pass is in the ledger)."""
 
+    def __init__(self, cfg: FedMM, fm: FedModel, stats: Derived | CustomStatistics, problem: Problem):
+        super().__init__(cfg, fm, stats, problem)
+        self.final_exchange = False  # no information pass
+
     def _broadcast(self, s, theta):
         """theta alone: the clients run a full local EM step and need no statistic (an empty ``s`` keeps
         the message's structure, so the wire carries exactly the ledger's bits)."""
@@ -617,8 +630,6 @@ class ParamAveragingRun(FedMMRun):
         diag = {f"theta/{k}": v for k, v in self._fm.constrain(theta).items()}
         diag["participants"] = jnp.sum(info.active)
         return new, self._broadcast(state.s, theta), diag
-
-    final_exchange = False  # type: ignore[assignment]  # no information pass
 
     def finalize(self, key, carry, problem, history=None):
         server, states, _ = carry

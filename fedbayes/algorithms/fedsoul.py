@@ -392,8 +392,8 @@ class FedSOUL:
                     f"'{site}' is not a global site of the model; global sites are {list(fm.global_names)}"
                 )
         n = problem.data.num_clients
-        if np.ndim(self.step_size) == 1 and len(self.step_size) != n:
-            raise ConfigError(f"FedSOUL step_size has {len(self.step_size)} entries for {n} clients")
+        if self.step_size is not None and np.ndim(self.step_size) == 1 and np.size(self.step_size) != n:
+            raise ConfigError(f"FedSOUL step_size has {np.size(self.step_size)} entries for {n} clients")
         batches = minibatch.resolve(self.batch_size, fm, problem.data.mask.shape[1], self.name)
         if batches.active and self.local_kernel == "mala":
             raise ConfigError(
@@ -530,12 +530,16 @@ class FedSOULRun(FederatedRun):
         small = self.dim <= cfg.information_max_dim
         opt = cfg.server_optimizer
         dp = getattr(cfg, "privacy", None)
-        self._dp = None if dp is None else SumPrivacy(dp, rounds_cohort[0], num_clients, rounds_cohort[1])
+        self._dp: SumPrivacy | None = None
+        if dp is not None:
+            if rounds_cohort is None:  # FedSOUL.build always passes them
+                raise AssertionError(f"{self.name} with privacy needs the number of rounds and the cohort size")
+            self._dp = SumPrivacy(dp, rounds_cohort[0], num_clients, rounds_cohort[1])
         self._fisher = isinstance(opt, str) and (opt == "fisher" or (opt == "auto" and small)) and dp is None
         self.optimizer = "fisher" if self._fisher else ("adam" if isinstance(opt, str) and opt == "auto" else opt)
         lr = cfg.server_lr if cfg.server_lr is not None else (1.0 if self._fisher else 0.05)
         self.server_lr = lr
-        self._opt = None if self._fisher else optim.resolve(self.optimizer, lr)
+        self._opt = None if self._fisher else optim.resolve(self.optimizer, lr)  # optax's init / update
         self._schedule = optim.as_schedule(lr)
         self.uncertainty = (small and dp is None) if cfg.uncertainty is None else bool(cfg.uncertainty)
         # the one-step estimator needs the marginal likelihood's gradient and information: FedSOUL's own
@@ -742,9 +746,16 @@ class FedSOULRun(FederatedRun):
     def setup_server_step(self, stage: int, key: jax.Array, theta: Params, uploads: Any):
         zeros = jax.tree_util.tree_map(jnp.zeros_like, theta)
         d = self.dim if self._fisher else 0
-        opt_state = () if self._fisher else self._opt.init(theta)
+        opt_state = () if self._fisher else self._first_order.init(theta)
         info = jnp.zeros((d, d), ravel_pytree(theta)[0].dtype)
         return ServerState(theta, opt_state, zeros, jnp.zeros(()), info), self._broadcast(theta)
+
+    @property
+    def _first_order(self) -> Any:
+        """The first-order server optimiser (optax's ``init`` / ``update``); Fisher scoring has none."""
+        if self._opt is None:
+            raise AssertionError(f"{self.name}: Fisher scoring has no first-order server optimiser")
+        return self._opt
 
     def _broadcast(self, theta: Params) -> Message:
         return dense_message(theta)
@@ -779,12 +790,11 @@ class FedSOULRun(FederatedRun):
         exact = {n: g for n, g in grad.items() if n in self.cfg.exact_sites}
         rest = {n: g for n, g in grad.items() if n not in self.cfg.exact_sites}
         bits = jnp.asarray(FLOAT_BITS * ravel_pytree(exact)[0].size, jnp.int32)
-        if rest:
-            flat, _ = ravel_pytree(rest)
-            coded, _, rest_bits = self.cfg.compressor.coded(key, flat)
-            rest = coded.with_layout(rest)
-            bits = bits + rest_bits
-        return (exact, rest), bits
+        if not rest:
+            return (exact, rest), bits
+        flat, _ = ravel_pytree(rest)
+        coded, _, rest_bits = self.cfg.compressor.coded(key, flat)
+        return (exact, coded.with_layout(rest)), bits + rest_bits
 
     @staticmethod
     def _gradients(grad: tuple[Params, Params]) -> Params:
@@ -833,7 +843,9 @@ class FedSOULRun(FederatedRun):
             updates, opt_state = unravel(eta * delta), ()
             extra["newton_decrement"] = nu
         else:
-            updates, opt_state = self._opt.update(jax.tree_util.tree_map(jnp.negative, grad), state.opt_state, theta)
+            updates, opt_state = self._first_order.update(
+                jax.tree_util.tree_map(jnp.negative, grad), state.opt_state, theta
+            )
         stepped = self._project(fm, jax.tree_util.tree_map(jnp.add, theta, updates))
         new_theta = jax.tree_util.tree_map(lambda a, b: jnp.where(any_active, a, b), stepped, theta)
         opt_state = jax.tree_util.tree_map(lambda a, b: jnp.where(any_active, a, b), opt_state, state.opt_state)
@@ -1001,6 +1013,7 @@ class FedSOULRun(FederatedRun):
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> FitParts:
         """The final exchange with every client (:func:`fedbayes.engine.final_exchange`)."""
         server, states, _ = carry
+        # the parts of this run's final_server (engine.final_exchange is typed for any run)
         return final_exchange(self, key, server, states, stack_clients(problem.data))
 
     def sample_new_client(self, key, theta: Params, client: ClientData, num_samples: int, warmup: int) -> Params:
@@ -1062,7 +1075,9 @@ class LocalOnlyRun(FedSOULRun):
     def _broadcast(self, theta: Params) -> Message:
         return dense_message(())  # nothing is shared after the set-up
 
-    def client_step(self, key, payload, state: LocalOnlyState, client: ClientData):
+    def client_step(  # type: ignore[override]  # a LocalOnly client's state is its own (setup_client's)
+        self, key, payload, state: LocalOnlyState, client: ClientData
+    ):
         """One FedRep round at the client's own theta_i, then one optimiser step on theta_i (FedSOUL's
         server step with this client as the only, active, one); nothing goes back."""
         k_round, k_own = jax.random.split(key)
@@ -1082,10 +1097,13 @@ class LocalOnlyRun(FedSOULRun):
         """Nothing to aggregate: the clients train alone."""
         return state, self._broadcast(state.theta), {}
 
-    def final_message(self, key, server: ServerState) -> Params:
+    def final_message(self, key, server: ServerState) -> Any:
+        """Nothing (an empty pytree): each client holds its own global sites."""
         return ()
 
-    def final_client(self, key, theta: Params, state: LocalOnlyState, client: ClientData):
+    def final_client(  # type: ignore[override]  # a LocalOnly client's state is its own (setup_client's)
+        self, key, theta: Any, state: LocalOnlyState, client: ClientData
+    ):
         """The client's trained head at its own averaged theta_i, and theta_i itself as a local "sample"
         (repeated over chains and draws); both kept by the client, nothing back."""
         own = self.averaged_theta(state.own)

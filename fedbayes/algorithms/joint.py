@@ -35,7 +35,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +65,7 @@ class JointClientState(NamedTuple):
     gamma: jax.Array  # (chains, q) the client's own step of each coordinate
     draws: jax.Array  # (kept draws, chains, q) the client's kept states
     filled: jax.Array  # (kept draws,) bool: the slot was written (the others take the slot before's, at the end)
-    count: jax.Array  # () int32: rounds this client has moved in (its next state's round)
+    count: jax.Array  # type: ignore[assignment]  # field shadows tuple.count; () int32: rounds this client moved in
     gamma0: jax.Array  # () the client's starting step
     acc: Any  # the current adaptation window's statistics (Welford)
 
@@ -180,6 +180,7 @@ class JointLangevinRun(LangevinRun):
     channels, with clients that carry and move their own latents."""
 
     final_exchange = True
+    cfg: JointLMC
 
     def __init__(self, cfg: JointLMC, fm: FedModel, problem: Problem):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
@@ -225,7 +226,7 @@ class JointLangevinRun(LangevinRun):
         """z - gamma grad U(z) + sqrt(2 gamma) N(0, I): a Langevin move, or a proposal."""
         return z - gamma * grad + jnp.sqrt(2 * gamma) * jax.random.normal(key, z.shape, z.dtype)
 
-    def _record(self, state, n: jax.Array, write: jax.Array | bool = True):
+    def _record(self, state, n: jax.Array | int, write: jax.Array | bool = True):
         """Keep the chain's current state as the draw of round (MALA, HMC: decision) ``n``, the state's first:
         written to the slot of the first kept round at or after n (after ``warmup``, every ``thinning``-th), unless
         n is past the last kept one.
@@ -308,7 +309,13 @@ class JointLangevinRun(LangevinRun):
         fills its draws of them with its held latents."""
         return Message((message.payload, r), message.bits + 32)
 
-    def server_step(self, key, state: JointServerState, uploads: Message, info):
+    def server_step(
+        self,
+        key,
+        state: JointServerState,  # type: ignore[override]  # the run's own state type
+        uploads: Message,
+        info,
+    ):
         """LangevinRun's step; in warm-up, the globals' steps adapted from the server's own states."""
         new, message, diag = super().server_step(key, state, uploads, info)
         if self.adapt:
@@ -317,7 +324,13 @@ class JointLangevinRun(LangevinRun):
         return new._replace(n=new.n + 1), self._with_round(message, new.n + 1), diag
 
     # ------------------------------------------------------------------ rounds
-    def client_step(self, key, payload, state: JointClientState, client: ClientData):
+    def client_step(
+        self,
+        key,
+        payload,
+        state: JointClientState,  # type: ignore[override]  # the run's own state type
+        client: ClientData,
+    ):
         """Both gradients at (x_k, z_k): z moves, grad_x goes up; z_{k+1} is kept as the draw of round k + 1 (paired
         with x_{k+1}). A client that missed rounds has kept its held latents for them (:meth:`_record`)."""
         payload, r = payload
@@ -373,8 +386,10 @@ class JointLangevinRun(LangevinRun):
         }
         return parts
 
-    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray]) -> FitParts:
+    def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> FitParts:
         """The globals' draws and each client's own draws of its latents (the final exchange)."""
+        if history is None:
+            raise ValueError(f"{self.name} reads its draws from the rounds' records: history is required")
         server, states, _ = carry
         return with_final_parts(
             self.record_parts(key, server, problem, history),
@@ -452,7 +467,7 @@ class MALAClientState(NamedTuple):
     gamma: jax.Array  # () the client's own base step
     draws: jax.Array  # (kept draws, chains, q)
     filled: jax.Array  # (kept draws,) bool
-    count: jax.Array  # () int32: rounds this client has answered (= decisions it has received)
+    count: jax.Array  # type: ignore[assignment]  # field shadows tuple.count; () int32: rounds answered (decisions)
     scale: jax.Array  # (chains, q) each coordinate's step before the multiplier: gamma, then the window variances
     acc: Welford  # the current window's statistics
 
@@ -535,7 +550,9 @@ def _replay_held(
     """:func:`_adapt_scale` after each of the moves (decisions) ``start <= n < stop`` that a client missed, its state
     ``x`` held through them: the same windows as a client that answered. A loop over a small carry (none when
     nothing was missed), never over the client's buffer of draws."""
-    return jax.lax.fori_loop(start, stop, lambda n, c: _adapt_scale(*c, x, n, windows, factor)[:2], (scale, acc))
+    return jax.lax.fori_loop(
+        start, stop, lambda n, c: _adapt_scale(c[0], c[1], x, n, windows, factor)[:2], (scale, acc)
+    )
 
 
 def _any_lost(info) -> jax.Array:
@@ -654,6 +671,7 @@ class JointMALARun(JointLangevinRun):
     kept_on_fault = ("draws", "filled")
     step_scale = MALA_STEP_SCALE
     L = 1  # rounds a decision (JointHMC: num_steps)
+    cfg: JointMALA
 
     def __init__(self, cfg: JointMALA, fm: FedModel, problem: Problem):
         super().__init__(cfg, fm, problem)
@@ -714,7 +732,7 @@ class JointMALARun(JointLangevinRun):
         proposal and the multipliers."""
         return dense_message(((last, n), proposal, self._multiplier(log_mult)))
 
-    def _pending(self, state) -> tuple[jax.Array, jax.Array]:
+    def _pending(self, state) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
         """``(first, announced)``: the client's first uncommitted decision, and the number of decisions a broadcast
         of round ``r`` announces, as a function of r (MALA: its last candidate's, round count - 1; one a round)."""
         return jnp.maximum(state.count - 1, 0), lambda r: r
@@ -779,7 +797,13 @@ class JointMALARun(JointLangevinRun):
         )
         return state, self._broadcast(last, zero, proposal, log_mult)
 
-    def client_step(self, key, payload, state: MALAClientState, client: ClientData):
+    def client_step(
+        self,
+        key,
+        payload,
+        state: MALAClientState,  # type: ignore[override]  # the run's own state type
+        client: ClientData,
+    ):
         """Commit the decisions announced (:meth:`_commit_through`), propose z', evaluate at (x', z'), upload
         (c_i, grad_x U_i(x', z'))."""
         news, x_prop, mult = payload
@@ -795,7 +819,13 @@ class JointMALARun(JointLangevinRun):
         new = state._replace(z_prop=z_prop, u_prop=u_prop, gz_prop=gz_prop, count=news[1] + 1)
         return new, dense_message((c, ok.astype(c.dtype), gx_prop))
 
-    def server_step(self, key, state: MALAServerState, uploads: Message, info):
+    def server_step(
+        self,
+        key,
+        state: MALAServerState,  # type: ignore[override]  # the run's own state type
+        uploads: Message,
+        info,
+    ):
         """Metropolis-Hastings on the joint proposal; in warm-up, the step multipliers' dual averaging; then the
         next proposal with the decisions' news and the multipliers."""
         c, ok, g_prop = uploads.payload
@@ -849,7 +879,7 @@ class JointMALARun(JointLangevinRun):
         bits = sum(float(np.sum(np.asarray(history[k])[first:])) for k in ("bits_up", "bits_down") if k in history)
         accepted = float(np.sum(np.asarray(history["accepted"])[self.warmup :])) * server_state.x.shape[0]  # all chains
         parts.settings = {
-            **parts.settings,
+            **(parts.settings or {}),
             "acceptance": float(rate.mean()) if rate.size else float("nan"),
             "target_accept": self.cfg.target_accept if self.cfg.adapt_step else None,
             "adaptation_rounds": first if self.cfg.adapt_step else 0,
@@ -916,7 +946,7 @@ class HMCClientState(NamedTuple):
     gamma: jax.Array  # () the client's own base inverse mass
     draws: jax.Array  # (kept draws, chains, q)
     filled: jax.Array  # (kept draws,) bool
-    count: jax.Array  # () int32: decisions committed
+    count: jax.Array  # type: ignore[assignment]  # field shadows tuple.count; () int32: decisions committed
     r: jax.Array  # () int32: rounds answered
     scale: jax.Array  # (chains, q) the inverse mass
     acc: Welford
@@ -976,6 +1006,7 @@ class JointHMCRun(JointMALARun):
     ``num_steps`` rounds."""
 
     step_scale = HMC_STEP_SCALE
+    cfg: JointHMC
 
     def __init__(self, cfg: JointHMC, fm: FedModel, problem: Problem):
         L = cfg.num_steps
@@ -1067,7 +1098,9 @@ class JointHMCRun(JointMALARun):
 
     # ------------------------------------------------------------------ rounds
     @staticmethod
-    def _candidate(state: HMCClientState) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def _candidate(
+        state: HMCClientState,  # type: ignore[override]  # the run's own state type
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The trajectory's end point, the candidate of its decision."""
         return state.pos, state.u_pos, state.g_pos
 
@@ -1075,7 +1108,13 @@ class JointHMCRun(JointMALARun):
         """The first trajectory not committed; a broadcast of round r announces the r // num_steps ended by then."""
         return state.count, lambda r: r // self.L
 
-    def client_step(self, key, payload, state: HMCClientState, client: ClientData):
+    def client_step(
+        self,
+        key,
+        payload,
+        state: HMCClientState,  # type: ignore[override]  # the run's own state type
+        client: ClientData,
+    ):
         """One leapfrog step of the client's latents at the broadcast position of the globals; at a trajectory's
         start the decisions announced are committed (:meth:`JointMALARun._commit_through`) and a momentum drawn; at
         its end the energy share goes up. A client that missed rounds of the trajectory under way (whose decision
@@ -1110,7 +1149,13 @@ class JointHMCRun(JointMALARun):
         new = state._replace(pos=pos, u_pos=u, g_pos=gz, rho=rho, ok=ok, r=state.r + 1)
         return new, dense_message((c, ok.astype(c.dtype), gx))
 
-    def server_step(self, key, state: HMCServerState, uploads: Message, info):
+    def server_step(
+        self,
+        key,
+        state: HMCServerState,  # type: ignore[override]  # the run's own state type
+        uploads: Message,
+        info,
+    ):
         """The globals' second half kick; at a trajectory's end Metropolis-Hastings (and in warm-up the
         adaptation); then the next half kick and drift, broadcast with the decision and the step."""
         c, ok, g_pos = uploads.payload
@@ -1173,7 +1218,12 @@ class JointHMCRun(JointMALARun):
             for k, v in history.items()
         }
         parts = super().record_parts(key, server_state, problem, at_decisions)
-        parts.settings = {**parts.settings, "num_steps": L, "warmup": self.warmup, "warmup_rounds": self.warmup_rounds}
+        parts.settings = {
+            **(parts.settings or {}),
+            "num_steps": L,
+            "warmup": self.warmup,
+            "warmup_rounds": self.warmup_rounds,
+        }
         return parts
 
     def _first_kept_round(self) -> int:

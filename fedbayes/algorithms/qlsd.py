@@ -61,5 +61,9 @@ class QLSD(LangevinSampler):
 
     def _channels(self, dim: int | None) -> tuple[MemoryUplink, FullDownlink]:
         comp = require_unbiased(self.compressor, self.name)
-        alpha = 1.0 / (1.0 + comp.omega(dim)) if self.memory and dim is not None else 0.0
-        return MemoryUplink(comp, alpha), FullDownlink()
+        if not self.memory or dim is None:
+            return MemoryUplink(comp, 0.0), FullDownlink()
+        omega = comp.omega(dim)
+        if omega is None:  # unreachable: an unbiased compressor's omega is a float
+            raise ConfigError(f"{self.name} needs an unbiased compressor, got {comp.name}")
+        return MemoryUplink(comp, 1.0 / (1.0 + omega)), FullDownlink()

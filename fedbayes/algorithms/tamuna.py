@@ -475,7 +475,12 @@ class TAMUNARun(FederatedRun):
     def _resolve(self, L_max: float | None, mu_min: float | None, mu_mean: float | None) -> tuple[float, float, float]:
         """(gamma, p, eta) from the configuration and, when estimated, (mu_min, L_max) (host side)."""
         cfg = self.cfg
-        gamma = float(cfg.step_size) if cfg.step_size is not None else 1.0 / L_max
+        if cfg.step_size is not None:
+            gamma = float(cfg.step_size)
+        elif L_max is None:  # step_size None: estimated at the set-up (self._estimate)
+            raise AssertionError(f"{self.name}: the step size needs L_max, estimated at the set-up")
+        else:
+            gamma = 1.0 / L_max
         if L_max is not None and not gamma < 2.0 / L_max:
             warnings.warn(
                 f"{self.name} step_size={gamma:.3g} is not below 2 / L_max = {2 / L_max:.3g} "
@@ -487,7 +492,12 @@ class TAMUNARun(FederatedRun):
         elif cfg.p is not None:
             p = float(cfg.p)
         else:
-            kappa = cfg.kappa if cfg.kappa is not None else self._kappa_estimate(L_max, mu_min, mu_mean)
+            if cfg.kappa is not None:
+                kappa: float | None = cfg.kappa
+            elif L_max is None or mu_min is None:  # p and kappa None: estimated at the set-up (self._estimate)
+                raise AssertionError(f"{self.name}: kappa needs L_max and mu_min, estimated at the set-up")
+            else:
+                kappa = self._kappa_estimate(L_max, mu_min, mu_mean)
             gamma_L = gamma * L_max if L_max is not None else 1.0
             p = recommended_p(kappa, self.n, self.s, gamma_L=min(gamma_L, 1.999)) if kappa is not None else 0.1
         bound = max_eta(p, self.n, self.s)
@@ -583,17 +593,21 @@ class TAMUNARun(FederatedRun):
         return jax.grad(self.run_objective)(x, client)
 
     # ------------------------------------------------------------------ protocol
-    def num_local_steps(self, shared_key: jax.Array, settings: Settings | ClientSettings) -> jax.Array:
+    def num_local_steps(self, shared_key: jax.Array | None, settings: Settings | ClientSettings) -> jax.Array:
         """L of the round, common to the cohort: Geometric(p) on {1, 2, ...} or the fixed number."""
         if self.cfg.local_steps is not None:
             return jnp.asarray(self.cfg.local_steps)
+        if shared_key is None:
+            raise AssertionError(f"{self.name}: a random number of local steps needs the round's shared key")
         steps = jax.random.geometric(jax.random.fold_in(shared_key, 0), settings.p)
         return jnp.where(settings.p >= 1.0, jnp.ones_like(steps), steps)
 
-    def column(self, shared_key: jax.Array, slot: jax.Array) -> jax.Array:
-        """The coordinates the cohort member in ``slot`` uploads this round."""
+    def column(self, shared_key: jax.Array | None, slot: jax.Array | None) -> jax.Array:
+        """The coordinates the cohort member in ``slot`` uploads this round (both are set inside a round)."""
         if self.s == self.c:
             return jnp.ones((self.dim,), bool)
+        if shared_key is None or slot is None:
+            raise AssertionError(f"{self.name}: the upload mask needs the round's shared key and the member's slot")
         return mask_column(jax.random.fold_in(shared_key, 1), slot, self.dim, self.c, self.s)
 
     # set-up (fedbayes.protocol): x_0 to every client; when gamma or p is estimated, each client's extreme
@@ -788,9 +802,12 @@ class TAMUNARun(FederatedRun):
         rows, cols = np.triu_indices(self.dim)
         return (), (g, jax.hessian(self.client_loglik)(x, client)[rows, cols])
 
-    def final_server(self, key: jax.Array, state: ServerState, x: jax.Array, uploads: Any, locals_: Any) -> FitParts:
-        """The estimate; with every client's upload, ``gradient`` = grad of the log posterior (the objective
-        TAMUNA maximises, -n f) at x and ``information`` = its negative Hessian (unconstrained, flat)."""
+    def final_server(
+        self, key: jax.Array, state: ServerState, x: jax.Array | None, uploads: Any, locals_: Any
+    ) -> FitParts:
+        """The estimate (read from ``state``; ``x``, the final message, may be None); with every client's
+        upload, ``gradient`` = grad of the log posterior (the objective TAMUNA maximises, -n f) at the
+        estimate and ``information`` = its negative Hessian (unconstrained, flat)."""
         x_model = self.to_model(state.x, state.settings)
         theta = self._unravel(x_model)
         params = self._fm.constrain(theta)
@@ -814,6 +831,7 @@ class TAMUNARun(FederatedRun):
         the estimate alone (no final exchange)."""
         if not self.final_exchange:
             return self.final_server(key, carry[0], None, None, None)
+        # the parts of this run's final_server (engine.final_exchange is typed for any run)
         return final_exchange(self, key, carry[0], carry[1], stack_clients(problem.data))
 
 

@@ -8,8 +8,10 @@ samplers also start their chains at the mode it finds (:func:`map_solve`).
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ from ..engine import stack_clients
 from ..errors import ConfigError
 from ..introspect import FedModel
 from ..protocol import ClientData, Problem
+from .newton import NewtonResult, federated_newton
 
 
 def check_init(init: Any, who: str) -> None:
@@ -66,23 +69,31 @@ def map_objective(fm: FedModel, *, jacobian: bool = False):
     return loglik, log_prior, unravel
 
 
-def map_solve(problem: Problem, *, jacobian: bool = False, init: Mapping[str, Any] | None = None, max_iter: int = 100):
+@dataclass
+class MapSolution(NewtonResult):
+    """The :class:`~fedbayes.algorithms.newton.NewtonResult` of :func:`map_solve`, with ``unravel``: the flat
+    unconstrained ``x`` -> the pytree of the global sites."""
+
+    unravel: Callable[[jax.Array], Any] = dataclasses.field(kw_only=True)
+
+
+def map_solve(
+    problem: Problem, *, jacobian: bool = False, init: Mapping[str, Any] | None = None, max_iter: int = 100
+) -> MapSolution:
     """The MAP of the global sites by the federated damped Newton method
     (:func:`fedbayes.algorithms.newton.federated_newton`, every client at every iteration), from the
     deterministic start (or the constrained values ``init``). Models with local latents: the
     non-personalised model, latents at their population mean; coordinates it does not depend on (a
     random-effect scale) stay at their start. Returns the :class:`~fedbayes.algorithms.newton.NewtonResult`
-    (unconstrained flat ``x``, ``bits`` of the exchanges) with ``unravel`` set on it."""
-    from .newton import federated_newton
-
+    (unconstrained flat ``x``, ``bits`` of the exchanges) with ``unravel`` (a :class:`MapSolution`)."""
     fm: FedModel = problem.model
     loglik, log_prior, unravel = map_objective(fm, jacobian=jacobian)
     x0 = ravel_pytree(fm.init_globals(None, init))[0]
     out = federated_newton(
         loglik, log_prior, x0, stack_clients(problem.data), max_iter=max_iter, freeze_unidentified=bool(fm.local_names)
     )
-    out.unravel = unravel
-    return out
+    fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
+    return MapSolution(**fields, unravel=unravel)
 
 
 def map_estimate(

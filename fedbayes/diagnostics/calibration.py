@@ -21,7 +21,7 @@ credible intervals and probability integral transform (PIT) values.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -54,6 +54,10 @@ def sum_tolerance(dtype: Any, num_classes: int) -> float:
     return max(1e-6, SUM_ULPS * int(num_classes) * float(eps))
 
 
+@overload
+def _as_probs(probs: Any, labels: None = None) -> tuple[np.ndarray, None]: ...
+@overload
+def _as_probs(probs: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]: ...
 def _as_probs(probs: Any, labels: Any | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     raw = np.asarray(probs)
     p = raw.astype(np.float64)
@@ -119,7 +123,7 @@ def reliability(confidence: Any, correct: Any, n_bins: int = 15, strategy: str =
     return {"edges": edges, "count": count, "confidence": mean_conf, "accuracy": acc}
 
 
-def _top_label(probs, labels):
+def _top_label(probs: Any, labels: Any) -> tuple[np.ndarray, np.ndarray]:
     p, y = _as_probs(probs, labels)
     return p.max(1), (p.argmax(1) == y).astype(np.float64)
 
@@ -202,7 +206,9 @@ def pav(scores: Any, outcomes: Any, weights: Any | None = None) -> dict[str, np.
     bm = np.add.reduceat(ws * ys, start) / bw
     means, wts, lens = [], [], []  # the stack of pooled blocks
     for m, wt in zip(bm, bw):
-        means.append(m), wts.append(wt), lens.append(1)
+        means.append(m)
+        wts.append(wt)
+        lens.append(1)
         while len(means) > 1 and means[-2] > means[-1]:
             m2, w2, l2 = means.pop(), wts.pop(), lens.pop()
             wsum = wts[-1] + w2

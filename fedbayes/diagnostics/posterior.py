@@ -136,7 +136,7 @@ def _draw_sets(obj: Any) -> dict[str, tuple[np.ndarray, bool]]:
         if da.dims[:2] != ("chain", "draw"):
             continue
         v = np.asarray(da.values)
-        out[k] = (v.reshape((-1,) + v.shape[2:]), "client" in da.dims)
+        out[str(k)] = (v.reshape((-1,) + v.shape[2:]), "client" in da.dims)
         if "client" in da.dims and da.dims.index("client") != 2:
             raise DataError(f"posterior variable '{k}' must have dims (chain, draw, client, ...)")
     return out

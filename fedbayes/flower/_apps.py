@@ -10,7 +10,7 @@ import time
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast
 from collections.abc import Callable, Iterable, Mapping
 
 import jax
@@ -42,7 +42,7 @@ from ..engine import (
 from ..errors import ConfigError, FedbayesError, TooFewClientsError
 from ..faults import FaultPolicy
 from ..introspect import FedModel
-from ..protocol import ClientData, Problem, with_final_parts
+from ..protocol import ClientData, FitParts, Problem, with_final_parts
 from ..result import Result
 
 PAYLOAD = "p"  # the one ArrayRecord key of a message's payload (its bytes count in Flower's measure)
@@ -82,6 +82,10 @@ class _Runtime:
     only. The structure of every message (to unpack its bytes) comes from ``jax.eval_shape`` of the
     algorithm's own functions, so neither end needs the other's state to read a message.
     """
+
+    # the server's round state and the broadcast that opens its next round (server only: set by _Server.setup)
+    server_state: Any
+    broadcast: engine.Message
 
     def __init__(self, spec: FlowerSpec, role: str):
         fit = validate_fit(
@@ -169,7 +173,7 @@ class _Runtime:
             self.final_client = jax.jit(
                 lambda key, payload, state, member: run.final_client(key, wire.decode_tree(payload), state, member)
             )
-        self.finish = None
+        self.finish: Callable[..., Any] | None = None
         if run.replies:
             self.finish = jax.jit(
                 lambda reply, state, member, upload: run.client_finish(
@@ -329,8 +333,20 @@ def _save(context: Context, name: str, tree: Any) -> None:
     context.state[name] = ArrayRecord([np.asarray(x) for x in jax.tree_util.tree_leaves(tree)])
 
 
+_R = TypeVar("_R", ArrayRecord, ConfigRecord)
+
+
+def _stored(context: Context, name: str, kind: type[_R]) -> _R:
+    """The record ``name`` of this node's ``context.state``, of the kind fedbayes keeps there."""
+    record = context.state[name]
+    if not isinstance(record, kind):
+        raise FedbayesError(f"context.state[{name!r}] is a {type(record).__name__}, not a {kind.__name__}")
+    return record
+
+
 def _load(context: Context, name: str, treedef: Any) -> Any:
-    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a) for a in context.state[name].to_numpy_ndarrays()])
+    leaves = _stored(context, name, ArrayRecord).to_numpy_ndarrays()
+    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a) for a in leaves])
 
 
 def _client_index(context: Context) -> int:
@@ -346,9 +362,10 @@ def _settle(context: Context, rt: _Runtime, accepted: int) -> Any:
     server accepted it (``accepted`` names that round), dropped when it was rejected or never arrived."""
     if _META not in context.state:
         raise FedbayesError("a round reached a client before its set-up: the server must run the set-up exchange first")
-    meta = context.state[_META]
-    if int(meta["pending"]) >= 0:
-        if int(meta["pending"]) == accepted:
+    meta = _stored(context, _META, ConfigRecord)
+    pending = int(cast(int, meta["pending"]))  # a round, or -1: fedbayes stores an int there
+    if pending >= 0:
+        if pending == accepted:
             context.state[_STATE] = context.state[_PENDING]
         meta["pending"] = -1
     return _load(context, _STATE, rt.state_def())
@@ -377,7 +394,8 @@ def write_personal_posterior(folder: str, index: int, fm: FedModel, local: Any) 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
-        np.savez(fh, **out)
+        # as Any: numpy's stub has an ``allow_pickle: bool`` keyword that a ``**dict[str, ndarray]`` could fill
+        np.savez(fh, **cast(dict[str, Any], out))
     os.replace(tmp, path)
     return path
 
@@ -414,7 +432,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         rt, index = _runtime_of(context), _client_index(context)
         payload = wire.unpack(data, rt.setup_payloads[stage])
         state = None if stage == 0 else _load(context, _STATE, rt.state_def(stage - 1))
-        key = setup_client_key(rt.k_clients, index, stage)
+        key = setup_client_key(rt.k_clients, jnp.asarray(index), stage)
         state, upload = rt.setup_step[stage](key, payload, state, rt.member(index))
         _save(context, _STATE, state)
         context.state[_META] = ConfigRecord({"pending": -1})
@@ -432,7 +450,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         payload = wire.unpack(data, rt.broadcast_template, wire.Context(k_shared, slot))
         new_state, upload = rt.client_step(key, payload, state, member)
         _save(context, _PENDING, new_state)
-        context.state[_META]["pending"] = k
+        _stored(context, _META, ConfigRecord)["pending"] = k
         payload = jax.device_get(upload.payload)
         data, bits = wire.pack(payload, wire.Context(k_shared, slot))
         if bits != int(upload.bits):
@@ -472,7 +490,10 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         from flwr.compat.common import recorddict_compat
 
         cfg = msg.content.config_records["fitins.config"]
-        h = {k[len(_secagg.CONFIG) + 1 :]: v for k, v in cfg.items() if k.startswith(_secagg.CONFIG + ".")}
+        # fedbayes' message fields (header, "kind", "stage", "data": see _Server._secure_sum)
+        h: dict[str, Any] = {
+            k[len(_secagg.CONFIG) + 1 :]: v for k, v in cfg.items() if k.startswith(_secagg.CONFIG + ".")
+        }
         if h["kind"] == "setup":
             upload = _setup_stage(int(h["stage"]), h["data"], context)
             bits = engine.dense_bits(upload)
@@ -510,11 +531,13 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         ctx = wire.Context(k_shared, slot)
         member = rt.member(index, slot, k_shared, rt.settings_of(context))
         reply = wire.unpack(_data(msg), rt.reply_template(), ctx)
-        own = wire.unpack(context.state[_STATE + ".upload"][""].data, rt.upload_template(), ctx)
+        own = wire.unpack(_stored(context, _STATE + ".upload", ArrayRecord)[""].data, rt.upload_template(), ctx)
         pending = _load(context, _PENDING, rt.state_def())
+        if rt.finish is None:  # the server sends "finish" only to a run with replies
+            raise FedbayesError(f"{rt.run.name}: a reply reached a client of a run without replies")
         new_state, _ = rt.finish(reply, pending, member, own)
         _save(context, _STATE, new_state)  # the server accepted the upload: commit
-        context.state[_META]["pending"] = -1
+        _stored(context, _META, ConfigRecord)["pending"] = -1
         return Message(_content(b"", {}), reply_to=msg)
 
     @app.train("final")
@@ -537,7 +560,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
     def local(msg: Message, context: Context) -> Message:
         """What the final exchange left on this client (its personal posterior): collected by
         :func:`simulate` only, outside the ledger; a deployment's server never asks for it."""
-        leaves = context.state[_LOCAL].to_numpy_ndarrays() if _LOCAL in context.state else []
+        leaves = _stored(context, _LOCAL, ArrayRecord).to_numpy_ndarrays() if _LOCAL in context.state else []
         return Message(
             RecordDict({"local": ArrayRecord(leaves), HEADER: ConfigRecord({"client": _client_index(context)})}),
             reply_to=msg,
@@ -553,10 +576,18 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
 # ------------------------------------------------------------------------------ server
 
 
+class _Grid(Protocol):
+    """What the server loop uses of a Flower ``Grid`` (also :class:`LocalGrid`'s)."""
+
+    def get_node_ids(self) -> Iterable[int]: ...
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]: ...
+
+
 class _Server:
     """The server loop of :func:`server_app`, round by round as in :func:`fedbayes.engine.make_round`."""
 
-    def __init__(self, spec: FlowerSpec, grid: Grid):
+    def __init__(self, spec: FlowerSpec, grid: _Grid):
         self.spec, self.grid, self.rt = spec, grid, _runtime(spec, "server")
         self.accepted = np.full(self.rt.data.num_clients, -1)
         # Clients whose copy of server state is behind (a fault), to be re-sent it before their next step,
@@ -589,6 +620,8 @@ class _Server:
         """The sum of the uploads of the nodes in ``configs`` (node -> fedbayes' message fields) by SecAgg+,
         and the ledger bits each node in it reported."""
         client_of = {node: client for client, node in self.node_of.items()}
+        if self.secure is None:  # called only with secure aggregation on
+            raise FedbayesError("a secure sum was asked of a run without secure aggregation")
         fields = {node: {f"{_secagg.CONFIG}.{k_}": v for k_, v in cfg.items()} for node, cfg in configs.items()}
         return self.secure(self.grid, k, fields, client_of, self.message_bytes.append)
 
@@ -729,11 +762,11 @@ class _Server:
             replies = self._send(msgs)
             uploads = [None] * cohort_size
             for node, reply in replies.items():
-                j = slot_of[node]
-                uploads[j] = wire.unpack(_data(reply), upload_template, wire.Context(k_shared, j))
-                bits[j] = int(_header(reply)["bits"])
-                received[j] = True
-                self.message_bytes.append(("upload", k, int(cohort[j]), payload_bytes(reply), int(bits[j])))
+                slot = slot_of[node]
+                uploads[slot] = wire.unpack(_data(reply), upload_template, wire.Context(k_shared, slot))
+                bits[slot] = int(_header(reply)["bits"])
+                received[slot] = True
+                self.message_bytes.append(("upload", k, int(cohort[slot]), payload_bytes(reply), int(bits[slot])))
             stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *[u if u is not None else zero for u in uploads])
         state, new_broadcast, payload, record = rt.serve(
             rt.server_state,
@@ -818,7 +851,7 @@ class _Server:
                 missed[j] = True
         return bits, missed
 
-    def final(self, collect_locals: bool) -> dict[str, Any]:
+    def final(self, collect_locals: bool) -> FitParts | dict[str, Any]:
         """The final exchange (:class:`fedbayes.protocol.FederatedRun`) with every client: the estimate out, the
         uploads back (kinds ``"final"`` / ``"final-reply"`` in ``message_bytes``, the run's ``final_bits``).
         With ``collect_locals`` (a simulation) each client's personal posterior is then fetched, outside
@@ -893,6 +926,7 @@ class _Server:
             bar.update(k + 1)
         history = host_records(_concatenated(self.records), time.perf_counter() - t0)
         problem = Problem(FedModel(rt.fit.model, rt.data, rt.fit.model_kwargs), rt.data, rt.fit.num_rounds, rt.cohort)
+        parts: FitParts | dict[str, Any]
         if rt.run.final_exchange:
             parts = self.final(collect_locals)
             records = rt.run.record_parts(rt.k_final, rt.server_state, problem, history)
@@ -901,7 +935,7 @@ class _Server:
         else:  # the result is the server's alone (the samplers' draws, TAMUNA's x): no client state is read
             parts = rt.run.finalize(rt.k_final, (rt.server_state, None, rt.broadcast), problem, history=history)
         parts = engine.with_init_bits(parts, self.setup_bits)
-        if self.secure is not None and parts.get("privacy"):
+        if self.secure is not None and parts.privacy:
             parts.privacy = {**parts.privacy, "secure_aggregation": "SecAgg+ (Flower)"}
         fm = FedModel(rt.fit.model, rt.fit.data, rt.fit.model_kwargs)
         result = Result(
@@ -914,6 +948,7 @@ class _Server:
             history=public_history(history),
         )
         result.faults = fault_table(history, rt.k_rounds, rt.data.num_clients, rt.cohort)
+        # a Flower run's extra attribute (Result declares it, unset elsewhere)
         result.flower_messages = self.message_bytes
         return result
 
@@ -999,7 +1034,7 @@ class LocalGrid:
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = f"m{next(self._ids)}"
             node = msg.metadata.dst_node_id
-            client = self.contexts[node].node_config["partition-id"]
+            client = int(self.contexts[node].node_config["partition-id"])
             k = msg.metadata.group_id
             if self.unreachable is not None and (k or "").isdigit() and self.unreachable(int(k), client):
                 reply = Message(Error(code=NODE_UNAVAILABLE, reason="unreachable"), reply_to=msg)

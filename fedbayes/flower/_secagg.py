@@ -21,7 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import numbers
-from typing import Any
+from typing import Any, cast
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -29,6 +29,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.common import FitIns, Parameters, parameters_to_ndarrays
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 from flwr.common.serde import recorddict_from_proto, recorddict_to_proto
+from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.compat.legacy_context import LegacyContext
 from flwr.server.strategy import Strategy
@@ -36,6 +37,7 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
+from flwr.serverapp import Grid
 
 from ..errors import ConfigError
 
@@ -77,7 +79,7 @@ class SecAggPlus:
         # Flower's own rules (SecAggPlusWorkflow._check_init_params), checked here as a ConfigError: an int
         # counts (1 meaning all), a float is a fraction in (0, 1]
         for name in ("num_shares", "reconstruction_threshold"):
-            v = getattr(self, name)
+            v: int | float = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
                 raise ConfigError(f"SecAggPlus {name} must be an int or a fraction, got {v!r}")
             if isinstance(v, numbers.Integral) and not (v == 1 or v > 2 - (name == "reconstruction_threshold")):
@@ -286,13 +288,13 @@ class SecureSum:
         context = LegacyContext(
             Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}),
             strategy=strategy,
-            client_manager=_Nodes(len(configs)),
+            client_manager=cast(ClientManager, _Nodes(len(configs))),  # the workflow calls only num_available
         )
         # the round names the messages' group, as fedbayes' own messages: the round, or -1 for the set-up
         context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: int(k)})
         context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()
         state, wf = WorkflowState(), self.workflow
-        recorded = _Recorded(grid, record, k, client_of)
+        recorded = cast(Grid, _Recorded(grid, record, k, client_of))  # the stages call only send_and_receive
         with _quiet():
             for i, stage in enumerate(
                 (wf.setup_stage, wf.share_keys_stage, wf.collect_masked_vectors_stage, wf.unmask_stage)

@@ -6,6 +6,8 @@ Langevin samplers: every client's negative log-likelihood is a smooth function o
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
@@ -69,7 +71,10 @@ def make_glm_clients(
     if family not in ("logistic", "linear"):
         raise ConfigError(f"family must be 'logistic' or 'linear', got {family!r}")
     rng = np.random.default_rng(seed)
-    lo, hi = (points_per_client, points_per_client) if np.isscalar(points_per_client) else points_per_client
+    if np.isscalar(points_per_client):
+        lo = hi = cast(int, points_per_client)
+    else:
+        lo, hi = cast(tuple[int, int], points_per_client)
     w = rng.normal(size=dim) / np.sqrt(dim) * 2.0
     xs, ys = [], []
     for _ in range(num_clients):
