@@ -12,8 +12,9 @@ import time
 
 def run_child(script: str, *args) -> dict:
     """Run ``script --child args...`` in a fresh Python process; its last stdout line, parsed as JSON."""
+    limit = float(os.environ.get("BENCH_CHILD_TIMEOUT", "0")) or None  # seconds per child; none by default
     out = subprocess.run([sys.executable, script, "--child", *map(str, args)], capture_output=True, text=True,
-                         check=True)
+                         check=True, timeout=limit)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

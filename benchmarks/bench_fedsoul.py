@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import resource
+import subprocess
 import sys
 import time
 
@@ -152,17 +153,22 @@ def run_child(*args) -> dict:
     return _common.run_child(__file__, *args)
 
 
-def main():
+def main(sizes=(100, 1000, 10000), fractions=(1.0, 0.1)):
     print(_common.machine_line())
     print("| clients | participation | fed_fit rounds/s | hand-written rounds/s | time ratio | "
           "fed_fit peak MB | hand-written peak MB | fed_fit MALA rounds/s | MALA / ULA time |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for clients in (100, 1000, 10000):
-        for fraction in (1.0, 0.1):
+    for clients in sizes:
+        for fraction in fractions:
             rates, peaks = {}, {}
-            for impl in ("fed_fit", "handwritten", "fed_fit_mala"):
-                out = run_child(impl, clients, fraction)
-                rates[impl], peaks[impl] = out["rate"], out["peak_mb"]
+            try:
+                for impl in ("fed_fit", "handwritten", "fed_fit_mala"):
+                    out = run_child(impl, clients, fraction)
+                    rates[impl], peaks[impl] = out["rate"], out["peak_mb"]
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:  # one size failing ends its row
+                why = (e.stderr or "").strip().splitlines()[-1:] if isinstance(e.stderr, str) else ["timed out"]
+                print(f"| {clients} | {fraction:.0%} | {impl} failed: {why[0] if why else e} | | | | | | |", flush=True)
+                continue
             print(f"| {clients} | {fraction:.0%} | {rates['fed_fit']:.1f} | {rates['handwritten']:.1f} | "
                   f"{rates['handwritten'] / rates['fed_fit']:.2f} | {peaks['fed_fit']:.0f} | {peaks['handwritten']:.0f} | "
                   f"{rates['fed_fit_mala']:.1f} | {rates['fed_fit'] / rates['fed_fit_mala']:.2f} |", flush=True)
@@ -174,4 +180,10 @@ if __name__ == "__main__":
     elif "--memory" in sys.argv:
         memory()
     else:
-        main()
+        import argparse
+
+        parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+        parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000, 10000])
+        parser.add_argument("--fractions", type=float, nargs="+", default=[1.0, 0.1])
+        args = parser.parse_args()
+        main(args.clients, args.fractions)

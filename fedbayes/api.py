@@ -30,6 +30,8 @@ from .engine import (
     resolve_devices,
     run_rounds,
     sharded_clients,
+    matmul_precision,
+    check_matmul_precision,
     staged_init,
     wait_ready,
     with_init_bits,
@@ -218,6 +220,7 @@ def fed_fit(
     callback: Callable[[int, dict[str, np.ndarray]], Any] | None = None,
     stall_timeout: float | None = STALL_TIMEOUT,
     devices: int | Sequence[jax.Device] | None = None,
+    matmul_precision: str | None = "highest",
 ) -> Result:
     """Fit ``model`` (a NumPyro model of one client's data) across the clients of ``data``.
 
@@ -276,6 +279,13 @@ def fed_fit(
         device of the default backend (the largest count that divides the number of clients). Each
         device holds and runs its share of the clients; the server's sums over clients become sums
         across devices, so the result equals the one-device fit up to the order of those float sums.
+    matmul_precision:
+        The precision of the fit's matrix products (``jax.default_matmul_precision``): ``"highest"``
+        (default) computes float32 products in full float32 on every device; None leaves JAX's own
+        setting, which on recent NVIDIA GPUs is TensorFloat-32 (about 3 significant digits: FedMM's
+        sufficient statistics then lose positive-definiteness), and ``"default"`` asks for it explicitly,
+        for the speed of a large network's products on a GPU. A CPU always computes in full precision
+        (see :func:`fedbayes.engine.matmul_precision`).
 
     Notes
     -----
@@ -289,6 +299,7 @@ def fed_fit(
     )
     _check_run_options(checkpoint, checkpoint_every, callback)
     _check_stall_timeout(stall_timeout)
+    check_matmul_precision(matmul_precision)
     chosen = resolve_devices(devices, fit.data.num_clients)
     return _execute(
         fit,
@@ -298,6 +309,7 @@ def fed_fit(
         callback=callback,
         stall_timeout=stall_timeout,
         devices=chosen,
+        precision=matmul_precision,
     )
 
 
@@ -411,9 +423,12 @@ def _spec_bytes(fit: _Fit) -> bytes:
         return b""
 
 
-def _execute(fit: _Fit, *, devices: Sequence[Any] | None = None, **options: Any) -> Result:
-    """A validated fit, its clients laid over ``devices`` (:func:`fedbayes.engine.sharded_clients`)."""
-    with sharded_clients(devices):
+def _execute(
+    fit: _Fit, *, devices: Sequence[Any] | None = None, precision: str | None = "highest", **options: Any
+) -> Result:
+    """A validated fit, its clients laid over ``devices`` (:func:`fedbayes.engine.sharded_clients`), its
+    matrix products traced at ``precision`` (:func:`fedbayes.engine.matmul_precision`)."""
+    with sharded_clients(devices), matmul_precision(precision):
         return _execute_here(fit, **options)
 
 
@@ -560,6 +575,7 @@ def resume(
     callback: Callable[[int, dict[str, np.ndarray]], Any] | None = None,
     stall_timeout: float | None = STALL_TIMEOUT,
     devices: int | Sequence[jax.Device] | None = None,
+    matmul_precision: str | None = "highest",
 ) -> Result:
     """Continue the fit saved in the checkpoint ``path``; the result equals the uninterrupted fit's, bit
     for bit (same machine, same library versions).
@@ -569,8 +585,9 @@ def resume(
     ``model_kwargs=``) again. Whatever is passed is checked against the checkpoint's fingerprints, and
     the re-initialised state against the saved digest: a checkpoint of a different fit, or a corrupted
     one, raises :class:`fb.CheckpointError` and is never used. ``checkpoint=True`` keeps writing to
-    ``path`` (``False``/None: no more checkpoints, or another path). ``stall_timeout`` and ``devices`` as in
-    ``fed_fit`` (the continuation is exact with the devices of the interrupted fit).
+    ``path`` (``False``/None: no more checkpoints, or another path). ``stall_timeout``, ``devices`` and
+    ``matmul_precision`` as in ``fed_fit`` (the continuation is exact with the devices and precision of the
+    interrupted fit).
     """
     ck = checkpoint_io.load(path)
     try:
@@ -605,9 +622,11 @@ def resume(
     target = path if checkpoint is True else (None if checkpoint is False else checkpoint)
     _check_run_options(target, checkpoint_every, callback)
     _check_stall_timeout(stall_timeout)
+    check_matmul_precision(matmul_precision)
     chosen = resolve_devices(devices, fit.data.num_clients)
     return _execute(
         fit,
+        precision=matmul_precision,
         progress=progress,
         checkpoint=target,
         checkpoint_every=checkpoint_every,

@@ -284,6 +284,36 @@ def _most_devices(num_clients: int, available: int) -> int:
     return max(n for n in range(1, available + 1) if num_clients % n == 0)
 
 
+MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
+"""The values of ``matmul_precision`` (``fed_fit``, ``fb.flower.FlowerSpec``), as ``jax.default_matmul_precision``
+takes them, besides None."""
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str | None):
+    """Within this block JAX traces matrix products (``dot_general``, so ``@``, ``einsum``, convolutions) at
+    ``precision`` (``jax.default_matmul_precision``); None leaves JAX's own setting.
+
+    The fits' default is ``"highest"``: float32 products in full float32. On NVIDIA GPUs since Ampere JAX's
+    own default computes float32 products in TensorFloat-32 (about 3 significant digits); a CPU always
+    computes them in full, so there the setting changes nothing. Sums of outer products (FedMM's
+    sufficient statistics, Louis' information, the samplers' curvature) lose positive-definiteness in
+    TF32: FedMM on a 5-component, 10-dimensional Gaussian mixture diverged after 191 rounds on an H200 with
+    JAX's default and ran like the CPU with ``"highest"`` (benchmarks/README.md). ``"default"`` trades that
+    accuracy for the speed of a network's large products on a GPU."""
+    if precision is None:
+        yield
+        return
+    with jax.default_matmul_precision(precision):
+        yield
+
+
+def check_matmul_precision(precision: Any) -> None:
+    """A :class:`fedbayes.ConfigError` unless ``precision`` is None or one of :data:`MATMUL_PRECISIONS`."""
+    if precision is not None and precision not in MATMUL_PRECISIONS:
+        raise ConfigError(f"matmul_precision must be None or one of {MATMUL_PRECISIONS}; got {precision!r}")
+
+
 @contextlib.contextmanager
 def sharded_clients(devices: Sequence[Any] | None):
     """Within this block every client axis of a fit (the stacked data, the client states) is laid over

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -67,6 +68,7 @@ class FlowerSpec:
     timeout: float | None = 600.0
     progress: bool | None = None
     secure_aggregation: Any = None
+    matmul_precision: str | None = "highest"  # as fed_fit's (fedbayes.engine.matmul_precision), at both ends
     token: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -427,6 +429,16 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
     def _runtime_of(context: Context) -> _Runtime:
         return _runtime(_resolve(spec_of, context), "client")
 
+    def _precise(handler: Callable[[Message, Context], Message]) -> Callable[[Message, Context], Message]:
+        """``handler`` with its computations traced at the spec's matmul precision."""
+
+        @functools.wraps(handler)
+        def run(msg: Message, context: Context) -> Message:
+            with engine.matmul_precision(_resolve(spec_of, context).matmul_precision):
+                return handler(msg, context)
+
+        return run
+
     def _setup_stage(stage: int, data: bytes, context: Context) -> Any:
         """One set-up stage on this client: its state started from its own data and saved; its upload."""
         rt, index = _runtime_of(context), _client_index(context)
@@ -463,6 +475,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         return payload, data, bits
 
     @app.train("setup")
+    @_precise
     def setup(msg: Message, context: Context) -> Message:
         """One set-up stage: the server's payload in, this client's state started from its own data,
         its upload back. After the last stage, the client settings (e.g. TAMUNA's step size), kept in
@@ -476,11 +489,13 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         return Message(_content(data, {}), reply_to=msg)
 
     @app.train("step")
+    @_precise
     def step(msg: Message, context: Context) -> Message:
         _, data, bits = _step(_header(msg), _data(msg), context)
         return Message(_content(data, {"bits": bits}), reply_to=msg)
 
     @app.train(mods=[secaggplus_mod])
+    @_precise
     def secure(msg: Message, context: Context) -> Message:
         """A set-up stage or a round's step whose upload the server receives only summed (secure
         aggregation, :mod:`fedbayes.flower._secagg`): Flower's ``secaggplus_mod`` runs SecAgg+ around this
@@ -513,6 +528,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         return Message(recorddict_compat.fitres_to_recorddict(res, False), reply_to=msg)
 
     @app.train("resync")
+    @_precise
     def resync(msg: Message, context: Context) -> Message:
         """The server's copy of its state (P-/B-ELF's w), re-sent after this client's fault, before its
         next step: the committed state takes it (``resync``)."""
@@ -523,6 +539,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         return Message(_content(b"", {}), reply_to=msg)
 
     @app.train("finish")
+    @_precise
     def finish(msg: Message, context: Context) -> Message:
         rt, index = _runtime_of(context), _client_index(context)
         h = _header(msg)
@@ -541,6 +558,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         return Message(_content(b"", {}), reply_to=msg)
 
     @app.train("final")
+    @_precise
     def final(msg: Message, context: Context) -> Message:
         """The final exchange (:class:`fedbayes.protocol.FederatedRun`): the server's estimate in, this client's
         personal posterior computed from its own data and kept in ``context.state``, its upload back."""
@@ -557,6 +575,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         return Message(_content(data, {"bits": bits}), reply_to=msg)
 
     @app.query("local")
+    @_precise
     def local(msg: Message, context: Context) -> Message:
         """What the final exchange left on this client (its personal posterior): collected by
         :func:`simulate` only, outside the ledger; a deployment's server never asks for it."""
@@ -567,6 +586,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         )
 
     @app.query("hello")
+    @_precise
     def hello(msg: Message, context: Context) -> Message:
         return Message(RecordDict({HEADER: ConfigRecord({"client": _client_index(context)})}), reply_to=msg)
 
@@ -973,14 +993,15 @@ def _summed(template: Any, total: Any, n: int, row: int) -> Any:
     return jax.tree_util.tree_map(stacked, template, one)
 
 
-def run_server(spec: FlowerSpec, grid: Grid, collect_locals: bool = False) -> Result:
+def run_server(spec: FlowerSpec, grid: Grid | LocalGrid, collect_locals: bool = False) -> Result:
     """Run ``spec``'s algorithm over the nodes of ``grid`` (inside a ServerApp's ``main``) and return the
     :class:`fedbayes.Result`: the global estimate (and the samplers' draws), the ledger and
     ``flower_messages``. The clients' personal posteriors (FedSOUL's local samples, FedMM's local
     posteriors) are computed in the final exchange and stay on their nodes, in ``context.state``;
     ``collect_locals=True`` fetches them into the result, outside the ledger, as a simulation does
     (:func:`simulate`); leave it off in a deployment."""
-    return _Server(spec, grid).run(collect_locals)
+    with engine.matmul_precision(spec.matmul_precision):
+        return _Server(spec, grid).run(collect_locals)
 
 
 def server_app(spec: FlowerSpec, collect_locals: bool = False) -> ServerApp:
@@ -1075,6 +1096,7 @@ def simulate(
     progress: bool | None = None,
     unreachable: Callable[[int, int], bool] | None = None,
     secure_aggregation: Any = None,
+    matmul_precision: str | None = "highest",
 ) -> Result:
     """Run ``algorithm`` on Flower in this process and return the :class:`fedbayes.Result` of
     :func:`fedbayes.fed_fit` with the same arguments.
@@ -1095,7 +1117,9 @@ def simulate(
     P-ELF with full uploads, e.g. LMC with distributed DP). Its messages are in ``flower_messages`` as
     ``secagg:<stage>`` and ``secagg:<stage>-reply``; the sums are exact to the quantisation's
     2 n R / Q per coordinate, with a random rounding from NumPy's global generator (not the fit's seed).
+    ``matmul_precision`` as in ``fed_fit``, at the server and at every client.
     """
+    engine.check_matmul_precision(matmul_precision)
     fit = validate_fit(
         model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, 50, None, fault_policy
     )
@@ -1111,12 +1135,13 @@ def simulate(
         timeout,
         progress,
         secure_aggregation,
+        matmul_precision,
     )
     if backend == "local":
         grid = LocalGrid(client_app(spec), fit.data.num_clients, unreachable)
         try:
             with _server_identity():
-                return _Server(spec, grid).run(collect_locals=True)
+                return run_server(spec, grid, collect_locals=True)
         finally:
             _forget(spec.token)
     if backend != "ray":
