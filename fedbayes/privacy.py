@@ -441,8 +441,12 @@ class LangevinPrivacy(_Mechanism):
         round with f of n missing has (n - f) / n of the variance, and the guarantee is weaker that
         round (the accountant assumes every client answers)."""
         clipped = clip_norm(grad, self.dp.clip)[0]
-        std = self.added_std() / math.sqrt(self.num_clients)
+        std = self.share_std()
         return clipped + std.astype(grad.dtype) * jax.random.normal(folded(self.secret, key), grad.shape, grad.dtype)
+
+    def share_std(self) -> jax.Array:
+        """The standard deviation of one client's share of the noise, s / sqrt(n) (distributed mode)."""
+        return self.added_std() / math.sqrt(self.num_clients)
 
     def clipped_sum(self, rows: jax.Array) -> jax.Array:
         """The sum over clients (axis 0) of their uploads, each clipped to the L2 bound as a whole."""
@@ -543,6 +547,61 @@ class SumPrivacy(_Mechanism):
         self.sigma = float(_asked_multiplier(dp, kw))
         self.epsilon = epsilon(self.sigma, **kw)
         self.secret = secret_key(dp.noise_seed)
+        if self.distributed:
+            warnings.warn(
+                "distributed DP with no secure aggregation (fed_fit, or Flower without fb.flower.SecAggPlus): the "
+                f"server sees each member's update with 1/{self.cohort} of the noise; the reported epsilon holds for "
+                "what the server releases (the iterates), not against the server itself",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    @property
+    def distributed(self) -> bool:
+        """Whether each cohort member clips its own upload and adds its share of the noise (:meth:`share`)."""
+        return self.dp.mode == "distributed"
+
+    def share_std(self) -> float:
+        """The standard deviation of one member's share of the noise, sigma C / sqrt(c) (distributed mode)."""
+        return self.sigma * self.dp.clip / math.sqrt(self.cohort)
+
+    def share(self, key: jax.Array, tree: Any) -> Any:
+        """Distributed DP: a member's upload (a pytree, as one vector) clipped to C, plus N(0, sigma^2 C^2 / c) per
+        coordinate, c the cohort size, so that the sum over the cohort carries the central mode's N(0, sigma^2 C^2)
+        while each upload alone is barely noised (meant for secure aggregation: the server sees only the sum). A
+        member that does not answer takes its share with it (:meth:`realised_epsilon`)."""
+        clipped = clip_norm(tree, self.dp.clip)[0]
+        noise = gaussian_noise(folded(self.secret, key), clipped, 1.0)
+        std = self.share_std()
+        return jax.tree_util.tree_map(lambda t, e: t + (std * e).astype(t.dtype), clipped, noise)
+
+    def realised_epsilon(self, answered: Any) -> float:
+        """Distributed mode: epsilon at delta for the rounds as they went, ``answered[t]`` of the c cohort members
+        having sent their share in round t. The shares of a round with a answering carry a / c of the planned
+        variance while the sensitivity stays (a member's update enters the fixed-denominator sum alone), so the
+        round is the planned mechanism with multiplier sigma sqrt(a / c); a round nobody answered released nothing.
+        With a sampled cohort the bound is the smaller of the sampled and unsampled ones, as in :func:`epsilon`."""
+        dpa = _accounting()
+        counts: dict[int, int] = {}
+        for a in np.asarray(answered, int).ravel():
+            if a > 0:
+                counts[int(a)] = counts.get(int(a), 0) + 1
+        if not counts:
+            return 0.0
+        n, c = self.num_clients, self.cohort
+        relation = relation_for(n, c)
+
+        def bound(sampled: bool) -> float:
+            acc = _accountant("rdp", relation)
+            for a, k in sorted(counts.items()):
+                sigma = self.sigma * math.sqrt(a / c)
+                if sampled:
+                    acc.compose(_event(sigma, k, n, c, "fixed", 0))
+                else:  # every round unsampled: replace-one moves the sum by 2C
+                    acc.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(sigma / 2), k))
+            return float(acc.get_epsilon(self.delta))
+
+        return bound(True) if relation == "add-remove" else min(bound(True), bound(False))
 
     def noisy(self, key: jax.Array, total: Any, weight: Any) -> Any:
         """``total`` (a pytree: the re-weighted sum) plus N(0, (sigma weight C)^2) per coordinate."""
@@ -550,10 +609,13 @@ class SumPrivacy(_Mechanism):
         std = self.sigma * weight * self.dp.clip
         return jax.tree_util.tree_map(lambda t, e: t + (std * e).astype(t.dtype), total, noise)
 
-    def report(self) -> dict[str, Any]:
-        """``res.privacy``."""
+    def report(self, answered: Any = None) -> dict[str, Any]:
+        """``res.privacy``; in the distributed mode with ``answered`` (the members that sent their share, per
+        round) also ``epsilon_realised``, for the rounds as they went (:meth:`realised_epsilon`)."""
         relation = relation_for(self.num_clients, self.cohort)
-        extra = {}
+        extra: dict[str, Any] = {}
+        if self.distributed and answered is not None:
+            extra["epsilon_realised"] = self.realised_epsilon(answered)
         if self.public is not None:  # weights that depend on the clients' sizes: those are public, a client is
             # zeroed rather than removed (with full participation; a cohort's replace-one covers it)
             relation = "zero-out" if relation == "add-remove" else relation

@@ -758,7 +758,7 @@ def test_secure_aggregation_refuses_servers_that_need_each_upload(float32):
     central = fb.LMC(step_size=0.01, init="prior", privacy=privacy.DP(clip=0.5, noise_multiplier=30.0))
     cases = [(central, "central DP clips each upload"),
              (fb.DELF(uplink=fb.compress.top_k(1), init="prior"), "compressed"),
-             (fb.TAMUNA(s=2, local_steps=2), "only for the algorithms whose server needs"),
+             (fb.TAMUNA(s=2, local_steps=2), "secure aggregation runs GD and FedAvg with distributed DP"),
              (fb.LMC(step_size=0.01, init="prior"), "needs clipping_range")]
     for algo, match in cases:
         with pytest.raises(ConfigError, match=match):
@@ -871,8 +871,7 @@ def test_private_fedavg_reports_its_epsilon_and_gd_tamuna_refuse_unaccounted_rel
     target = fb.fed_fit(model, data, fb.GD(step_size=0.005, privacy=privacy.DP(clip=1.0, epsilon=3.0, delta=1e-4)),
                         num_rounds=25, seed=0, progress=False)
     assert target.privacy["epsilon"] <= 3.0
-    for kw in (dict(step_size=None), dict(precondition=True), dict(safeguard=True), dict(aggregation="median"),
-               dict(privacy=privacy.DP(clip=1.0, noise_multiplier=1.0, mode="distributed"))):
+    for kw in (dict(step_size=None), dict(precondition=True), dict(safeguard=True), dict(aggregation="median")):
         with pytest.raises(ConfigError, match="privacy"):
             fb.GD(**{"step_size": 0.05, "privacy": dp, **kw})
     for algorithm in (fb.TAMUNA, fb.Scaffnew):
@@ -898,3 +897,84 @@ def test_private_fedavg_on_flower_equals_fed_fit(float32):
     moved = max(np.max(np.abs(other.params[k] - ref.params[k]) / (1e-6 + 1e-5 * np.abs(ref.params[k])))
                 for k in ref.params)
     assert moved > 10, moved
+
+
+# ----------------------------------------------------------------------------- GD and FedAvg with distributed DP
+def _distributed(clip, sigma, **kw):
+    return privacy.DP(clip=clip, noise_multiplier=sigma, mode="distributed", **kw)
+
+
+def test_distributed_gd_members_clip_their_updates_and_the_shares_carry_the_central_noise():
+    # A member uploads clip(x_i - x_bar, C) + N(0, (sigma C)^2 / c): the clip's bound on every upload (sigma = 0),
+    # the share's variance by Monte Carlo (2000 shares x d coordinates; 5 standard errors of a variance's relative
+    # error sqrt(2 / N)), and the server's step x_bar + (1/c) sum_{i active} upload_i by hand.
+    data = _glm()
+    problem = Problem(fb.FedModel(fb.models.linear_regression(), data), data, 20)
+    clip, n = 0.4, data.num_clients
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        run = fb.GD(step_size=0.1, privacy=_distributed(clip, 0.0)).build(problem)
+    assert run.sums_uploads is True and not run.final_exchange
+    rng = np.random.default_rng(0)
+    d = run.dim
+    updates = rng.normal(size=(n, d)) * np.where(np.arange(n) == 0, 1e-2, 1.0)[:, None]
+    shares = np.stack([np.asarray(run._dp.share(jax.random.PRNGKey(i), jnp.asarray(u))) for i, u in enumerate(updates)])
+    norms = np.linalg.norm(updates, axis=1)
+    assert (norms > clip).sum() >= 3 and norms[0] < clip
+    np.testing.assert_allclose(shares, updates * np.minimum(1.0, clip / norms)[:, None], rtol=1e-6, atol=1e-12)
+    assert np.all(np.linalg.norm(shares, axis=1) <= clip * (1 + 1e-6))
+    active = np.arange(n) != 3
+    start = _tamuna_step(run, np.zeros((n, d)), np.ones(n, bool))[0]
+    x0, x1 = _tamuna_step(run, shares, active)
+    np.testing.assert_allclose(x1, x0 + shares[active].sum(0) / n, rtol=1e-12, atol=1e-14)
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        noisy = fb.GD(step_size=0.1, privacy=_distributed(clip, 1.7)).build(problem)
+    zero = jnp.zeros(d)
+    draws = np.stack([np.asarray(noisy._dp.share(jax.random.PRNGKey(k), zero)) for k in range(2000)])
+    ratio = draws.var() / (1.7 * clip) ** 2 * n  # one share's variance is (sigma C)^2 / c, here c = n
+    assert abs(ratio - 1) < 5 * np.sqrt(2 / draws.size), ratio
+    assert start.shape == (d,)
+
+
+def test_distributed_gd_with_a_loose_clip_and_no_noise_is_gd_and_reports_the_rounds_as_they_went():
+    data = _glm()
+    model = fb.models.linear_regression()
+    plain = fb.fed_fit(model, data, fb.GD(step_size=0.005), num_rounds=40, seed=0, progress=False)
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        private = fb.fed_fit(model, data, fb.GD(step_size=0.005, privacy=_distributed(1e6, 0.0)), num_rounds=40,
+                             seed=0, progress=False)
+    for k in plain.params:  # x + (1/n) sum (x_i - x) against (1/n) sum x_i: equal up to rounding
+        np.testing.assert_allclose(private.params[k], plain.params[k], rtol=1e-12, atol=1e-14)
+    # every member answers: the rounds as they went are the planned ones; a member that drops takes its share of
+    # the noise with it, and the realised epsilon of those rounds is larger
+    dp = _distributed(1.0, 2.0, delta=1e-4)
+    kw = dict(num_rounds=25, clients_per_round=4, seed=0, progress=False)
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        full = fb.fed_fit(model, data, fb.FedAvg(step_size=0.005, local_steps=3, privacy=dp), **kw)
+        faulty = fb.fed_fit(model, data, fb.FedAvg(step_size=0.005, local_steps=3, privacy=dp),
+                            faults=fb.Faults(drop=0.2), fault_policy=fb.FaultPolicy(min_clients=1), **kw)
+    planned = privacy.epsilon(2.0, delta=1e-4, rounds=25, num_clients=6, cohort_size=4)
+    assert full.privacy["epsilon"] == faulty.privacy["epsilon"] == planned
+    assert full.privacy["epsilon_realised"] == pytest.approx(planned, rel=1e-9)
+    assert (faulty.history["active"] < 4).any() and faulty.privacy["epsilon_realised"] > planned
+    assert "distributed" in full.privacy["mechanism"]
+    with pytest.raises(ConfigError, match="secure aggregation runs GD and FedAvg with distributed DP"):
+        fb.flower.SecAggPlus(clipping_range=1.0).check(
+            fb.GD(step_size=0.1).build(Problem(fb.FedModel(model, data), data, 5)), data.num_clients)
+
+
+def test_distributed_fedavg_with_secure_aggregation_on_flower_equals_fed_fit(float32):
+    # Each member's clipped, noised update reaches the server only summed (SecAgg+); with the same noise seed the
+    # estimate is fed_fit's up to the quantisation (2 c R / Q per coordinate of the sum, R = C + 8 sigma C /
+    # sqrt(c): about 1e-8 here) and float32 rounding of a separately compiled server step (1e-5 relative).
+    flower = pytest.importorskip("fedbayes.flower")
+    data, model = _glm(), fb.models.linear_regression()
+    algo = fb.FedAvg(step_size=0.005, local_steps=3, privacy=_distributed(1.0, 0.5, noise_seed=5))
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        ref = fb.fed_fit(model, data, algo, num_rounds=8, clients_per_round=4, seed=2, progress=False)
+    res = flower.simulate(model, data, algo, num_rounds=8, clients_per_round=4, seed=2, backend="local",
+                          secure_aggregation=flower.SecAggPlus())
+    for k in ref.params:
+        np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-5, atol=1e-6)
+    kinds = {kind for kind, *_ in res.flower_messages}
+    assert "upload" not in kinds and any(kind.startswith("secagg:") for kind in kinds)
+    assert res.privacy["secure_aggregation"] == "SecAgg+ (Flower)"

@@ -62,6 +62,8 @@ SECOND_TIER: dict[str, object] = {
         "test_distributed_lmc_reports_the_epsilon_of_the_rounds_as_they_went",  # two fits, ~18 s
         "test_private_lmc_noise_follows_the_rounds_fault_weight",  # 4 000 server steps, ~25 s
         "test_privacy_audit_of_a_private_d_elf_round_and_unclipped_memories_are_caught",  # 600 000 steps
+        "test_distributed_fedavg_with_secure_aggregation_on_flower_equals_fed_fit",  # ~30 s each: SecAgg+ rounds
+        "test_distributed_gd_with_a_loose_clip_and_no_noise_is_gd_and_reports_the_rounds_as_they_went",  # 4 fits
     ),
     "tests/test_expfam.py": (
         "test_gmm_statistics_and_m_step",

@@ -62,7 +62,7 @@ from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
 from ..introspect import FedModel
 from ..minibatch import check_batch_size
-from ..privacy import SumPrivacy, check_central, check_dp
+from ..privacy import SumPrivacy, check_dp
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo
 from .tamuna_theory import (  # noqa: F401 - the masks and theory helpers, re-exported as fb.tamuna.*
     _real,
@@ -218,7 +218,7 @@ class TAMUNA:
         broadcast point) uses all rows. A model's ``numpyro.plate(..., subsample_size=B)`` sets B the
         same way.
     privacy:
-        Central client-level differential privacy for ``fb.GD`` and ``fb.FedAvg``, a ``fb.privacy.DP``
+        Client-level differential privacy for ``fb.GD`` and ``fb.FedAvg``, a ``fb.privacy.DP``
         (None: none). The server clips each cohort member's update, Delta_i = x_i - x_bar (its local
         iterate minus the broadcast), to L2 norm C, and steps x_bar <- x_bar + (1/c) sum_i clip(Delta_i) +
         N(0, (sigma C / c)^2 I): DP-FedAvg's fixed-denominator mean (McMahan et al., 2018), c the cohort
@@ -230,7 +230,12 @@ class TAMUNA:
         refused: the automatic step and preconditioning (the clients' Hessians in the set-up exchange:
         give ``step_size``), the safeguard (the clients' objectives every round) and the final exchange
         (the gradient and information of the convergence check and of standard errors: a private fit's
-        convergence rests on its trace). ``fb.TAMUNA`` and ``fb.Scaffnew`` have no privacy option: their
+        convergence rests on its trace). ``DP(mode="distributed")``: each member clips its own update and
+        adds N(0, sigma^2 C^2 / c), so that the sum of the c shares carries the central mode's noise; the
+        server adds nothing and needs only the sum (``fb.flower.SecAggPlus`` hides the single uploads on
+        Flower). A member that does not answer takes its share with it: ``res.privacy["epsilon_realised"]``
+        accounts the rounds as they went (:meth:`fedbayes.privacy.SumPrivacy.realised_epsilon`).
+        ``fb.TAMUNA`` and ``fb.Scaffnew`` have no privacy option: their
         control variates h_i keep sum_i h_i = 0, and with it the fixed point x*, only while x_bar is the
         exact average; noise on x_bar moves that sum, and the fit, by a random walk.
     """
@@ -312,7 +317,6 @@ class TAMUNA:
                 "only while the server's average is exact; noise on the average moves that sum, and the fit, by a "
                 "random walk. Use fb.GD or fb.FedAvg (no control variates) with privacy"
             )
-        check_central(self.privacy, n)
         if self.step_size is None:
             raise ConfigError(
                 f"{n} with privacy needs a step_size: the automatic step is measured from every client's Hessian "
@@ -461,9 +465,15 @@ class TAMUNARun(FederatedRun):
                 problem.num_rounds,
                 self.n,
                 self.c,
-                mechanism="central: each cohort member's update x_i - x_bar clipped at the server, Gaussian noise "
-                "on the mean update over the cohort (fixed denominator c); no set-up curvature, no safeguard, "
-                "no final exchange",
+                mechanism=(
+                    "distributed: each cohort member clips its update x_i - x_bar and adds 1/c of the noise; the "
+                    "server sums the shares (fixed denominator c) and sees each one unless secure aggregation "
+                    "sums them; no set-up curvature, no safeguard, no final exchange"
+                    if dp.mode == "distributed"
+                    else "central: each cohort member's update x_i - x_bar clipped at the server, Gaussian noise "
+                    "on the mean update over the cohort (fixed denominator c); no set-up curvature, no safeguard, "
+                    "no final exchange"
+                ),
                 public="the cohort size c, the mean update's denominator",
             )
             self.final_exchange = False  # its gradient and information would be releases the accountant does not cover
@@ -471,6 +481,19 @@ class TAMUNARun(FederatedRun):
         self._estimate = cfg.step_size is None or (need_p and cfg.kappa is None) or self.precondition
         if not self._estimate:
             self._resolve(None, None, None)  # refuse an eta outside Theorem 1's range now
+
+    @property
+    def sums_uploads(self) -> bool | str:  # type: ignore[override]  # FederatedRun's plain attribute, computed here
+        """True for GD and FedAvg with distributed DP, whose server needs each round's uploads (the members'
+        clipped, noised updates) only summed, so that secure aggregation can hide them
+        (:class:`fedbayes.protocol.FederatedRun`); otherwise why not."""
+        if self._dp is not None and self._dp.distributed:
+            return True
+        return (
+            f"{self.name}'s server averages the members' iterates over the holders of each coordinate and screens "
+            "each upload; secure aggregation runs GD and FedAvg with distributed DP "
+            "(privacy=fb.privacy.DP(..., mode='distributed')), whose server needs the sum of the updates alone"
+        )
 
     def _resolve(self, L_max: float | None, mu_min: float | None, mu_mean: float | None) -> tuple[float, float, float]:
         """(gamma, p, eta) from the configuration and, when estimated, (mu_min, L_max) (host side)."""
@@ -707,6 +730,8 @@ class TAMUNARun(FederatedRun):
         else:
             x = jax.lax.fori_loop(0, steps, lambda _, x: x - gamma * (self._grad(x, client) - h), x_bar)
         q = self.column(client.shared_key, client.slot)
+        if self._dp is not None and self._dp.distributed:  # GD / FedAvg (s = c): the clipped update and a noise share
+            x = self._dp.share(key, x - x_bar)
         sent = Masked(jnp.where(q, x, 0.0), self.column)
         if self.safeguard:  # f_i at the broadcast point, for the server's monotonicity check
             return h, Message((sent, self.run_objective(x_bar, client)), FLOAT_BITS * (jnp.sum(q) + 1))
@@ -717,7 +742,9 @@ class TAMUNARun(FederatedRun):
         a coordinate none of whose holders answered keeps its value. Faulty members get no reply and
         keep their h_i, so sum_i h_i = 0 still holds."""
         masked = uploads.payload[0] if self.safeguard else uploads.payload
-        if self._dp is not None:  # central DP (GD, FedAvg: s = c): the clipped mean update, noised
+        if self._dp is not None and self._dp.distributed:  # the members' clipped, noised updates: their sum alone
+            x = state.x + jnp.sum(jnp.where(info.active[:, None], masked, 0.0), axis=0) / self.c
+        elif self._dp is not None:  # central DP (GD, FedAvg: s = c): the clipped mean update, noised
             updates = jnp.where(info.active[:, None], self._dp.clipped(masked - state.x), 0.0)
             x = state.x + self._dp.noisy(key, jnp.sum(updates, axis=0) / self.c, 1.0 / self.c)
         elif info.faulty is None and not self._aggregate.robust:
@@ -830,7 +857,10 @@ class TAMUNARun(FederatedRun):
         """The estimate, with the final exchange's gradient and information (``final_bits``); under privacy
         the estimate alone (no final exchange)."""
         if not self.final_exchange:
-            return self.final_server(key, carry[0], None, None, None)
+            parts = self.final_server(key, carry[0], None, None, None)
+            if self._dp is not None and self._dp.distributed and history is not None:
+                parts.privacy = self._dp.report(history.get("active"))
+            return parts
         # the parts of this run's final_server (engine.final_exchange is typed for any run)
         return final_exchange(self, key, carry[0], carry[1], stack_clients(problem.data))
 

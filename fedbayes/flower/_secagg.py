@@ -58,8 +58,9 @@ class SecAggPlus:
     fraction of the cohort, resp. of the shares); the sum survives the clients that drop out as long as
     ``reconstruction_threshold`` shares of each secret arrive. ``clipping_range`` R: every uploaded
     coordinate is clipped to [-R, R] before quantisation; None (default) takes it from the algorithm's
-    distributed DP, C + 8 s / sqrt(n) (the clip C bounds the clipped upload's coordinates, and a client's
-    share of the noise has sd s / sqrt(n)); without DP it must be given. ``quantization_range`` Q and
+    distributed DP, C + 8 s' (the clip C bounds the clipped upload's coordinates, and s' is the sd of a
+    client's share of the noise: s / sqrt(n) for LMC's n clients, s / sqrt(c) for GD's cohorts of c);
+    without DP it must be given. ``quantization_range`` Q and
     ``modulus_range`` M: the levels of the quantisation and the masks' modulus (n Q < M, M a power of
     two): the sum of n uploads is exact to about 2 n R / Q per coordinate.
 
@@ -116,7 +117,7 @@ class SecAggPlus:
                 "SecAggPlus needs clipping_range (a bound on every uploaded coordinate) when the "
                 "algorithm has no distributed DP to take it from"
             )
-        return float(dp.dp.clip + 8.0 * float(dp.added_std()) / np.sqrt(num_clients))
+        return float(dp.dp.clip + 8.0 * float(dp.share_std()))
 
     def check(self, run: Any, num_clients: int) -> None:
         """Refuse a run whose server needs more than the sum of the uploads, and settings that cannot hold
