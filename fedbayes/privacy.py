@@ -476,6 +476,8 @@ class LangevinPrivacy(_Mechanism):
         for a in np.asarray(answered, int).ravel():
             if a > 0:
                 counts[int(a)] = counts.get(int(a), 0) + 1
+        if self.sigma == 0:  # no noise: no guarantee (as epsilon() reports)
+            return math.inf
         counts[self.num_clients] = counts.get(self.num_clients, 0) + 1  # the set-up's first move
         events = [
             dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(self.sigma * math.sqrt(a / self.num_clients)), k)
@@ -588,6 +590,8 @@ class SumPrivacy(_Mechanism):
                 counts[int(a)] = counts.get(int(a), 0) + 1
         if not counts:
             return 0.0
+        if self.sigma == 0:  # no noise: no guarantee (as epsilon() reports)
+            return math.inf
         n, c = self.num_clients, self.cohort
         relation = relation_for(n, c)
 

@@ -597,8 +597,8 @@ def test_private_fedsoul_fit_reports_its_epsilon_and_releases_nothing_else():
     for kw in bad:
         with pytest.raises(ConfigError, match="privacy"):
             fb.FedSOUL(privacy=dp, **kw)
-    with pytest.raises(ConfigError, match="distributed"):
-        fb.FedSOUL(privacy=privacy.DP(clip=1.0, noise_multiplier=1.0, mode="distributed"))
+    with pytest.raises(ConfigError, match="distributed DP sends each client's gradient clipped and noised in full"):
+        fb.FedSOUL(privacy=privacy.DP(clip=1.0, noise_multiplier=1.0, mode="distributed"), compressor=fb.compress.qsgd(4))
     with pytest.raises(ConfigError, match="FedRep has no privacy"):
         fb.FedRep(privacy=dp)
 
@@ -978,3 +978,41 @@ def test_distributed_fedavg_with_secure_aggregation_on_flower_equals_fed_fit(flo
     kinds = {kind for kind, *_ in res.flower_messages}
     assert "upload" not in kinds and any(kind.startswith("secagg:") for kind in kinds)
     assert res.privacy["secure_aggregation"] == "SecAgg+ (Flower)"
+
+
+def test_distributed_fedsoul_without_noise_is_the_central_one_and_reports_the_rounds_as_they_went():
+    # sigma = 0 and a clip no gradient reaches: clipping at the client or at the server is the identity, so the
+    # distributed fit is the central one to rounding; with noise and dropouts the realised epsilon is larger
+    data = _lme()
+    kw = dict(num_rounds=12, clients_per_round=3, seed=0, progress=False)
+    model = fb.models.linear_mixed_effects
+    central = fb.fed_fit(model, data, fb.FedSOUL(server_lr=0.05, privacy=privacy.DP(clip=1e6, noise_multiplier=0.0)),
+                         **kw)
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        dist = fb.fed_fit(model, data, fb.FedSOUL(server_lr=0.05, privacy=_distributed(1e6, 0.0)), **kw)
+    for k in central.params:
+        np.testing.assert_allclose(dist.params[k], central.params[k], rtol=1e-12, atol=1e-14)
+    assert np.isnan(dist.history["objective"]).all() and "distributed" in dist.privacy["mechanism"]
+    dp = _distributed(5.0, 0.8, delta=1e-4)
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        faulty = fb.fed_fit(model, data, fb.FedSOUL(server_lr=0.05, privacy=dp), faults=fb.Faults(drop=0.2),
+                            **{**kw, "clients_per_round": 4})
+    planned = privacy.epsilon(0.8, delta=1e-4, rounds=12, num_clients=6, cohort_size=4)
+    assert faulty.privacy["epsilon"] == planned
+    assert (faulty.history["active"] < 4).any() and faulty.privacy["epsilon_realised"] > planned
+
+
+def test_distributed_fedsoul_with_secure_aggregation_on_flower_equals_fed_fit(float32):
+    # the clients' clipped, noised gradients reach the server only summed (SecAgg+); with the same noise seed
+    # the estimate is fed_fit's up to the quantisation and float32 rounding of separately compiled steps
+    flower = pytest.importorskip("fedbayes.flower")
+    data, model = _lme(), fb.models.linear_mixed_effects
+    algo = fb.FedSOUL(server_lr=0.05, uncertainty=False, privacy=_distributed(5.0, 0.5, noise_seed=5))
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        ref = fb.fed_fit(model, data, algo, num_rounds=5, clients_per_round=4, seed=2, progress=False)
+    res = flower.simulate(model, data, algo, num_rounds=5, clients_per_round=4, seed=2, backend="local",
+                          secure_aggregation=flower.SecAggPlus())
+    for k in ref.params:
+        np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-4, atol=1e-5)
+    kinds = {kind for kind, *_ in res.flower_messages}
+    assert "upload" not in kinds and any(kind.startswith("secagg:") for kind in kinds)

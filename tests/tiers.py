@@ -64,6 +64,7 @@ SECOND_TIER: dict[str, object] = {
         "test_privacy_audit_of_a_private_d_elf_round_and_unclipped_memories_are_caught",  # 600 000 steps
         "test_distributed_fedavg_with_secure_aggregation_on_flower_equals_fed_fit",  # ~30 s each: SecAgg+ rounds
         "test_distributed_gd_with_a_loose_clip_and_no_noise_is_gd_and_reports_the_rounds_as_they_went",  # 4 fits
+        "test_distributed_fedsoul_without_noise_is_the_central_one_and_reports_the_rounds_as_they_went",  # ~45 s
     ),
     "tests/test_expfam.py": (
         "test_gmm_statistics_and_m_step",
@@ -177,6 +178,9 @@ THIRD_TIER: dict[str, object] = {
         "test_a_feature_extractor_with_personal_heads_trains_checkpoints_and_runs_on_flower[equinox]",),
     "tests/test_fedsoul_se.py": ("test_ula_gradient_carries_the_exact_bias_of_unadjusted_langevin",),  # 51 s
     "tests/test_tamuna.py": ("test_mask_has_s_ones_per_row_and_balanced_columns",),
+    # ~55 s: FedSOUL compiled for Flower's server and clients, then four SecAgg+ exchanges a round (FedSOUL's
+    # other Flower runs are here too); FedAvg's distributed DP with SecAgg+ stays in CI
+    "tests/test_privacy.py": ("test_distributed_fedsoul_with_secure_aggregation_on_flower_equals_fed_fit",),
     "tests/test_joint.py": (  # CI keeps the ULA law, MALA at the biased step, and JointMALA on Flower
         "test_each_client_s_own_step_gives_the_block_diagonal_ula_law",
         "test_joint_mala_samples_the_exact_posterior_where_ula_is_biased[None]",

@@ -57,7 +57,7 @@ from jax.flatten_util import ravel_pytree
 from .. import minibatch, optim
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import client_key, final_exchange, run_jit, stack_clients
-from ..privacy import SumPrivacy, check_central, check_dp
+from ..privacy import SumPrivacy, check_dp
 from ..convergence import ONE_STEP_MAX
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
@@ -255,6 +255,11 @@ class FedSOUL:
         objectives are not used (``history["objective"]`` is NaN), and ``init="map"`` is refused.
         Give ``server_lr`` on the parameters' scale: Adam moves each coordinate by about that much
         per round. The personal posteriors stay on the clients; ``res.privacy`` reports epsilon.
+        ``DP(mode="distributed")``: each cohort member clips its own gradient and adds N(0, sigma^2 C^2 / b)
+        (so the b shares carry the central noise), sends no objective, and the server re-weights the sum:
+        it needs only the sum, so ``fb.flower.SecAggPlus`` hides each upload on Flower (no compressor or
+        exact sites then). A member that does not answer takes its share with it:
+        ``res.privacy["epsilon_realised"]`` accounts the rounds as they went.
     """
 
     local_steps: int = 10
@@ -360,7 +365,11 @@ class FedSOUL:
         check_dp(self.privacy, self.name)
         if type(self) is not FedSOUL:
             raise ConfigError(f"{self.name} has no privacy option yet (FedSOUL has)")
-        check_central(self.privacy, self.name)
+        if self.privacy.mode == "distributed" and (self.compressor != identity() or self.exact_sites):
+            raise ConfigError(
+                "FedSOUL with distributed DP sends each client's gradient clipped and noised in full: a compressed "
+                "code would carry the noise share only in part; leave compressor and exact_sites at their defaults"
+            )
         if isinstance(self.server_optimizer, str) and self.server_optimizer == "fisher":
             raise ConfigError(
                 "FedSOUL with privacy cannot use Fisher scoring: its information uploads are a release "
@@ -534,7 +543,15 @@ class FedSOULRun(FederatedRun):
         if dp is not None:
             if rounds_cohort is None:  # FedSOUL.build always passes them
                 raise AssertionError(f"{self.name} with privacy needs the number of rounds and the cohort size")
-            self._dp = SumPrivacy(dp, rounds_cohort[0], num_clients, rounds_cohort[1])
+            mechanism = (
+                "distributed: each cohort member clips its gradient upload and adds 1/b of the noise; the server "
+                "re-weights the sum of the shares and sees each one unless secure aggregation sums them; the "
+                "clients' objectives are not sent, and no standard errors"
+            )
+            if dp.mode == "distributed":
+                self._dp = SumPrivacy(dp, rounds_cohort[0], num_clients, rounds_cohort[1], mechanism=mechanism)
+            else:
+                self._dp = SumPrivacy(dp, rounds_cohort[0], num_clients, rounds_cohort[1])
         self._fisher = isinstance(opt, str) and (opt == "fisher" or (opt == "auto" and small)) and dp is None
         self.optimizer = "fisher" if self._fisher else ("adam" if isinstance(opt, str) and opt == "auto" else opt)
         lr = cfg.server_lr if cfg.server_lr is not None else (1.0 if self._fisher else 0.05)
@@ -778,6 +795,9 @@ class FedSOULRun(FederatedRun):
         z, grad, objective, info = self._run_chain(
             fm, k_chain, theta, z0, step, client, self.cfg.local_steps, self.cfg.burn_in, self._fisher, root, order
         )
+        if self._dp is not None and self._dp.distributed:  # the gradient clipped and noised here; no objective sent
+            grad = self._dp.share(k_comp, grad)
+            objective = jnp.zeros_like(objective)
         sent, bits = self._compress(k_comp, grad)
         tri = ()
         if self._fisher:  # the complete-data information as its upper triangle, uncompressed
@@ -810,14 +830,15 @@ class FedSOULRun(FederatedRun):
         w = jnp.where(info.active, weight, 0.0)
         rule = as_aggregation(self.cfg.aggregation)
         grads = self._gradients(uploads.payload.grad)
-        if self._dp is not None:  # central DP: each upload clipped (robust rules are refused under DP)
-            grads = self._dp.clipped(grads)
+        central = self._dp if self._dp is not None and not self._dp.distributed else None
+        if central is not None:  # central DP: each upload clipped (robust rules are refused under DP)
+            grads = central.clipped(grads)
         if rule.robust:
             agg = jax.tree_util.tree_map(lambda g: info.num_clients * rule(g, info.active), grads)
         else:
             agg = jax.tree_util.tree_map(lambda g: jnp.tensordot(w, g, axes=1), grads)
-        if self._dp is not None:  # ... and Gaussian noise on the re-weighted sum
-            agg = self._dp.noisy(jax.random.split(key)[1], agg, weight)
+        if central is not None:  # ... and Gaussian noise on the re-weighted sum (distributed: the shares carry it)
+            agg = central.noisy(jax.random.split(key)[1], agg, weight)
         prior_lp, prior_grad = jax.value_and_grad(fm.log_prior)(theta)
         grad = jax.tree_util.tree_map(jnp.add, prior_grad, agg)
         any_active = n_active > 0
@@ -1013,8 +1034,22 @@ class FedSOULRun(FederatedRun):
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> FitParts:
         """The final exchange with every client (:func:`fedbayes.engine.final_exchange`)."""
         server, states, _ = carry
-        # the parts of this run's final_server (engine.final_exchange is typed for any run)
-        return final_exchange(self, key, server, states, stack_clients(problem.data))
+        parts = final_exchange(self, key, server, states, stack_clients(problem.data))
+        if self._dp is not None and self._dp.distributed and history is not None:
+            parts.privacy = self._dp.report(history.get("active"))
+        return parts
+
+    @property
+    def sums_uploads(self) -> bool | str:  # type: ignore[override]  # FederatedRun's plain attribute, computed here
+        """True for FedSOUL with distributed DP, whose server needs each round's uploads (the clipped, noised
+        gradients) only summed, so that secure aggregation can hide them; otherwise why not."""
+        if type(self) is FedSOULRun and self._dp is not None and self._dp.distributed:
+            return True
+        return (
+            f"{self.name}'s server reads each client's gradient (central DP clips each one), objective and, with "
+            "Fisher scoring, information; secure aggregation runs FedSOUL with distributed DP "
+            "(privacy=fb.privacy.DP(..., mode='distributed')), whose server needs the sum of the gradients alone"
+        )
 
     def sample_new_client(self, key, theta: Params, client: ClientData, num_samples: int, warmup: int) -> Params:
         """Local posterior samples for a client unseen in training, from :meth:`_start` (no server round trip)."""
