@@ -366,6 +366,22 @@ class _Mechanism:
     delta: float
     secret: jax.Array
 
+    @property
+    def distributed(self) -> bool:
+        """Whether each client clips its own upload and adds its share of the noise (the subclass's ``share``)."""
+        return self.dp.mode == "distributed"
+
+    def _warn_distributed(self, shares: int) -> None:
+        """In the distributed mode, the warning that without secure aggregation the server sees each upload."""
+        if self.distributed:
+            warnings.warn(
+                "distributed DP with no secure aggregation (fed_fit, or Flower without fb.flower.SecAggPlus): the "
+                f"server sees each client's upload with 1/{shares} of the noise; the reported epsilon holds for "
+                "what the server releases (the iterates), not against the server itself",
+                UserWarning,
+                stacklevel=3,
+            )
+
     def clipped(self, rows: Any) -> Any:
         """Each client's upload (the leaves' axis 0) clipped to C as one vector."""
         return jax.vmap(lambda r: clip_norm(r, self.dp.clip)[0])(rows)
@@ -419,19 +435,7 @@ class LangevinPrivacy(_Mechanism):
         self.sigma = float(asked) if self.distributed else max(float(asked), self.inherent)
         self.epsilon = epsilon(self.sigma, **kw)
         self.secret = secret_key(dp.noise_seed)
-        if self.distributed:
-            warnings.warn(
-                "distributed DP with no secure aggregation (fed_fit, or Flower without fb.flower.SecAggPlus): the "
-                f"server sees each client's upload with 1/{self.num_clients} of the noise; the reported epsilon holds "
-                "for what the server releases (the iterates), not against the server itself",
-                UserWarning,
-                stacklevel=2,
-            )
-
-    @property
-    def distributed(self) -> bool:
-        """Whether each client clips its own upload and adds its share of the noise (:meth:`share`)."""
-        return self.dp.mode == "distributed"
+        self._warn_distributed(self.num_clients)
 
     def share(self, key: jax.Array, grad: jax.Array) -> jax.Array:
         """Distributed DP: a client's upload clipped to C, plus N(0, s^2 / n) noise, n the number of
@@ -549,19 +553,7 @@ class SumPrivacy(_Mechanism):
         self.sigma = float(_asked_multiplier(dp, kw))
         self.epsilon = epsilon(self.sigma, **kw)
         self.secret = secret_key(dp.noise_seed)
-        if self.distributed:
-            warnings.warn(
-                "distributed DP with no secure aggregation (fed_fit, or Flower without fb.flower.SecAggPlus): the "
-                f"server sees each member's update with 1/{self.cohort} of the noise; the reported epsilon holds for "
-                "what the server releases (the iterates), not against the server itself",
-                UserWarning,
-                stacklevel=2,
-            )
-
-    @property
-    def distributed(self) -> bool:
-        """Whether each cohort member clips its own upload and adds its share of the noise (:meth:`share`)."""
-        return self.dp.mode == "distributed"
+        self._warn_distributed(self.cohort)
 
     def share_std(self) -> float:
         """The standard deviation of one member's share of the noise, sigma C / sqrt(c) (distributed mode)."""

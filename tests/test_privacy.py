@@ -966,18 +966,24 @@ def test_distributed_fedavg_with_secure_aggregation_on_flower_equals_fed_fit(flo
     # Each member's clipped, noised update reaches the server only summed (SecAgg+); with the same noise seed the
     # estimate is fed_fit's up to the quantisation (2 c R / Q per coordinate of the sum, R = C + 8 sigma C /
     # sqrt(c): about 1e-8 here) and float32 rounding of a separately compiled server step (1e-5 relative).
-    flower = pytest.importorskip("fedbayes.flower")
-    data, model = _glm(), fb.models.linear_regression()
     algo = fb.FedAvg(step_size=0.005, local_steps=3, privacy=_distributed(1.0, 0.5, noise_seed=5))
+    res = _secagg_equals_fed_fit(fb.models.linear_regression(), _glm(), algo, 8, rtol=1e-5, atol=1e-6)
+    assert res.privacy["secure_aggregation"] == "SecAgg+ (Flower)"
+
+
+def _secagg_equals_fed_fit(model, data, algo, rounds, rtol, atol):
+    """``algo`` (distributed DP) on Flower with SecAgg+ against fed_fit, cohorts of 4: the estimate within
+    rtol / atol, and no single upload among Flower's messages; the Flower result."""
+    flower = pytest.importorskip("fedbayes.flower")
     with pytest.warns(UserWarning, match="no secure aggregation"):
-        ref = fb.fed_fit(model, data, algo, num_rounds=8, clients_per_round=4, seed=2, progress=False)
-    res = flower.simulate(model, data, algo, num_rounds=8, clients_per_round=4, seed=2, backend="local",
+        ref = fb.fed_fit(model, data, algo, num_rounds=rounds, clients_per_round=4, seed=2, progress=False)
+    res = flower.simulate(model, data, algo, num_rounds=rounds, clients_per_round=4, seed=2, backend="local",
                           secure_aggregation=flower.SecAggPlus())
     for k in ref.params:
-        np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(res.params[k], ref.params[k], rtol=rtol, atol=atol)
     kinds = {kind for kind, *_ in res.flower_messages}
     assert "upload" not in kinds and any(kind.startswith("secagg:") for kind in kinds)
-    assert res.privacy["secure_aggregation"] == "SecAgg+ (Flower)"
+    return res
 
 
 def test_distributed_fedsoul_without_noise_is_the_central_one_and_reports_the_rounds_as_they_went():
@@ -1005,14 +1011,5 @@ def test_distributed_fedsoul_without_noise_is_the_central_one_and_reports_the_ro
 def test_distributed_fedsoul_with_secure_aggregation_on_flower_equals_fed_fit(float32):
     # the clients' clipped, noised gradients reach the server only summed (SecAgg+); with the same noise seed
     # the estimate is fed_fit's up to the quantisation and float32 rounding of separately compiled steps
-    flower = pytest.importorskip("fedbayes.flower")
-    data, model = _lme(), fb.models.linear_mixed_effects
     algo = fb.FedSOUL(server_lr=0.05, uncertainty=False, privacy=_distributed(5.0, 0.5, noise_seed=5))
-    with pytest.warns(UserWarning, match="no secure aggregation"):
-        ref = fb.fed_fit(model, data, algo, num_rounds=5, clients_per_round=4, seed=2, progress=False)
-    res = flower.simulate(model, data, algo, num_rounds=5, clients_per_round=4, seed=2, backend="local",
-                          secure_aggregation=flower.SecAggPlus())
-    for k in ref.params:
-        np.testing.assert_allclose(res.params[k], ref.params[k], rtol=1e-4, atol=1e-5)
-    kinds = {kind for kind, *_ in res.flower_messages}
-    assert "upload" not in kinds and any(kind.startswith("secagg:") for kind in kinds)
+    _secagg_equals_fed_fit(fb.models.linear_mixed_effects, _lme(), algo, 5, rtol=1e-4, atol=1e-5)
