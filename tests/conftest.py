@@ -25,17 +25,19 @@ jax.config.update("jax_enable_x64", True)
 
 _ENV = "FEDBAYES_TEST_XLA_CACHE"
 _shared = importlib.util.find_spec("filelock") is not None
+_off = os.environ.get(_ENV) == "off"  # no persistent cache (tests/run_tier.py's rerun after a crash)
 _cache = os.environ.get(_ENV) if _shared else None
-if _cache is None:
-    _cache = tempfile.mkdtemp(prefix="fedbayes-xla-cache-")
-    atexit.register(shutil.rmtree, _cache, ignore_errors=True)  # only its maker removes it
-    if _shared:
-        os.environ[_ENV] = _cache
-if _shared:  # a size limit turns on JAX's file lock (8 GiB: never reached by this suite)
-    jax.config.update("jax_compilation_cache_max_size", 8 << 30)
-jax.config.update("jax_compilation_cache_dir", _cache)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+if not _off:
+    if _cache is None:
+        _cache = tempfile.mkdtemp(prefix="fedbayes-xla-cache-")
+        atexit.register(shutil.rmtree, _cache, ignore_errors=True)  # only its maker removes it
+        if _shared:
+            os.environ[_ENV] = _cache
+    if _shared:  # a size limit turns on JAX's file lock (8 GiB: never reached by this suite)
+        jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+    jax.config.update("jax_compilation_cache_dir", _cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # The fuzzing harness (tests/fuzz_harness.py) records its outcomes per process in one folder; the
 # controller prints their sum at the end of the run.

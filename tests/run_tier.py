@@ -2,25 +2,29 @@
 
 Usage: ``python tests/run_tier.py <pytest arguments>`` (the Makefile's ``test``, ``test-slow`` and ``test-heavy``).
 
-Why: in rare runs (about one full CI run in three, never reproduced alone) a worker process died with
-"Fatal Python error: Aborted" inside XLA's CPU compiler (``backend_compile_and_load``), in different tests
-each time. pytest-xdist's recovery from a crash under ``--dist loadfile`` then went wrong both times it was
-seen: once the replacement workers died one after another and the controller stopped with an internal
-error, once the run hung until CI's limit.
+Why: in some full runs (three of about eight, in different tests: the flax network of
+test_fedpop_images.py twice, test_qlsd.py once; never reproduced alone) a worker process died with "Fatal
+Python error: Aborted" inside XLA's CPU backend, each time on the path that compiles a program and writes it
+to JAX's persistent compilation cache (``_compile_and_write_cache``; the last one inside the executable's
+serialisation, ``put_executable_and_time``). pytest-xdist's own recovery (``--dist loadfile``) then went
+wrong both times it was tried: once the replacement workers died one after another and the controller
+stopped with an internal error, once the run hung until CI's limit.
 
 What this runner does:
 
-1. It runs pytest with ``--max-worker-restart=0``: a crashed worker ends the run at once (the other worker
-   finishes what it holds) instead of entering xdist's recovery. pytest-timeout (``timeout`` in
-   pyproject.toml, the thread method) turns a test that hangs into a crashed worker the same way, after
-   printing every thread's stack. The whole attempt has a wall-clock limit (``FEDBAYES_TIER_TIMEOUT``
-   seconds, 2400 by default): a controller that hangs fails the tier.
+1. It runs pytest with ``--max-worker-restart=0``: a crashed worker is not replaced, and the run goes on
+   with the other one (in the run where it was seen, that worker ran every other test of the tier).
+   pytest-timeout (``timeout`` in pyproject.toml, the thread method) turns a test that hangs into a crashed
+   worker the same way, after printing every thread's stack. The whole attempt has a wall-clock limit
+   (``FEDBAYES_TIER_TIMEOUT`` seconds, 2400 by default): a controller that hangs fails the tier.
 2. tests/conftest.py records, in the controller, which tests passed or skipped, which failed, and which
    crashed their worker.
 3. If the attempt failed, no test failed by itself, and at least one crashed its worker, the tier runs once
-   more without the tests that already passed or skipped: the crashed tests and those never reached. The
-   tier passes only if that rerun passes. A crash that happens again fails the tier; any ordinary failure
-   fails it at once, with no rerun. The crash and the rerun are printed in the output, never silent.
+   more without the tests that already passed or skipped: the crashed tests and those never reached, and
+   without the persistent compilation cache whose write path the aborts were on
+   (``FEDBAYES_TEST_XLA_CACHE=off``). The tier passes only if that rerun passes: a crash that happens again
+   fails it, and any ordinary failure fails it at once, with no rerun. The crash and the rerun are printed
+   in the output, never silent.
 
 pytest's exit code 5 (no tests collected) fails the tier like any other non-zero code.
 """
@@ -44,8 +48,9 @@ def _read(folder: str, kind: str) -> list[str]:
 
 def _attempt(args: list[str], folder: str, skip: str | None, limit: float) -> int:
     env = dict(os.environ, FEDBAYES_TEST_OUTCOMES=folder)
-    if skip is not None:
+    if skip is not None:  # the rerun: the tests left, without the persistent compilation cache (see above)
         env["FEDBAYES_TEST_SKIP"] = skip
+        env["FEDBAYES_TEST_XLA_CACHE"] = "off"
     cmd = [sys.executable, "-m", "pytest", "--max-worker-restart=0", *args]
     print("run_tier:", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
