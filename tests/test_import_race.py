@@ -2,7 +2,8 @@
 
 ArviZ 0.23 writes a once-a-day stamp through a temporary file of a fixed name and a rename; two
 processes importing it at once race on that file. The window is microseconds wide, so the tests
-widen it (``Path.replace`` sleeps 0.3 s in every process) and start the processes together with a
+widen it (``Path.replace`` sleeps 1 s in every process: at 0.3 s the control once missed the race, its
+processes reaching the rename more than 0.3 s apart on a busy machine) and start the processes together with a
 file barrier: plain ``import arviz`` then fails (the control, showing the race is real), while
 ``import fedbayes`` must succeed every time.
 """
@@ -30,7 +31,7 @@ def _script(statement: str, barrier: str, widen: bool) -> str:
         if {widen}:
             _replace = pathlib.Path.replace
             def _slow(self, target):
-                time.sleep(0.3)
+                time.sleep(1.0)
                 return _replace(self, target)
             pathlib.Path.replace = _slow
         open(os.path.join({barrier!r}, str(os.getpid())), "w").close()
