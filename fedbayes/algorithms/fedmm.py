@@ -560,7 +560,6 @@ class FedMMRun(FederatedRun):
         (:func:`fedbayes.engine.final_exchange`): local posteriors and Louis' asymptotic covariance."""
         server, states, _ = carry
         if self.final_exchange:
-            # the parts of this run's final_server (engine.final_exchange is typed for any run)
             parts = final_exchange(self, key, server, states, stack_clients(problem.data))
         else:
             parts = self._server_parts(server, self._m_step_jit(self.final_statistic(server), server.theta))

@@ -861,7 +861,6 @@ class TAMUNARun(FederatedRun):
             if self._dp is not None and self._dp.distributed and history is not None:
                 parts.privacy = self._dp.report(history.get("active"))
             return parts
-        # the parts of this run's final_server (engine.final_exchange is typed for any run)
         return final_exchange(self, key, carry[0], carry[1], stack_clients(problem.data))
 
 
