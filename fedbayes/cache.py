@@ -35,6 +35,10 @@ def compilation_cache(directory: str | os.PathLike | None = None) -> Path:
     compilation (``jax_persistent_cache_min_compile_time_secs = 0``: a fit compiles many small ones).
     The same as ``FEDBAYES_COMPILATION_CACHE=<directory>`` (or ``=1``) in the environment before import.
     Entries are never stale (see the module's docstring); delete the directory to reclaim the space.
+
+    With jax 0.10.2 on the CPU, writing an entry has aborted the process inside XLA's serialisation of the
+    compiled executable, intermittently (docs/guides/performance.md): leave the cache off for a job that must
+    not die.
     """
     path = default_directory() if directory is None else Path(os.fspath(directory)).expanduser()
     try:

@@ -1,15 +1,20 @@
-"""Test configuration: float64 everywhere (exactness tests compare against closed forms), and one
-compilation cache shared by the fits of a test run.
+"""Test configuration: float64 everywhere (exactness tests compare against closed forms), and, on
+request, one compilation cache shared by the fits of a test run.
 
-Every ``fed_fit`` builds and compiles its own round program; fits of the same model, data shapes and
-options compile to the same program, so XLA's persistent cache (in a temporary directory removed at
-exit) lets later fits load it instead of compiling again. Results are unchanged: the cache keys on
-the whole compiled program.
+JAX's persistent compilation cache is off by default. With it on, a worker process died with "Fatal
+Python error: Aborted" inside XLA:CPU's serialisation of a compiled executable for the cache
+(``jax._src.compilation_cache.put_executable_and_time``) in about half of the full runs of 2026-11-27
+(jax 0.10.2), in a different test each time (tests/run_tier.py tells the story); every abort was on that
+write path, and the reruns without the cache passed. The cache saved about 45 s of the first tier's 7.5
+minutes, so it is not worth that.
 
-Under pytest-xdist the first process to load this file (the controller) makes the directory and
-hands it to its workers through the environment, so a program compiled by one worker is loaded by
-the other. Two processes writing one directory need JAX's locked (LRU) cache, which needs
-``filelock``; without it each process keeps its own directory.
+``FEDBAYES_TEST_XLA_CACHE=on`` switches it on: every ``fed_fit`` builds and compiles its own round program;
+fits of the same model, data shapes and options compile to the same program, so the cache (in a temporary
+directory removed at exit) lets later fits load it instead of compiling again. Results are unchanged: the
+cache keys on the whole compiled program. Under pytest-xdist the first process to load this file (the
+controller) makes the directory and hands it to its workers through the environment, so a program
+compiled by one worker is loaded by the other. Two processes writing one directory need JAX's locked
+(LRU) cache, which needs ``filelock``; without it each process keeps its own directory.
 """
 
 import atexit
@@ -23,10 +28,11 @@ import pytest
 
 jax.config.update("jax_enable_x64", True)
 
-_ENV = "FEDBAYES_TEST_XLA_CACHE"
+_ENV = "FEDBAYES_TEST_XLA_CACHE"  # unset or "off": no persistent cache; "on": one for the run; a path: that one
 _shared = importlib.util.find_spec("filelock") is not None
-_off = os.environ.get(_ENV) == "off"  # no persistent cache (tests/run_tier.py's rerun after a crash)
-_cache = os.environ.get(_ENV) if _shared else None
+_asked = os.environ.get(_ENV, "off")
+_off = _asked == "off"
+_cache = _asked if _shared and _asked not in ("on", "off") else None
 if not _off:
     if _cache is None:
         _cache = tempfile.mkdtemp(prefix="fedbayes-xla-cache-")
