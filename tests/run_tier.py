@@ -4,10 +4,10 @@ Usage: ``python tests/run_tier.py <pytest arguments>`` (the Makefile's ``test``,
 
 Why: in about half of the full runs of 2026-11-27 (four aborts in all, in different tests: the flax network
 of test_fedpop_images.py twice, test_qlsd.py, test_fedmm_scale.py; never reproduced alone) a worker process
-died with "Fatal Python error: Aborted" inside XLA's CPU backend, each time on the path that compiles a
-program and writes it to JAX's persistent compilation cache (``_compile_and_write_cache``: of the three
-whose innermost frames were printed, two were inside the executable's serialisation,
-``put_executable_and_time``, one inside the compilation just before it).
+died with "Fatal Python error: Aborted" inside XLA's CPU backend, in a compilation; the three whose innermost
+frames were printed were on the path that compiles a program and writes it to JAX's persistent compilation
+cache (``_compile_and_write_cache``), two of them inside the executable's serialisation
+(``put_executable_and_time``), one inside the compilation just before it.
 That cache is now off in the tests (tests/conftest.py). pytest-xdist's own recovery (``--dist loadfile``)
 went wrong both times it was tried: once the replacement workers died one after another and the controller
 stopped with an internal error, once the run hung until CI's limit.
