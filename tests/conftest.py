@@ -3,10 +3,11 @@ request, one compilation cache shared by the fits of a test run.
 
 JAX's persistent compilation cache is off by default. With it on, a worker process died with "Fatal
 Python error: Aborted" in about half of the full runs of 2026-11-27 (jax 0.10.2), in a different test each
-time (tests/run_tier.py tells the story); every abort whose innermost frames were printed was on the path
-that compiles a program and writes it to the cache, two of them inside XLA:CPU's serialisation of the
-executable (``jax._src.compilation_cache.put_executable_and_time``), and the reruns without the cache
-passed. The cache saved about 45 s of the first tier's 7.5 minutes, so it is not worth that.
+time (tests/run_tier.py tells the story), two of the aborts inside XLA:CPU's serialisation of an executable
+for the cache (``jax._src.compilation_cache.put_executable_and_time``). Turning the cache off removes that
+site, for about 45 s more in the first tier; it does not stop the crashes: the first full run without it
+had two segmentation faults inside XLA's compilation itself, and tests/run_tier.py's rerun is what keeps
+the suite's result.
 
 ``FEDBAYES_TEST_XLA_CACHE=on`` switches it on: every ``fed_fit`` builds and compiles its own round program;
 fits of the same model, data shapes and options compile to the same program, so the cache (in a temporary

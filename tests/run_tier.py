@@ -2,15 +2,15 @@
 
 Usage: ``python tests/run_tier.py <pytest arguments>`` (the Makefile's ``test``, ``test-slow`` and ``test-heavy``).
 
-Why: in about half of the full runs of 2026-11-27 (four aborts in all, in different tests: the flax network
-of test_fedpop_images.py twice, test_qlsd.py, test_fedmm_scale.py; never reproduced alone) a worker process
-died with "Fatal Python error: Aborted" inside XLA's CPU backend, in a compilation; the three whose innermost
-frames were printed were on the path that compiles a program and writes it to JAX's persistent compilation
-cache (``_compile_and_write_cache``), two of them inside the executable's serialisation
-(``put_executable_and_time``), one inside the compilation just before it.
-That cache is now off in the tests (tests/conftest.py). pytest-xdist's own recovery (``--dist loadfile``)
-went wrong both times it was tried: once the replacement workers died one after another and the controller
-stopped with an internal error, once the run hung until CI's limit.
+Why: in most full runs of 2026-11-27 (jax 0.10.2; six crashes in five runs, in different tests: the flax
+network of test_fedpop_images.py three times, test_qlsd.py, test_fedmm_scale.py, test_joint_nuts.py; never
+reproduced alone) a worker process died inside XLA's CPU backend while compiling: "Fatal Python error:
+Aborted" four times, two of them inside the serialisation of the executable for JAX's persistent
+compilation cache (``put_executable_and_time``), and, with that cache off (tests/conftest.py), a
+segmentation fault twice inside the compilation itself (``backend_compile_and_load``). The cause is in
+XLA, not found. pytest-xdist's own recovery (``--dist loadfile``) went wrong both times it was tried: once
+the replacement workers died one after another and the controller stopped with an internal error, once the
+run hung until CI's limit.
 
 What this runner does:
 
@@ -23,11 +23,11 @@ What this runner does:
    crashed their worker.
 3. If the attempt failed, no test failed by itself, and at least one crashed its worker, the tier runs once
    more without the tests that already passed or skipped: the crashed tests and those never reached, and
-   always without the persistent compilation cache whose write path the aborts were on
-   (``FEDBAYES_TEST_XLA_CACHE=off``, whatever the first attempt had). The tier passes only if that rerun
+   always without the persistent compilation cache (``FEDBAYES_TEST_XLA_CACHE=off``, whatever the first
+   attempt had). The tier passes only if that rerun
    passes: a crash that happens again fails it, and any ordinary failure fails it at once, with no rerun.
-   The crash and the rerun are printed in the output, never silent. (In the rehearsals of 2026-11-27, with
-   the cache still on, the runner met two of the aborts; each time the rerun passed and the tier with it.)
+   The crash and the rerun are printed in the output, never silent. (In three rehearsals of 2026-11-27 the
+   runner met four of the crashes; each time the rerun passed, and the tier with it.)
 
 pytest's exit code 5 (no tests collected) fails the tier like any other non-zero code.
 """
