@@ -356,6 +356,13 @@ def _asked_multiplier(dp: DP, setting: _Setting) -> float:
     return noise_multiplier_for(dp.epsilon, **setting)
 
 
+def _answer_counts(answered: Any) -> dict[int, int]:
+    """How many rounds had each number a > 0 of answering clients (``answered``: one count per round); a round
+    nobody answered released nothing."""
+    values, counts = np.unique(np.asarray(answered, int).ravel(), return_counts=True)
+    return {int(a): int(k) for a, k in zip(values, counts) if a > 0}
+
+
 class _Mechanism:
     """What the mechanisms share: each client's upload clipped as one vector, and the report's common
     part. Subclasses set ``dp``, ``sigma``, ``epsilon`` and ``delta``."""
@@ -476,10 +483,7 @@ class LangevinPrivacy(_Mechanism):
         Gaussian mechanism with multiplier sigma sqrt(a / n) (weaker than planned); a round nobody answered
         released nothing about anyone. The set-up has every client."""
         dpa = _accounting()
-        counts: dict[int, int] = {}
-        for a in np.asarray(answered, int).ravel():
-            if a > 0:
-                counts[int(a)] = counts.get(int(a), 0) + 1
+        counts = _answer_counts(answered)
         if self.sigma == 0:  # no noise: no guarantee (as epsilon() reports)
             return math.inf
         counts[self.num_clients] = counts.get(self.num_clients, 0) + 1  # the set-up's first move
@@ -533,12 +537,15 @@ class SumPrivacy(_Mechanism):
         num_clients: int,
         cohort_size: int,
         extra_rounds: int = 0,
-        mechanism: str = "central: each client's gradient upload clipped at the server, Gaussian noise "
-        "on the re-weighted sum; the clients' objectives are not used, and no standard "
-        "errors",
+        mechanism: str | None = None,
         public: str | None = None,
     ):
         self.dp, self.num_clients, self.cohort = dp, int(num_clients), int(cohort_size)
+        if mechanism is None:  # FedSOUL's central mode
+            mechanism = (
+                "central: each client's gradient upload clipped at the server, Gaussian noise on the re-weighted "
+                "sum; the clients' objectives are not used, and no standard errors"
+            )
         self.rounds, self.extra, self.mechanism = int(num_rounds), int(extra_rounds), mechanism
         self.public = public
         self.delta = dp.resolved_delta(self.num_clients)
@@ -576,10 +583,7 @@ class SumPrivacy(_Mechanism):
         round is the planned mechanism with multiplier sigma sqrt(a / c); a round nobody answered released nothing.
         With a sampled cohort the bound is the smaller of the sampled and unsampled ones, as in :func:`epsilon`."""
         dpa = _accounting()
-        counts: dict[int, int] = {}
-        for a in np.asarray(answered, int).ravel():
-            if a > 0:
-                counts[int(a)] = counts.get(int(a), 0) + 1
+        counts = _answer_counts(answered)
         if not counts:
             return 0.0
         if self.sigma == 0:  # no noise: no guarantee (as epsilon() reports)

@@ -1012,4 +1012,5 @@ def test_distributed_fedsoul_with_secure_aggregation_on_flower_equals_fed_fit(fl
     # the clients' clipped, noised gradients reach the server only summed (SecAgg+); with the same noise seed
     # the estimate is fed_fit's up to the quantisation and float32 rounding of separately compiled steps
     algo = fb.FedSOUL(server_lr=0.05, uncertainty=False, privacy=_distributed(5.0, 0.5, noise_seed=5))
-    _secagg_equals_fed_fit(fb.models.linear_mixed_effects, _lme(), algo, 5, rtol=1e-4, atol=1e-5)
+    res = _secagg_equals_fed_fit(fb.models.linear_mixed_effects, _lme(), algo, 5, rtol=1e-4, atol=1e-5)
+    assert res.privacy["secure_aggregation"] == "SecAgg+ (Flower)" and "distributed" in res.privacy["mechanism"]

@@ -548,10 +548,13 @@ class FedSOULRun(FederatedRun):
                 "re-weights the sum of the shares and sees each one unless secure aggregation sums them; the "
                 "clients' objectives are not sent, and no standard errors"
             )
-            if dp.mode == "distributed":
-                self._dp = SumPrivacy(dp, rounds_cohort[0], num_clients, rounds_cohort[1], mechanism=mechanism)
-            else:
-                self._dp = SumPrivacy(dp, rounds_cohort[0], num_clients, rounds_cohort[1])
+            self._dp = SumPrivacy(
+                dp,
+                rounds_cohort[0],
+                num_clients,
+                rounds_cohort[1],
+                mechanism=mechanism if dp.mode == "distributed" else None,
+            )
         self._fisher = isinstance(opt, str) and (opt == "fisher" or (opt == "auto" and small)) and dp is None
         self.optimizer = "fisher" if self._fisher else ("adam" if isinstance(opt, str) and opt == "auto" else opt)
         lr = cfg.server_lr if cfg.server_lr is not None else (1.0 if self._fisher else 0.05)
@@ -1035,7 +1038,7 @@ class FedSOULRun(FederatedRun):
         """The final exchange with every client (:func:`fedbayes.engine.final_exchange`)."""
         server, states, _ = carry
         parts = final_exchange(self, key, server, states, stack_clients(problem.data))
-        if self._dp is not None and self._dp.distributed and history is not None:
+        if self._dp is not None and history is not None:  # with the rounds as they went (distributed mode)
             parts.privacy = self._dp.report(history.get("active"))
         return parts
 

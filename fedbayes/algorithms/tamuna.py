@@ -858,7 +858,7 @@ class TAMUNARun(FederatedRun):
         the estimate alone (no final exchange)."""
         if not self.final_exchange:
             parts = self.final_server(key, carry[0], None, None, None)
-            if self._dp is not None and self._dp.distributed and history is not None:
+            if self._dp is not None and history is not None:  # with the rounds as they went (distributed mode)
                 parts.privacy = self._dp.report(history.get("active"))
             return parts
         return final_exchange(self, key, carry[0], carry[1], stack_clients(problem.data))
