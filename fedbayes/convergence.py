@@ -36,7 +36,13 @@ Point estimates (TAMUNA / Scaffnew / GD / FedAvg, FedSOUL's theta*, FedMM / FedE
     else relative to the coordinate's scale max(|mean|, distance travelled from the first round)
     (tolerance :data:`TRACE_TOL_REL` = 1e-3). The threshold is raised to the Monte Carlo noise of that
     change: the Student-t quantile (8 degrees of freedom, two-sided level :data:`NOISE_LEVEL` divided
-    by the number of coordinates, Bonferroni) times its batch-means standard error. This catches a
+    by the number of coordinates, Bonferroni) times its batch-means standard error. A constrained site (a
+    scale, a probability, a simplex) is also checked in the unconstrained coordinates its estimate moves in
+    (its bijection to R^n; scale at least 1 there, a log-unit being already relative), and the worse of
+    the two is its row (both count in Bonferroni's number of coordinates): a scale that runs away grows
+    geometrically, and in its own units the window's batch means curve away from a line so that the
+    curvature passes for noise, while in log units the growth is a line. A move of more than
+    :data:`RUNAWAY` there is reported as running away. This catches a
     fit still drifting (a capped step, a too small learning rate); it cannot see a very slow linear
     convergence whose change over the window is small against its remaining distance (that is what
     the decrement is for). With fewer than :data:`MIN_ROUNDS` rounds a ``rounds`` row takes its place
@@ -104,6 +110,9 @@ RHAT_MAX = 1.01
 """Largest split R-hat (Vehtari et al. 2021)."""
 ESS_PER_CHAIN = 100
 """Smallest bulk / tail ESS per chain (Vehtari et al. 2021: 400 for 4 chains)."""
+RUNAWAY = 1.0
+"""A constrained site's trend change over the trace window, in its unconstrained units, beyond which the
+``trace`` row calls the estimate running away (a log scale that grew e-fold within the window)."""
 BATCHES = 10
 """Batch means of the trace check (the window's trend is fitted to them)."""
 MIN_ROUNDS = 2 * BATCHES
@@ -215,12 +224,14 @@ def trend_change(trace: Any, batches: int = BATCHES) -> tuple[np.ndarray, np.nda
     return slope * n, np.sqrt(s2 / sxx) * n
 
 
-def trace_check(trace: Any, se: Any = None, first: Any = None, num_coords: int = 1) -> dict[str, Any]:
+def trace_check(
+    trace: Any, se: Any = None, first: Any = None, num_coords: int = 1, floor: float = 0.0
+) -> dict[str, Any]:
     """The trace criterion for one site's trajectory over the window (rounds, ...).
 
     Returns the worst coordinate's ``value`` (|change| in standard errors ``se``, or relative to
-    max(|mean|, |mean - first|) without them), its ``threshold`` (the tolerance, raised to the noise
-    allowance t * se(change) in the same units) and ``ok``."""
+    max(|mean|, |mean - first|, ``floor``) without them), its ``threshold`` (the tolerance, raised to the
+    noise allowance t * se(change) in the same units) and ``ok``."""
     from scipy import stats
 
     x = np.asarray(trace, dtype=np.float64)
@@ -231,7 +242,8 @@ def trace_check(trace: Any, se: Any = None, first: Any = None, num_coords: int =
     else:
         mean = flat.mean(0)
         start = mean if first is None else np.asarray(first, dtype=np.float64).ravel()
-        scale, tol, unit = np.maximum(np.abs(mean), np.abs(mean - start)), TRACE_TOL_REL, "relative"
+        scale = np.maximum(np.maximum(np.abs(mean), np.abs(mean - start)), floor)
+        tol, unit = TRACE_TOL_REL, "relative"
     tcrit = float(stats.t.isf(NOISE_LEVEL / (2 * max(num_coords, 1)), BATCHES - 2))
     with np.errstate(divide="ignore", invalid="ignore"):
         value = np.where(change == 0, 0.0, np.abs(change) / scale)
@@ -415,11 +427,13 @@ def _trace_rows(res: Any, decrement_available: bool) -> list[dict[str, Any]]:
             return [_row("rounds", JOINT, rounds, MIN_ROUNDS, True, note + "; the Newton decrement decides")]
         return [_row("rounds", JOINT, rounds, MIN_ROUNDS, False, note)]
     window = max(MIN_ROUNDS, rounds // 4)
-    coords = sum(int(np.prod(np.shape(history[f"theta/{s}"])[1:])) for s in sites)
+    traces = {s: np.asarray(history[f"theta/{s}"], dtype=np.float64) for s in sites}
+    transforms = {s: t for s in sites if (t := _site_transform(res, s)) is not None}
+    free = {s: u for s, t in transforms.items() if (u := _unconstrained_trace(t, traces[s])) is not None}
+    coords = sum(int(np.prod(t.shape[1:])) for t in (*traces.values(), *free.values()))
     ses = getattr(res, "standard_errors", None) or {}
     rows = []
-    for s in sites:
-        trace = np.asarray(history[f"theta/{s}"], dtype=np.float64)
+    for s, trace in traces.items():
         if trace[0].size == 0:
             continue
         se = ses.get(s)
@@ -427,12 +441,73 @@ def _trace_rows(res: Any, decrement_available: bool) -> list[dict[str, Any]]:
             se = None
         r = trace_check(trace[-window:], se=se, first=trace[0], num_coords=coords)
         change = "standard errors" if r["unit"] == "standard errors" else "units of the estimate's scale"
+        where = ""
+        if s in free:
+            u = free[s]
+            se_u = None if se is None else _unconstrained_se(transforms[s], u[-window:].mean(0), se)
+            ru = trace_check(u[-window:], se=se_u, first=u[0], num_coords=coords, floor=1.0)
+            if ru["value"] / ru["threshold"] > r["value"] / r["threshold"]:
+                r = ru
+                change = "standard errors" if se_u is not None else "units of the estimate's scale (at least 1)"
+                where = " in the unconstrained coordinates (e.g. log sigma)"
         note = (
-            f"change of the estimate's trend over the last {window} rounds, in {change} (worst coordinate "
-            f"{r['coordinate']}: {r['change']:.3g}); the threshold allows for its Monte Carlo noise (batch means)"
+            f"change of the estimate's trend over the last {window} rounds{where}, in {change} (worst "
+            f"coordinate {r['coordinate']}: {r['change']:.3g}); the threshold allows for its Monte Carlo noise "
+            "(batch means)"
         )
+        if where and not r["ok"] and abs(r["change"]) > RUNAWAY:
+            note += _RUNAWAY_MARK + (
+                f"a move of {abs(r['change']):.3g} in unconstrained units over the window (a factor of "
+                f"{math.exp(min(abs(r['change']), 700.0)):.3g} for a log scale), not an estimate converging "
+                "slowly: more rounds will not help. E.g. a population scale on nearly separable "
+                "classes, whose marginal likelihood keeps rising with it: fix the scale or give it a prior in the "
+                "model"
+            )
         rows.append(_row("trace", s, r["value"], r["threshold"], r["ok"], note))
     return rows
+
+
+_RUNAWAY_MARK = "; running away: "  # :func:`messages` repeats what follows it for every site that runs away
+
+
+def _site_transform(res: Any, site: str) -> Any:
+    """The bijection from R^n onto a constrained global site's support, or None (an unconstrained site)."""
+    fm = getattr(res, "_fm", None)
+    info = getattr(fm, "sites", {}).get(site) if fm is not None else None
+    transform = getattr(info, "transform", None)
+    if transform is None or getattr(info, "discrete", False):
+        return None
+    from numpyro.distributions.transforms import IdentityTransform
+
+    return None if isinstance(transform, IdentityTransform) else transform
+
+
+def _unconstrained_trace(transform: Any, trace: np.ndarray) -> np.ndarray | None:
+    """A constrained site's trace (a scale, a probability, a simplex) in the coordinates its estimate moves in.
+
+    A scale that runs away grows geometrically: in its own units the batch means of the window curve away
+    from any straight line, and the curvature is mistaken for Monte Carlo noise (a sigma that grew from 1
+    to 4e6 in 300 rounds passed the check); in log units the growth is a straight line and fails it."""
+    import jax.numpy as jnp
+
+    with np.errstate(all="ignore"):
+        u = np.asarray(transform.inv(jnp.asarray(trace)), dtype=np.float64)
+    if u.shape[0] != trace.shape[0] or not np.all(np.isfinite(u)):
+        return None
+    return u
+
+
+def _unconstrained_se(transform: Any, u: np.ndarray, se: Any) -> np.ndarray | None:
+    """Standard errors of an elementwise-constrained site carried to its unconstrained coordinates by the
+    delta method, se / |dc/du| at ``u``; None for a transform that mixes coordinates (a simplex)."""
+    import jax.numpy as jnp
+
+    if getattr(transform, "domain", None) is None or transform.domain.event_dim or transform.codomain.event_dim:
+        return None
+    x = jnp.asarray(u)
+    slope = np.exp(np.asarray(transform.log_abs_det_jacobian(x, transform(x)), dtype=np.float64)).ravel()
+    se_u = np.asarray(se, dtype=np.float64).ravel() / slope
+    return se_u if se_u.shape == u.ravel().shape and np.all(np.isfinite(se_u) & (se_u > 0)) else None
 
 
 def _statistic_rows(res: Any) -> list[dict[str, Any]]:
@@ -675,6 +750,8 @@ def messages(res: Any, table: Any) -> list[str]:
         )
         more = f" (and {len(rows) - 5} more sites)" if len(rows) > 5 else ""
         note = worst.iloc[0]["note"]
+        runaway = [r for r in worst.iloc[1:].itertuples() if _RUNAWAY_MARK in r.note]
+        note += "".join(f"; {r.site} is{r.note[r.note.index(_RUNAWAY_MARK) + 1 :]}" for r in runaway)
         out.append(
             f"{res.algorithm} has not converged by {_CRITERIA.get(check, check)}: {items}{more} ({note}). "
             f"Fix: {_fix(res.algorithm, check)}.{se_note if check in _POINT_CHECKS else ''} "

@@ -113,6 +113,64 @@ def test_trace_check_separates_drift_from_noise_and_from_settled_runs():
     assert not cv.trace_check(2.0 + 0.3 * line, se=[1.0])["ok"]
 
 
+def _trace_result(traces, standard_errors=None):
+    """A result with only what the trace rows read: the history, the sites' bijections to R^n and the
+    standard errors."""
+    from types import SimpleNamespace
+
+    from numpyro.distributions import constraints
+    from numpyro.distributions.transforms import biject_to
+
+    from fedbayes.introspect import Site
+
+    support = {"sigma": constraints.positive, "mu": constraints.real}
+    sites = {n: Site(n, "global", np.shape(t)[1:], biject_to(support[n])) for n, t in traces.items()}
+    return SimpleNamespace(history={f"theta/{n}": t for n, t in traces.items()}, _fm=SimpleNamespace(sites=sites),
+                           standard_errors=standard_errors)
+
+
+def test_trace_checks_a_scale_in_its_unconstrained_coordinates_and_calls_a_runaway_one():
+    rng = np.random.default_rng(4)
+    t = np.arange(300)
+    # a population scale growing geometrically (doubling every 20 rounds, 5% noise; FedSOUL's learned
+    # sigma on nearly separable image classes with mixing heads grew from 1 to 4e6 in 300 rounds) beside
+    # 1000 settled coordinates (a network's weights)
+    runaway = np.exp(np.log(2) / 20 * t + 0.05 * rng.normal(size=300))
+    weights = 1.0 + 0.01 * _ar1(rng, 300, 0.5, size=(1000,)).T
+    # in its own units the window's batch means curve away from a line (a factor 13.5 over it), and with
+    # 1001 coordinates' Bonferroni quantile the curvature's misfit passes for noise: the old check let it through
+    own = cv.trace_check(runaway[-75:], first=runaway[0], num_coords=1001)
+    assert own["ok"]
+    rows = {r["site"]: r for r in cv._trace_rows(_trace_result({"sigma": runaway, "mu": weights}), False)}
+    assert not rows["sigma"]["ok"] and "unconstrained" in rows["sigma"]["note"]
+    assert "running away" in rows["sigma"]["note"] and "more rounds will not help" in rows["sigma"]["note"]
+    # in log units the growth over the 75-round window is a line of 75 log(2) / 20 = 2.599; the noise's share
+    # (5% per round, a trend fitted to 10 batch means of 7.5 rounds) has a standard error of about 0.01
+    import re
+
+    moved = float(re.search(r"worst coordinate 0: ([0-9.]+)", rows["sigma"]["note"]).group(1))
+    assert moved == pytest.approx(75 * np.log(2) / 20, abs=0.05) and rows["mu"]["ok"]
+    # a settled scale (AR(1) noise of 1% around 2) passes both ways: over 200 runs at the Bonferroni level
+    # 1e-3 (for all coordinates, the scale's two parametrisations included) the expected number of false
+    # alarms is at most 0.2 (<= 3: probability 6e-5)
+    alarms = 0
+    for _ in range(200):
+        settled = 2.0 * np.exp(0.01 * _ar1(rng, 300, 0.5))
+        rows = cv._trace_rows(_trace_result({"sigma": settled, "mu": 1.0 + 0.01 * _ar1(rng, 300, 0.5, size=(3,)).T}),
+                              False)
+        alarms += not all(r["ok"] for r in rows)
+    assert alarms <= 3
+    # with standard errors both parametrisations are judged in them (log sigma's by the delta method, se / sigma):
+    # a drift of 0.05 se over the window (the last 25 of 100 rounds) passes both ways, 0.5 se fails both ways
+    line = np.arange(100) / 100
+    for drift, ok in ((0.05, True), (0.5, False)):
+        sigma = 2.0 + 4 * drift * 0.2 * line
+        rows = cv._trace_rows(_trace_result({"sigma": sigma}, {"sigma": np.array(0.2)}), False)
+        # log sigma's change over the window in se / sigma, at the window's mean sigma: the same to first order
+        assert rows[0]["ok"] is ok and rows[0]["value"] == pytest.approx(drift, rel=0.05)
+        assert cv.trace_check(sigma[-25:], se=[0.2])["value"] == pytest.approx(drift, rel=1e-9)
+
+
 def test_statistic_check_extrapolates_a_geometric_em_mean_field():
     t = np.arange(100)
     rho, r0, norm = 0.95, 1e-1, 4.0

@@ -89,7 +89,10 @@ SECOND_TIER: dict[str, object] = {
     ),
     "tests/test_fuzz.py": ALL,
     "tests/test_fedrep.py": ALL,
-    "tests/test_fedpop_images.py": ("test_fedpop_table_at_ci_size",),  # ~150 s: five NN fits
+    "tests/test_fedpop_images.py": (  # ~150 s: five NN fits; ~20 s: one
+        "test_fedpop_table_at_ci_size",
+        "test_a_population_scale_that_runs_away_is_called_so",
+    ),
     "tests/test_fuzz_regressions.py": (
         "test_a_failing_callback_is_named_and_the_checkpoint_kept",
         "test_fits_of_seeds_2_32_apart_differ_and_small_seeds_are_unchanged",
