@@ -8,6 +8,8 @@ likelihood of a Gaussian random-intercept model.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,6 +126,27 @@ def test_a_batch_of_every_row_is_the_full_batch_bit_for_bit():
                       progress=False)
     assert part.settings["batch_size"] == 4 and not np.array_equal(part.global_samples["w"], full.global_samples["w"])
     np.testing.assert_array_equal(full.history["bits_up"], part.history["bits_up"])  # batches cost nothing on the wire
+
+
+@pytest.mark.parametrize("algo", [
+    lambda **b: fb.DELF(uplink=fb.compress.top_k(1), num_chains=2, step_size=0.01, **b),
+    lambda **b: fb.QLSD(compressor=fb.compress.qsgd(4), num_chains=2, step_size=0.01, **b),
+    lambda **b: fb.TAMUNA(s=2, local_steps=3, **b),
+    lambda **b: fb.Scaffnew(local_steps=3, **b),
+], ids=["DELF", "QLSD", "TAMUNA", "Scaffnew"])
+def test_every_family_takes_batches_and_a_batch_of_every_row_is_the_full_batch(algo):
+    """The compressed samplers' stochastic gradients and TAMUNA's / Scaffnew's stochastic local steps: B at
+    least every client's rows is the full-batch fit bit for bit; B = 3 rows is another fit, at the same bits."""
+    data = _regression_data([8, 8, 8])
+    kw = dict(num_rounds=30, seed=3, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fb.ConvergenceWarning)  # 30 rounds: the point is the arithmetic
+        full, same, part = (fb.fed_fit(regression, data, algo(**b), **kw)
+                            for b in ({}, {"batch_size": 8}, {"batch_size": 3}))
+    draws = lambda r: r.global_samples["w"] if r.global_samples else r.history["theta/w"]  # noqa: E731
+    np.testing.assert_array_equal(draws(full), draws(same))
+    assert part.settings["batch_size"] == 3 and not np.array_equal(draws(part), draws(full))
+    np.testing.assert_array_equal(full.history["bits_up"], part.history["bits_up"])
 
 
 def test_the_model_s_subsample_size_is_the_batch_size_and_others_refuse_it():

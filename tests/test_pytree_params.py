@@ -153,6 +153,46 @@ def test_a_feature_extractor_with_personal_heads_trains_checkpoints_and_runs_on_
     assert int(np.sum(flower.history["bits_up"])) == int(np.sum(direct.history["bits_up"]))
 
 
+def test_fedsoul_on_a_network_with_a_compressed_uplink_is_the_same_fit_on_flower():
+    """FedSOUL's uploads in the shared sites of a flax network, flattened leaf by leaf into one vector, go
+    through QSGD and the ledger, in fed_fit and through Flower's messages (the wire format of the leaves):
+    the same fit, and the same bits. In float32 (JAX's default; tests/test_flower.py says why: floats cross the
+    wire as float32, so only then is the network exact)."""
+    import jax
+
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    try:
+        _compressed_network_on_flower()
+    finally:
+        jax.config.update("jax_enable_x64", before)
+
+
+def _compressed_network_on_flower():
+    data = _class_data()
+    data = fb.FederatedData({"x": [data.client(i)["x"].astype(np.float32) for i in range(data.num_clients)],
+                             "y": [data.client(i)["y"] for i in range(data.num_clients)]})
+    soul = fb.FedSOUL(num_samples=10, warmup=10, num_chains=1, uncertainty=False, compressor=fb.compress.qsgd(4))
+    kw = dict(num_rounds=6, clients_per_round=3, seed=2, progress=False)
+    direct = fb.fed_fit(personalised_net, data, soul, **kw)
+    flower = fb.flower.simulate(personalised_net, data, soul, backend="local", **kw)
+    # fed_fit on the data moved one float32 ulp: how far last-bit differences carry through these rounds
+    # (tests/test_flower.py's DRIFT: a Flower run's floats are within 10 times that of fed_fit's; an
+    # algorithmic difference moves them by orders of magnitude more)
+    clients = [data.client(i) for i in range(data.num_clients)]
+    nudged = fb.FederatedData({"x": [np.nextafter(c["x"], np.inf).astype(c["x"].dtype) for c in clients],
+                               "y": [c["y"] for c in clients]})
+    moved = fb.fed_fit(personalised_net, nudged, soul, **kw)
+    for k, v in direct.params.items():
+        drift = float(np.max(np.abs(np.asarray(moved.params[k], np.float64) - np.asarray(v, np.float64))))
+        np.testing.assert_allclose(flower.params[k], v, rtol=1e-4, atol=max(1e-5, 10 * drift), err_msg=k)
+    assert int(np.sum(flower.history["bits_up"])) == int(np.sum(direct.history["bits_up"])) > 0
+    # each client's upload: the gradient in the 15 shared coordinates (kernel 6, bias 3, mu 6) as one flat vector
+    # through QSGD (qsgd(4).bits(15) = 92 bits, against 15 x 32 uncompressed), then the Fisher-scoring
+    # information's upper triangle (15 x 16 / 2 = 120 floats) and the objective, uncompressed
+    np.testing.assert_array_equal(direct.history["bits_up"], 3 * (fb.compress.qsgd(4).bits(15) + (120 + 1) * 32))
+
+
 def test_random_flax_module_is_its_sample_sites_and_mutable_state_is_refused():
     """random_flax_module declares the module's params (a pytree) and replaces each by a sample site with the
     prior: the unused params are left out, so the samplers take the model; flax's mutable state is refused."""

@@ -20,7 +20,9 @@ h_i tracks grad U_i and the variance of G no longer grows with the clients' hete
 ``memory=False`` is plain QLSD: alpha = 0, so h_i = H = 0 throughout.
 
 Unlike the public code, each message is quantised once, and every client has its own memory,
-starting at zero. Gradients are exact (full local data): no mini-batches and no SVRG (QLSD++).
+starting at zero. Gradients are exact (full local data) by default; ``batch_size`` (as for every
+Langevin sampler) takes each client's gradient on a minibatch, stochastic-gradient QLSD (the paper's
+stochastic-gradient setting, without its SVRG variant QLSD++); the memories then track noisy gradients.
 All chains share each round's cohort (the engine draws one per round), so under partial
 participation their errors are correlated. Ledger: per cohort client and chain, the compressor's
 bits up and 32 d bits down; at init, x_0 to all b clients and nothing up.
