@@ -167,7 +167,7 @@ def _event(noise_multiplier: float, rounds: int, num_clients: int, cohort: int, 
     else:  # replace-one: the sum's sensitivity is 2C, so the multiplier relative to it is sigma / 2
         one = dpa.SampledWithoutReplacementDpEvent(num_clients, cohort, dpa.GaussianDpEvent(noise_multiplier / 2))
         full = dpa.GaussianDpEvent(noise_multiplier / 2)
-    events = [dpa.SelfComposedDpEvent(one, int(rounds))]
+    events = [dpa.SelfComposedDpEvent(one, int(rounds))] if rounds else []
     if extra:
         events.append(dpa.SelfComposedDpEvent(full, int(extra)))
     return dpa.ComposedDpEvent(events)
@@ -336,15 +336,6 @@ def check_dp(privacy: Any, name: str) -> None:
     """An algorithm's ``privacy`` option is a :class:`DP` or None (``ConfigError`` otherwise)."""
     if privacy is not None and not isinstance(privacy, DP):
         raise ConfigError(f"{name} privacy must be a fb.privacy.DP or None, got {type(privacy).__name__}")
-
-
-def check_central(privacy: DP, name: str) -> None:
-    """The algorithm has the central mode only (the server clips and adds the noise): refuse the distributed."""
-    if privacy.mode != "central":
-        raise ConfigError(
-            f"{name}'s privacy is central (the server clips what each client sends and adds the noise): "
-            "mode='distributed' is not available for it"
-        )
 
 
 def _asked_multiplier(dp: DP, setting: _Setting) -> float:
@@ -562,18 +553,20 @@ class SumPrivacy(_Mechanism):
         self.secret = secret_key(dp.noise_seed)
         self._warn_distributed(self.cohort)
 
-    def share_std(self) -> float:
-        """The standard deviation of one member's share of the noise, sigma C / sqrt(c) (distributed mode)."""
-        return self.sigma * self.dp.clip / math.sqrt(self.cohort)
+    def share_std(self, members: int | None = None) -> float:
+        """The standard deviation of one member's share of the noise, sigma C / sqrt(c) (distributed mode; c the
+        cohort size, or ``members``)."""
+        return self.sigma * self.dp.clip / math.sqrt(self.cohort if members is None else members)
 
-    def share(self, key: jax.Array, tree: Any) -> Any:
+    def share(self, key: jax.Array, tree: Any, members: int | None = None) -> Any:
         """Distributed DP: a member's upload (a pytree, as one vector) clipped to C, plus N(0, sigma^2 C^2 / c) per
-        coordinate, c the cohort size, so that the sum over the cohort carries the central mode's N(0, sigma^2 C^2)
-        while each upload alone is barely noised (meant for secure aggregation: the server sees only the sum). A
-        member that does not answer takes its share with it (:meth:`realised_epsilon`)."""
+        coordinate, c the cohort size (or ``members``: FedMM's set-up, where all n clients take part), so that the
+        sum over the c members carries the central mode's N(0, sigma^2 C^2) while each upload alone is barely
+        noised (meant for secure aggregation: the server sees only the sum). A member that does not answer takes
+        its share with it (:meth:`realised_epsilon`)."""
         clipped = clip_norm(tree, self.dp.clip)[0]
         noise = gaussian_noise(folded(self.secret, key), clipped, 1.0)
-        std = self.share_std()
+        std = self.share_std(members)
         return jax.tree_util.tree_map(lambda t, e: t + (std * e).astype(t.dtype), clipped, noise)
 
     def realised_epsilon(self, answered: Any) -> float:
@@ -581,10 +574,11 @@ class SumPrivacy(_Mechanism):
         having sent their share in round t. The shares of a round with a answering carry a / c of the planned
         variance while the sensitivity stays (a member's update enters the fixed-denominator sum alone), so the
         round is the planned mechanism with multiplier sigma sqrt(a / c); a round nobody answered released nothing.
-        With a sampled cohort the bound is the smaller of the sampled and unsampled ones, as in :func:`epsilon`."""
+        With a sampled cohort the bound is the smaller of the sampled and unsampled ones, as in :func:`epsilon`.
+        The ``extra_rounds`` set-up releases (FedMM's) are counted as planned: the set-up waits for every client."""
         dpa = _accounting()
         counts = _answer_counts(answered)
-        if not counts:
+        if not counts and not self.extra:
             return 0.0
         if self.sigma == 0:  # no noise: no guarantee (as epsilon() reports)
             return math.inf
@@ -599,6 +593,8 @@ class SumPrivacy(_Mechanism):
                     acc.compose(_event(sigma, k, n, c, "fixed", 0))
                 else:  # every round unsampled: replace-one moves the sum by 2C
                     acc.compose(dpa.SelfComposedDpEvent(dpa.GaussianDpEvent(sigma / 2), k))
+            if self.extra:  # the set-up's releases (FedMM's): every client answers them, as planned
+                acc.compose(_event(self.sigma, 0, n, c, "fixed", self.extra))
             return float(acc.get_epsilon(self.delta))
 
         return bound(True) if relation == "add-remove" else min(bound(True), bound(False))

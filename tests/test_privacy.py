@@ -683,11 +683,12 @@ def test_private_fedmm_reports_its_epsilon_and_refuses_unaccounted_releases(gmm)
                                              extra_rounds=1)
     assert res.idata.fed_params.attrs["privacy_epsilon"] == rep["epsilon"]  # no posterior group: the estimate's
     bad = [dict(compressor=fb.compress.qsgd(levels=4)), dict(alpha=0.5), dict(uncertainty=True),
-           dict(population_start=True), dict(init="map"), dict(privacy=privacy.DP(clip=1.0, noise_multiplier=1.0,
-                                                                                   mode="distributed"))]
+           dict(population_start=True), dict(init="map")]
     for kw in bad:
         with pytest.raises(ConfigError, match="privacy"):
             fb.FedMM(**{"privacy": dp, **kw})
+    with pytest.raises(ConfigError, match="distributed DP needs participation=1.0"):
+        fb.FedMM(participation=0.5, privacy=privacy.DP(clip=1.0, noise_multiplier=1.0, mode="distributed"))
     with pytest.raises(ConfigError, match="ParamAveragingEM has no privacy"):
         fb.ParamAveragingEM(privacy=dp)
 
@@ -1006,6 +1007,77 @@ def test_distributed_fedsoul_without_noise_is_the_central_one_and_reports_the_ro
     planned = privacy.epsilon(0.8, delta=1e-4, rounds=12, num_clients=6, cohort_size=4)
     assert faulty.privacy["epsilon"] == planned
     assert (faulty.history["active"] < 4).any() and faulty.privacy["epsilon_realised"] > planned
+
+
+def test_distributed_fedmm_members_clip_their_weighted_statistics_and_the_shares_carry_the_central_noise(gmm):
+    # A member uploads clip(n mu_i Q_i, C) + N(0, (sigma C)^2 / c) (the set-up: every client, / n): the clip by hand
+    # (sigma = 0), the server's estimate (1/n) sum_{i active} upload_i (FedEM: gamma = 1, no projection), and the
+    # shares' variance by Monte Carlo (2000 shares x q coordinates; 5 standard errors of a variance's relative error
+    # sqrt(2 / N))
+    from fedbayes.engine import stack_clients
+
+    data, init, model = gmm
+    clip, n = 0.3, data.num_clients
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        run, server = _fedmm_run(fb.FedEM(init=init, privacy=_distributed(clip, 0.0)), data, model)
+    assert run.sums_uploads is True and not run.final_exchange and run.alpha == 0
+    clients = stack_clients(data)
+    client = lambda i: jax.tree_util.tree_map(lambda a: a[i], clients)  # noqa: E731
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(n, run.q)) * np.where(np.arange(n) == 0, 1e-3, 0.5)[:, None]  # client 0 under the clip
+    shares = np.stack([np.asarray(run._share(jax.random.PRNGKey(i), jnp.asarray(r), client(i))) for i, r in
+                       enumerate(rows)])
+    weighted = n * (np.asarray(data.sizes, float) / np.sum(data.sizes))[:, None] * rows
+    norms = np.linalg.norm(weighted, axis=1)
+    assert (norms > clip).sum() >= 3 and norms[0] < clip
+    np.testing.assert_allclose(shares, weighted * np.minimum(1.0, clip / norms)[:, None], rtol=1e-6, atol=1e-12)
+    active = np.arange(n) != 2
+    np.testing.assert_allclose(_fedmm_step(run, server, shares, active), shares[active].sum(0) / n, rtol=1e-12,
+                               atol=1e-14)
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        noisy, _ = _fedmm_run(fb.FedEM(init=init, privacy=_distributed(clip, 1.7)), data, model)
+    zero = jnp.zeros(run.q)
+    for members in (None, n):  # a round's cohort (here all n clients: c = n) and the set-up's n
+        draws = np.stack([np.asarray(noisy._share(jax.random.PRNGKey(k), zero, client(k % n), members))
+                          for k in range(2000)])
+        ratio = draws.var() / (1.7 * clip) ** 2 * n
+        assert abs(ratio - 1) < 5 * np.sqrt(2 / draws.size), ratio
+
+
+def test_distributed_fedmm_without_noise_is_the_central_one_and_reports_the_rounds_as_they_went(gmm):
+    # sigma = 0 and a clip no upload reaches: clipping at the client or at the server is the identity, so the
+    # distributed fit is the central one to rounding (n mu_i Q_i summed then divided, either way); every member
+    # answering, the rounds as they went (and the set-up, which waits for every client) are the planned ones; a
+    # member that drops takes its share with it and the realised epsilon is larger
+    data, init, model = gmm
+    kw = dict(num_rounds=20, clients_per_round=4, seed=0, progress=False)
+    central = fb.fed_fit(model, data, fb.FedMM(init=init, privacy=privacy.DP(clip=1e8, noise_multiplier=0.0)), **kw)
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        dist = fb.fed_fit(model, data, fb.FedMM(init=init, privacy=_distributed(1e8, 0.0)), **kw)
+    for k in central.params:
+        np.testing.assert_allclose(dist.params[k], central.params[k], rtol=1e-10, atol=1e-12)
+    assert "distributed" in dist.privacy["mechanism"] and dist.privacy["releases"] == 21
+    dp = _distributed(500.0, 2.0, delta=1e-4)
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        full = fb.fed_fit(model, data, fb.FedMM(init=init, privacy=dp), **kw)
+        faulty = fb.fed_fit(model, data, fb.FedMM(init=init, privacy=dp), faults=fb.Faults(drop=0.2),
+                            fault_policy=fb.FaultPolicy(min_clients=1), **kw)
+    planned = privacy.epsilon(2.0, delta=1e-4, rounds=20, num_clients=6, cohort_size=4, extra_rounds=1)
+    assert full.privacy["epsilon"] == faulty.privacy["epsilon"] == planned
+    assert full.privacy["epsilon_realised"] == pytest.approx(planned, rel=1e-9)
+    assert (faulty.history["active"] < 4).any() and faulty.privacy["epsilon_realised"] > planned
+
+
+def test_distributed_fedmm_with_secure_aggregation_on_flower_equals_fed_fit(float32, gmm):
+    # the set-up's and the rounds' clipped, weighted, noised statistics reach the server only summed (SecAgg+);
+    # with the same noise seed the estimate is fed_fit's up to the quantisation (2 c R / Q per coordinate of the
+    # sum, R = C + 8 sigma C / sqrt(c): about 3e-7 here) and float32 rounding of separately compiled steps. The
+    # noise is small (the mixture's raw moments amplify it, test_private_fedmm_on_flower_equals_fed_fit)
+    data, init, model = gmm
+    init32 = {k: np.asarray(v, np.float32) for k, v in init.items()}
+    algo = fb.FedMM(init=init32, privacy=_distributed(500.0, 1e-6, noise_seed=5))
+    res = _secagg_equals_fed_fit(model, data, algo, 6, rtol=1e-4, atol=1e-4)
+    assert res.privacy["secure_aggregation"] == "SecAgg+ (Flower)" and "distributed" in res.privacy["mechanism"]
 
 
 def test_distributed_fedsoul_with_secure_aggregation_on_flower_equals_fed_fit(float32):

@@ -186,7 +186,10 @@ THIRD_TIER: dict[str, object] = {
     "tests/test_tamuna.py": ("test_mask_has_s_ones_per_row_and_balanced_columns",),
     # ~55 s: FedSOUL compiled for Flower's server and clients, then four SecAgg+ exchanges a round (FedSOUL's
     # other Flower runs are here too); FedAvg's distributed DP with SecAgg+ stays in CI
-    "tests/test_privacy.py": ("test_distributed_fedsoul_with_secure_aggregation_on_flower_equals_fed_fit",),
+    "tests/test_privacy.py": (
+        "test_distributed_fedsoul_with_secure_aggregation_on_flower_equals_fed_fit",
+        "test_distributed_fedmm_with_secure_aggregation_on_flower_equals_fed_fit",  # the same for FedMM
+    ),
     "tests/test_joint.py": (  # CI keeps the ULA law, MALA at the biased step, and JointMALA on Flower
         "test_each_client_s_own_step_gives_the_block_diagonal_ula_law",
         "test_joint_mala_samples_the_exact_posterior_where_ula_is_biased[None]",

@@ -48,7 +48,7 @@ from ..errors import ConfigError, ModelError, require_choice, require_fraction, 
 from ..protocol import ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from .expfam import CustomStatistics, Derived, derive
 from ..faults import fault_weight
-from ..privacy import SumPrivacy, check_central, check_dp
+from ..privacy import SumPrivacy, check_dp
 from ..introspect import FedModel, Params
 from ..optim import as_schedule
 from . import louis
@@ -142,7 +142,7 @@ class FedMM:
         theta-hat (d floats) to every client and q + d(d+1)/2 floats back from each (``res.final_bits``);
         False skips it. None (default): True, except under ``privacy``.
     privacy:
-        Central client-level differential privacy, a ``fb.privacy.DP`` (None: none). Each round the server
+        Client-level differential privacy, a ``fb.privacy.DP`` (None: none). Central mode: each round the server
         clips every upload, weighted by its client's share of the data, n mu_i Q_i (n clients, mu_i = N_i / N;
         1 for equal sizes), to L2 norm C, and adds N(0, (sigma C / (n p))^2) per coordinate to the estimate
         (1/p) sum mu_i Q_i, whose sensitivity to one client is then C / (n p): the Gaussian mechanism with noise
@@ -176,6 +176,16 @@ class FedMM:
         participation p within a cohort only adds amplification, which the accountant (fixed cohorts of m of
         n) leaves out. Faults do not weaken the guarantee: the noise is the server's, whoever answers.
         ``res.privacy`` reports epsilon at delta.
+
+        ``DP(mode="distributed")``: each member clips its own weighted upload n mu_i Q_i (its size N_i and N
+        are public) and adds N(0, sigma^2 C^2 / c), c the cohort size (in the set-up every client takes part:
+        N(0, sigma^2 C^2 / n)), so that the sum the server forms carries the central mode's noise and the server
+        needs nothing but that sum: on Flower it runs with secure aggregation (``fb.flower.SecAggPlus``), and
+        without it the server sees each upload with 1/c of the noise (a warning says so). It needs
+        ``participation=1.0`` (a share is sized by the number of members, which Bernoulli participation leaves
+        to chance; draw cohorts with ``clients_per_round``). A member that does not answer takes its share with
+        it: ``res.privacy["epsilon_realised"]`` accounts the rounds as they went (the set-up waits for every
+        client).
     """
 
     step_size: float | Callable = 1.0
@@ -237,7 +247,12 @@ class FedMM:
         check_dp(self.privacy, self.name)
         if type(self) not in (FedMM, FedEM):
             raise ConfigError(f"{self.name} has no privacy option (FedMM and FedEM have)")
-        check_central(self.privacy, self.name)
+        if self.privacy.mode == "distributed" and self.participation != 1.0:
+            raise ConfigError(
+                f"{self.name} with distributed DP needs participation=1.0: each member's share of the noise is "
+                "sized by the number of members that take part, which Bernoulli participation leaves to chance; "
+                "draw cohorts with clients_per_round instead (a fixed number each round)"
+            )
         if not isinstance(self.compressor, type(identity())):
             raise ConfigError(
                 f"{self.name} with privacy needs the identity compressor: the clip bounds the vector "
@@ -318,9 +333,16 @@ class FedMMRun(FederatedRun):
                 n,
                 m,
                 extra_rounds=1,
-                mechanism="central: each client's statistic upload, weighted by its share of the data, clipped at the "
-                "server; Gaussian noise on the estimate of the mean statistic; no control variates, no "
-                "population start, no final exchange (no standard errors)",
+                mechanism=(
+                    "distributed: each member clips its statistic upload, weighted by its share of the data, and "
+                    "adds 1/c of the noise (the set-up: 1/n, every client taking part); the server sums the "
+                    "shares and sees each one unless secure aggregation sums them; no control variates, no "
+                    "population start, no final exchange (no standard errors)"
+                    if cfg.privacy.mode == "distributed"
+                    else "central: each client's statistic upload, weighted by its share of the data, clipped at "
+                    "the server; Gaussian noise on the estimate of the mean statistic; no control variates, no "
+                    "population start, no final exchange (no standard errors)"
+                ),
                 public="the clients' sizes N_i, their total N and their number n (the weights n N_i / N)",
             )
         )
@@ -368,12 +390,25 @@ class FedMMRun(FederatedRun):
         """sum_i mu_i rows_i / inclusion, the estimate of a mean statistic from the clients' uploads (mu_i = 0
         for a client that did not answer). Under privacy each weighted upload n mu_i rows_i is clipped to C
         and N(0, (sigma C / (n inclusion))^2) is added per coordinate: the sensitivity to one client is
-        C / (n inclusion) (:class:`fedbayes.privacy.SumPrivacy`)."""
+        C / (n inclusion) (:class:`fedbayes.privacy.SumPrivacy`). Distributed DP: each row is already a
+        member's clipped, weighted upload with its share of the noise (:meth:`_share`), and the server only
+        sums them (secure aggregation can do it for the server)."""
+        n = self._C
+        if self._dp is not None and self._dp.distributed:
+            return jnp.tensordot((mu > 0).astype(rows.dtype), rows, 1) / (n * inclusion)
         if self._dp is None:
             return jnp.tensordot(mu, rows, 1) / inclusion
-        n = self._C
         shares = self._dp.clipped(n * mu.astype(rows.dtype)[:, None] * rows)
         return self._dp.noisy(key, jnp.sum(shares, 0) / (n * inclusion), 1.0 / (n * inclusion))
+
+    def _share(self, key: jax.Array, row: jax.Array, client: ClientData, members: int | None = None) -> jax.Array:
+        """Distributed DP, at the client: its upload weighted by its share of the data, n mu_i row (mu_i =
+        N_i / N, public), clipped to C, plus its share N(0, sigma^2 C^2 / members) of the noise (members: the
+        cohort size c; in the set-up every client, n). Without distributed DP the row as it is."""
+        if self._dp is None or not self._dp.distributed:
+            return row
+        weight = self._C * client.size.astype(row.dtype) / self._N
+        return self._dp.share(key, weight * row, members)
 
     # ------------------------------------------------------------------ S and T
     def _e_step(self, theta_u: Params, client: ClientData, z=None, step=None, key=None):
@@ -409,7 +444,7 @@ class FedMMRun(FederatedRun):
             theta0 = payload
             z0, step = self.source.start(k_z, theta0, client)
             s_i, z = self._e_step(theta0, client, z0, step, k_e)
-            return ClientState(jnp.zeros_like(s_i), z, step), s_i
+            return ClientState(jnp.zeros_like(s_i), z, step), self._share(k_z, s_i, client, self._C)
         s0, theta1 = payload
         s_i, z = self._e_step(theta1, client, state.z, state.step, k_e)
         v_i = s_i - s0
@@ -453,9 +488,9 @@ class FedMMRun(FederatedRun):
     def client_step(self, key: jax.Array, payload: Broadcast, state: ClientState, client: ClientData):
         """E-step at theta_t; upload Quant(s_i - S_t - V_i); V_i += (alpha/p) Q_i."""
         k_e, k_q = jax.random.split(key)
-        client = self._batches.draw(key, client, weighted=False)  # B rows, weight 1: the E-step's mean is the batch's
-        s_i, z = self._e_step(payload.theta, client, state.z, state.step, k_e)
-        delta = s_i - payload.s - state.v
+        batch = self._batches.draw(key, client, weighted=False)  # B rows, weight 1: the E-step's mean is the batch's
+        s_i, z = self._e_step(payload.theta, batch, state.z, state.step, k_e)
+        delta = self._share(k_q, s_i - payload.s - state.v, client)  # (distributed DP: clipped, noised, weighted)
         sent, q, bits = self.cfg.compressor.coded(k_q, delta)
         return ClientState(state.v + (self.alpha / self._p) * q, z, state.step), Message(sent, bits)
 
@@ -481,6 +516,19 @@ class FedMMRun(FederatedRun):
         diag["stat_change"] = jnp.sum((s_new - state.s) ** 2) / gamma**2
         diag["participants"] = jnp.sum(info.active)
         return new, self._broadcast(s_new, theta), diag
+
+    @property
+    def sums_uploads(self) -> bool | str:  # type: ignore[override]  # FederatedRun's plain attribute, computed here
+        """True for FedMM / FedEM with distributed DP, whose server needs the set-up's and each round's uploads
+        (the members' clipped, weighted, noised statistics) only summed, so that secure aggregation can hide
+        them (:class:`fedbayes.protocol.FederatedRun`); otherwise why not."""
+        if type(self) is FedMMRun and self._dp is not None and self._dp.distributed:
+            return True
+        return (
+            f"{self.name}'s server weighs each client's statistic by its share of the data (central DP clips each "
+            "one) and keeps the control variates' sum; secure aggregation runs FedMM with distributed DP "
+            "(privacy=fb.privacy.DP(..., mode='distributed')), whose server needs the sums alone"
+        )
 
     # ------------------------------------------------------------------ results
     def final_statistic(self, state: ServerState) -> jax.Array:
@@ -564,7 +612,7 @@ class FedMMRun(FederatedRun):
         else:
             parts = self._server_parts(server, self._m_step_jit(self.final_statistic(server), server.theta))
         if self._dp is not None:
-            parts.privacy = self._dp.report()
+            parts.privacy = self._dp.report(None if history is None else history.get("active"))
             parts["settings"] = {
                 "uncertainty": self.uncertainty,
                 "population_start": bool(self._pop_sites),
