@@ -530,8 +530,11 @@ class SumPrivacy(_Mechanism):
         extra_rounds: int = 0,
         mechanism: str | None = None,
         public: str | None = None,
+        share_members: int | None = None,
     ):
         self.dp, self.num_clients, self.cohort = dp, int(num_clients), int(cohort_size)
+        # distributed mode: the members whose shares make up each coordinate's noise (the cohort; TAMUNA's s holders)
+        self.members = self.cohort if share_members is None else int(share_members)
         if mechanism is None:  # FedSOUL's central mode
             mechanism = (
                 "central: each client's gradient upload clipped at the server, Gaussian noise on the re-weighted "
@@ -551,12 +554,12 @@ class SumPrivacy(_Mechanism):
         self.sigma = float(_asked_multiplier(dp, kw))
         self.epsilon = epsilon(self.sigma, **kw)
         self.secret = secret_key(dp.noise_seed)
-        self._warn_distributed(self.cohort)
+        self._warn_distributed(self.members)
 
     def share_std(self, members: int | None = None) -> float:
         """The standard deviation of one member's share of the noise, sigma C / sqrt(c) (distributed mode; c the
-        cohort size, or ``members``)."""
-        return self.sigma * self.dp.clip / math.sqrt(self.cohort if members is None else members)
+        cohort size, TAMUNA's number s of holders of a coordinate, or ``members``)."""
+        return self.sigma * self.dp.clip / math.sqrt(self.members if members is None else members)
 
     def share(self, key: jax.Array, tree: Any, members: int | None = None) -> Any:
         """Distributed DP: a member's upload (a pytree, as one vector) clipped to C, plus N(0, sigma^2 C^2 / c) per
@@ -574,6 +577,9 @@ class SumPrivacy(_Mechanism):
         having sent their share in round t. The shares of a round with a answering carry a / c of the planned
         variance while the sensitivity stays (a member's update enters the fixed-denominator sum alone), so the
         round is the planned mechanism with multiplier sigma sqrt(a / c); a round nobody answered released nothing.
+        With ``share_members`` m (TAMUNA: each coordinate's noise is the shares of its m = s holders)
+        ``answered[t]`` is the fewest holders that answered for any coordinate some holder answered for, and
+        the multiplier sigma sqrt(a / m).
         With a sampled cohort the bound is the smaller of the sampled and unsampled ones, as in :func:`epsilon`.
         The ``extra_rounds`` set-up releases (FedMM's) are counted as planned: the set-up waits for every client."""
         dpa = _accounting()
@@ -588,7 +594,7 @@ class SumPrivacy(_Mechanism):
         def bound(sampled: bool) -> float:
             acc = _accountant("rdp", relation)
             for a, k in sorted(counts.items()):
-                sigma = self.sigma * math.sqrt(a / c)
+                sigma = self.sigma * math.sqrt(a / self.members)
                 if sampled:
                     acc.compose(_event(sigma, k, n, c, "fixed", 0))
                 else:  # every round unsampled: replace-one moves the sum by 2C

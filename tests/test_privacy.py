@@ -759,7 +759,7 @@ def test_secure_aggregation_refuses_servers_that_need_each_upload(float32):
     central = fb.LMC(step_size=0.01, init="prior", privacy=privacy.DP(clip=0.5, noise_multiplier=30.0))
     cases = [(central, "central DP clips each upload"),
              (fb.DELF(uplink=fb.compress.top_k(1), init="prior"), "compressed"),
-             (fb.TAMUNA(s=2, local_steps=2), "secure aggregation runs GD and FedAvg with distributed DP"),
+             (fb.TAMUNA(s=2, local_steps=2), "secure aggregation runs the TAMUNA family with distributed DP"),
              (fb.LMC(step_size=0.01, init="prior"), "needs clipping_range")]
     for algo, match in cases:
         with pytest.raises(ConfigError, match=match):
@@ -958,7 +958,7 @@ def test_distributed_gd_with_a_loose_clip_and_no_noise_is_gd_and_reports_the_rou
     assert full.privacy["epsilon_realised"] == pytest.approx(planned, rel=1e-9)
     assert (faulty.history["active"] < 4).any() and faulty.privacy["epsilon_realised"] > planned
     assert "distributed" in full.privacy["mechanism"]
-    with pytest.raises(ConfigError, match="secure aggregation runs GD and FedAvg with distributed DP"):
+    with pytest.raises(ConfigError, match="secure aggregation runs the TAMUNA family with distributed DP"):
         fb.flower.SecAggPlus(clipping_range=1.0).check(
             fb.GD(step_size=0.1).build(Problem(fb.FedModel(model, data), data, 5)), data.num_clients)
 
@@ -969,6 +969,97 @@ def test_distributed_fedavg_with_secure_aggregation_on_flower_equals_fed_fit(flo
     # sqrt(c): about 1e-8 here) and float32 rounding of a separately compiled server step (1e-5 relative).
     algo = fb.FedAvg(step_size=0.005, local_steps=3, privacy=_distributed(1.0, 0.5, noise_seed=5))
     res = _secagg_equals_fed_fit(fb.models.linear_regression(), _glm(), algo, 8, rtol=1e-5, atol=1e-6)
+    assert res.privacy["secure_aggregation"] == "SecAgg+ (Flower)"
+
+
+# ----------------------------------------------------------------------------- TAMUNA and Scaffnew with distributed DP
+def test_distributed_tamuna_keeps_its_control_variates_summing_to_zero_through_the_noise():
+    # Each member sends x_bar + clip(q_i (x_i - x_bar)) + N(0, sigma^2 C^2 / s) on its s-of-c coordinates and
+    # corrects h_i with what it sent: over each coordinate's holders the corrections sum to zero, noise included,
+    # so sum_i h_i = 0 after every round (float64 rounding), as without privacy (tests/test_tamuna.py)
+    from fedbayes.engine import make_round, stack_clients
+
+    data = _glm()
+    problem = Problem(fb.FedModel(fb.models.linear_regression(), data), data, 40, 4)
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        run = fb.TAMUNA(s=2, p=0.4, step_size=0.005, privacy=_distributed(0.5, 1.0, noise_seed=1)).build(problem)
+    assert run.sums_uploads is True and run._dp.share_std() == pytest.approx(0.5 / np.sqrt(2))  # 1/s of the noise
+    carry = run.init(jax.random.PRNGKey(0), problem)
+    round_fn = jax.jit(make_round(run, stack_clients(data), data.num_clients, 4, jax.random.PRNGKey(1)))
+    moved = []
+    for k in range(40):
+        before = np.asarray(carry[0].x)
+        carry, rec = round_fn(carry, jnp.asarray(k))
+        assert float(jnp.abs(carry[1].sum(0)).max()) < 1e-10  # sum_i h_i = 0 after every round
+        assert int(rec["dp_holders"]) == 2  # every coordinate's noise from its s = 2 holders' shares
+        moved.append(np.asarray(carry[0].x) - before)
+    assert int(jnp.sum(jnp.any(carry[1] != 0, axis=1))) > 4  # several cohorts have updated their h_i
+    # the noise is there: x_bar moves by the shares' sd / sqrt(s) = sigma C / s = 0.25 per coordinate and round,
+    # far beyond the gradient steps (0.005 x a few)
+    assert np.std(moved) > 0.1
+
+
+@pytest.mark.filterwarnings("ignore::fedbayes.ConvergenceWarning")  # the iterates carry the noise: no trace settles
+def test_distributed_tamuna_fluctuates_around_the_map_without_drift():
+    # With noise each round (x_bar moves by sigma C / s = 1.25 per coordinate) the iterates fluctuate around the
+    # MAP x* = (X'X + I / 10^2)^-1 X'y and do not drift: over 3000 rounds after 1000 of burn-in, the mean of each
+    # coordinate is within its batch-means standard error (10 batches of 300 rounds) times t_9's two-sided
+    # 1e-3 / 5 quantile (5.9; Bonferroni over the 5 coordinates). A sum_i h_i moved by the noise (a random walk)
+    # would move the fixed point by tens of these standard errors.
+    from scipy import stats
+
+    data, _ = fb.models.make_glm_clients(10, 5, (20, 60), family="linear", heterogeneity=1.5, seed=1)
+    pooled = data.pooled()
+    X, y = pooled["x"], pooled["y"]
+    xstar = np.linalg.solve(X.T @ X + np.eye(5) / 100, X.T @ y)
+    algo = fb.TAMUNA(s=2, local_steps=5, step_size=0.002, privacy=_distributed(50.0, 0.05, noise_seed=0))
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        res = fb.fed_fit(fb.models.linear_regression(1.0, 10.0), data, algo, num_rounds=4000, clients_per_round=5,
+                         seed=0, progress=False)
+    w = np.asarray(res.history["theta/w"])[1000:]
+    assert w.std(0).min() > 1.0  # the noise is there
+    batches = w.reshape(10, 300, 5).mean(1)
+    se = batches.std(0, ddof=1) / np.sqrt(10)
+    assert np.all(np.abs(w.mean(0) - xstar) < stats.t.isf(1e-3 / 10, 9) * se), (w.mean(0) - xstar) / se
+
+
+@pytest.mark.filterwarnings("ignore::fedbayes.ConvergenceWarning")  # 10-30 rounds: the point is the arithmetic
+def test_distributed_tamuna_without_noise_is_tamuna_and_reports_the_rounds_as_they_went():
+    # sigma = 0 and a clip no update reaches: each member sends x_bar + (x_i - x_bar), its iterate to rounding, so the
+    # fit is TAMUNA's (to 1e-10); the central mode is refused (noise the server adds would unbalance sum_i h_i); every
+    # member answering the rounds as they went are the planned ones, and a member that drops takes its shares
+    data = _glm()
+    model = fb.models.linear_regression()
+    kw = dict(num_rounds=30, clients_per_round=4, seed=0, progress=False)
+    base = dict(s=2, local_steps=3, step_size=0.005, safeguard=False, precondition=False)
+    plain = fb.fed_fit(model, data, fb.TAMUNA(**base), **kw)
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        private = fb.fed_fit(model, data, fb.TAMUNA(**base, privacy=_distributed(1e6, 0.0)), **kw)
+    for k in plain.params:
+        np.testing.assert_allclose(private.params[k], plain.params[k], rtol=1e-10, atol=1e-12)
+    for algorithm in (fb.TAMUNA, fb.Scaffnew):
+        with pytest.raises(ConfigError, match="privacy is distributed"):
+            algorithm(step_size=0.005, privacy=privacy.DP(clip=1.0, noise_multiplier=1.0))
+    dp = _distributed(1.0, 2.0, delta=1e-4)
+    with pytest.warns(UserWarning, match="no secure aggregation"):
+        full = fb.fed_fit(model, data, fb.TAMUNA(**base, privacy=dp), **kw)
+        faulty = fb.fed_fit(model, data, fb.TAMUNA(**base, privacy=dp), faults=fb.Faults(drop=0.2),
+                            fault_policy=fb.FaultPolicy(min_clients=1), **kw)
+        scaffnew = fb.fed_fit(model, data, fb.Scaffnew(local_steps=3, step_size=0.005, privacy=dp), num_rounds=10,
+                              seed=0, progress=False)
+    planned = privacy.epsilon(2.0, delta=1e-4, rounds=30, num_clients=6, cohort_size=4)
+    assert full.privacy["epsilon"] == faulty.privacy["epsilon"] == planned
+    assert full.privacy["epsilon_realised"] == pytest.approx(planned, rel=1e-9)
+    assert (faulty.history["dp_holders"] < 2).any() and faulty.privacy["epsilon_realised"] > planned
+    assert "distributed" in full.privacy["mechanism"] and "holders" in full.privacy["public"]
+    assert scaffnew.privacy["epsilon"] == privacy.epsilon(2.0, delta=1e-4, rounds=10, num_clients=6)
+
+
+def test_distributed_tamuna_with_secure_aggregation_on_flower_equals_fed_fit(float32):
+    # each coordinate's mean over its holders needs only the sum of the masked uploads (the holders are public):
+    # with SecAgg+ the estimate is fed_fit's up to the quantisation and float32 rounding
+    algo = fb.TAMUNA(s=2, local_steps=3, step_size=0.005, privacy=_distributed(1.0, 0.5, noise_seed=5))
+    res = _secagg_equals_fed_fit(fb.models.linear_regression(), _glm(), algo, 8, rtol=1e-5, atol=1e-5)
     assert res.privacy["secure_aggregation"] == "SecAgg+ (Flower)"
 
 

@@ -189,6 +189,7 @@ THIRD_TIER: dict[str, object] = {
     "tests/test_privacy.py": (
         "test_distributed_fedsoul_with_secure_aggregation_on_flower_equals_fed_fit",
         "test_distributed_fedmm_with_secure_aggregation_on_flower_equals_fed_fit",  # the same for FedMM
+        "test_distributed_tamuna_with_secure_aggregation_on_flower_equals_fed_fit",  # and TAMUNA
     ),
     "tests/test_joint.py": (  # CI keeps the ULA law, MALA at the biased step, and JointMALA on Flower
         "test_each_client_s_own_step_gives_the_block_diagonal_ula_law",

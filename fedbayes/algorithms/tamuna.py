@@ -218,8 +218,8 @@ class TAMUNA:
         broadcast point) uses all rows. A model's ``numpyro.plate(..., subsample_size=B)`` sets B the
         same way.
     privacy:
-        Client-level differential privacy for ``fb.GD`` and ``fb.FedAvg``, a ``fb.privacy.DP``
-        (None: none). The server clips each cohort member's update, Delta_i = x_i - x_bar (its local
+        Client-level differential privacy, a ``fb.privacy.DP`` (None: none). ``fb.GD`` and ``fb.FedAvg``,
+        central mode: the server clips each cohort member's update, Delta_i = x_i - x_bar (its local
         iterate minus the broadcast), to L2 norm C, and steps x_bar <- x_bar + (1/c) sum_i clip(Delta_i) +
         N(0, (sigma C / c)^2 I): DP-FedAvg's fixed-denominator mean (McMahan et al., 2018), c the cohort
         size (a member that did not answer adds nothing, so the step shrinks rather than reweights), each
@@ -235,9 +235,20 @@ class TAMUNA:
         server adds nothing and needs only the sum (``fb.flower.SecAggPlus`` hides the single uploads on
         Flower). A member that does not answer takes its share with it: ``res.privacy["epsilon_realised"]``
         accounts the rounds as they went (:meth:`fedbayes.privacy.SumPrivacy.realised_epsilon`).
-        ``fb.TAMUNA`` and ``fb.Scaffnew`` have no privacy option: their
-        control variates h_i keep sum_i h_i = 0, and with it the fixed point x*, only while x_bar is the
-        exact average; noise on x_bar moves that sum, and the fit, by a random walk.
+
+        ``fb.TAMUNA`` and ``fb.Scaffnew`` take the distributed mode only. Their control variates h_i keep
+        sum_i h_i = 0, and with it the fixed point x*, only while each coordinate of x_bar is the exact mean of
+        what its holders sent: noise the server added would move that sum, and the fit, by a random walk.
+        So each member clips its update on the s coordinates it holds, u_i = clip(q_i (x_i - x_bar), C), sends
+        x_bar + u_i + N(0, sigma^2 C^2 / s) there, and corrects h_i with what it sent (h_i += (eta / gamma)
+        q_i (x_bar_new - sent_i)); the server takes each coordinate's mean over its holders that answered. Over
+        each coordinate's holders the corrections sum to zero, noise included, so sum_i h_i = 0 stays exact,
+        and the noise in each h_i decays with its own correction (as in DP-SCAFFOLD, Noble, Bellet and
+        Dieuleveut 2022). s x_bar_new - s x_bar is then sum_i u_i + N(0, sigma^2 C^2) per coordinate: the
+        Gaussian mechanism with multiplier sigma, as for GD. The server needs the sum of the uploads alone
+        (zero off each member's coordinates; the holders are public), so ``fb.flower.SecAggPlus`` runs it. A
+        holder that does not answer takes its share: the round's realised multiplier is sigma sqrt(a / s), a
+        the fewest holders that answered for any coordinate released (``res.history["dp_holders"]``).
     """
 
     step_size: float | None = None
@@ -311,11 +322,12 @@ class TAMUNA:
             return
         n = self.name
         check_dp(self.privacy, n)
-        if self.control_variates:
+        if self.control_variates and self.privacy.mode != "distributed":
             raise ConfigError(
-                f"{n} has no privacy option: its control variates h_i keep sum_i h_i = 0, and with it the fixed point, "
-                "only while the server's average is exact; noise on the average moves that sum, and the fit, by a "
-                "random walk. Use fb.GD or fb.FedAvg (no control variates) with privacy"
+                f"{n}'s privacy is distributed (DP(..., mode='distributed')): its control variates h_i keep "
+                "sum_i h_i = 0, and with it the fixed point, only while each coordinate of x_bar is the exact mean of "
+                "what its holders sent; noise the server adds to it would move that sum, and the fit, by a random "
+                "walk, while noise each member adds to what it sends (and corrects its h_i with) keeps it"
             )
         if self.step_size is None:
             raise ConfigError(
@@ -460,21 +472,31 @@ class TAMUNARun(FederatedRun):
         dp = cfg.privacy
         self._dp = None
         if dp is not None:
-            self._dp = SumPrivacy(
-                dp,
-                problem.num_rounds,
-                self.n,
-                self.c,
-                mechanism=(
+            if cfg.control_variates:  # TAMUNA, Scaffnew: distributed only (TAMUNA._check_privacy)
+                mechanism = (
+                    "distributed: each cohort member clips its update x_i - x_bar on the s coordinates it holds and "
+                    "sends x_bar plus it plus 1/s of the noise, and corrects its control variate h_i with what it "
+                    "sent; the server takes each coordinate's mean over its holders that answered, which needs "
+                    "only the sum of the uploads (secure aggregation can do it); no set-up curvature, no "
+                    "safeguard, no final exchange"
+                )
+                public = "the cohort size c, the holders of each coordinate (the round's mask) and who answered"
+            elif dp.mode == "distributed":
+                mechanism = (
                     "distributed: each cohort member clips its update x_i - x_bar and adds 1/c of the noise; the "
                     "server sums the shares (fixed denominator c) and sees each one unless secure aggregation "
                     "sums them; no set-up curvature, no safeguard, no final exchange"
-                    if dp.mode == "distributed"
-                    else "central: each cohort member's update x_i - x_bar clipped at the server, Gaussian noise "
+                )
+                public = "the cohort size c, the mean update's denominator"
+            else:
+                mechanism = (
+                    "central: each cohort member's update x_i - x_bar clipped at the server, Gaussian noise "
                     "on the mean update over the cohort (fixed denominator c); no set-up curvature, no safeguard, "
                     "no final exchange"
-                ),
-                public="the cohort size c, the mean update's denominator",
+                )
+                public = "the cohort size c, the mean update's denominator"
+            self._dp = SumPrivacy(
+                dp, problem.num_rounds, self.n, self.c, mechanism=mechanism, public=public, share_members=self.s
             )
             self.final_exchange = False  # its gradient and information would be releases the accountant does not cover
         need_p = cfg.p is None and cfg.local_steps is None
@@ -484,15 +506,15 @@ class TAMUNARun(FederatedRun):
 
     @property
     def sums_uploads(self) -> bool | str:  # type: ignore[override]  # FederatedRun's plain attribute, computed here
-        """True for GD and FedAvg with distributed DP, whose server needs each round's uploads (the members'
-        clipped, noised updates) only summed, so that secure aggregation can hide them
+        """True with distributed DP, whose server needs each round's uploads (the members' clipped, noised updates,
+        or TAMUNA's noised iterates on their coordinates) only summed, so that secure aggregation can hide them
         (:class:`fedbayes.protocol.FederatedRun`); otherwise why not."""
         if self._dp is not None and self._dp.distributed:
             return True
         return (
             f"{self.name}'s server averages the members' iterates over the holders of each coordinate and screens "
-            "each upload; secure aggregation runs GD and FedAvg with distributed DP "
-            "(privacy=fb.privacy.DP(..., mode='distributed')), whose server needs the sum of the updates alone"
+            "each upload; secure aggregation runs the TAMUNA family with distributed DP "
+            "(privacy=fb.privacy.DP(..., mode='distributed')), whose server needs the sum of the uploads alone"
         )
 
     def _resolve(self, L_max: float | None, mu_min: float | None, mu_mean: float | None) -> tuple[float, float, float]:
@@ -730,8 +752,12 @@ class TAMUNARun(FederatedRun):
         else:
             x = jax.lax.fori_loop(0, steps, lambda _, x: x - gamma * (self._grad(x, client) - h), x_bar)
         q = self.column(client.shared_key, client.slot)
-        if self._dp is not None and self._dp.distributed:  # GD / FedAvg (s = c): the clipped update and a noise share
-            x = self._dp.share(key, x - x_bar)
+        if self._dp is not None and self._dp.distributed:  # the update on the member's s coordinates, clipped, noised
+            share = self._dp.share(key, jnp.where(q, x - x_bar, 0.0))
+            # GD / FedAvg (s = c) send the update, whose sum the server adds to x_bar; TAMUNA / Scaffnew the noised
+            # iterate, with which each member then corrects its h_i (client_finish): each coordinate's corrections
+            # sum to zero over its holders, noise included, so sum_i h_i = 0 and the fixed point stay
+            x = x_bar + share if self.cfg.control_variates else share
         sent = Masked(jnp.where(q, x, 0.0), self.column)
         if self.safeguard:  # f_i at the broadcast point, for the server's monotonicity check
             return h, Message((sent, self.run_objective(x_bar, client)), FLOAT_BITS * (jnp.sum(q) + 1))
@@ -742,7 +768,18 @@ class TAMUNARun(FederatedRun):
         a coordinate none of whose holders answered keeps its value. Faulty members get no reply and
         keep their h_i, so sum_i h_i = 0 still holds."""
         masked = uploads.payload[0] if self.safeguard else uploads.payload
-        if self._dp is not None and self._dp.distributed:  # the members' clipped, noised updates: their sum alone
+        diag: dict[str, jax.Array] = {}
+        if self._dp is not None and self._dp.distributed and self.cfg.control_variates:
+            # TAMUNA / Scaffnew: each coordinate's mean over its holders that answered, from the sum of the uploads
+            # alone (zero off each member's coordinates; the holders are public), so secure aggregation can form it
+            q = jax.vmap(self.column, in_axes=(None, 0))(info.shared_key, jnp.arange(self.c)) & info.active[:, None]
+            holders = jnp.sum(q, axis=0)
+            total = jnp.sum(jnp.where(info.active[:, None], masked, 0.0), axis=0)
+            x = jnp.where(holders > 0, total / jnp.maximum(holders, 1).astype(total.dtype), state.x)
+            # the fewest shares behind any coordinate released this round (SumPrivacy.realised_epsilon)
+            fewest = jnp.min(jnp.where(holders > 0, holders, self.s + 1))
+            diag["dp_holders"] = jnp.where(fewest > self.s, 0, fewest)  # 0: nothing released
+        elif self._dp is not None and self._dp.distributed:  # the members' clipped, noised updates: their sum alone
             x = state.x + jnp.sum(jnp.where(info.active[:, None], masked, 0.0), axis=0) / self.c
         elif self._dp is not None:  # central DP (GD, FedAvg: s = c): the clipped mean update, noised
             updates = jnp.where(info.active[:, None], self._dp.clipped(masked - state.x), 0.0)
@@ -753,7 +790,9 @@ class TAMUNARun(FederatedRun):
             q = jax.vmap(self.column, in_axes=(None, 0))(info.shared_key, jnp.arange(self.c)) & info.active[:, None]
             holders = jnp.sum(q, axis=0)
             x = jnp.where(holders > 0, self._aggregate(masked, q), state.x)
-        diag = {f"theta/{k}": v for k, v in self._fm.constrain(self._unravel(self.to_model(x, state.settings))).items()}
+        diag.update(
+            {f"theta/{k}": v for k, v in self._fm.constrain(self._unravel(self.to_model(x, state.settings))).items()}
+        )
         diag["local_steps"] = self.num_local_steps(info.shared_key, state.settings)
         state = state._replace(x=x)
         if self.safeguard:
@@ -859,7 +898,7 @@ class TAMUNARun(FederatedRun):
         if not self.final_exchange:
             parts = self.final_server(key, carry[0], None, None, None)
             if self._dp is not None and history is not None:  # with the rounds as they went (distributed mode)
-                parts.privacy = self._dp.report(history.get("active"))
+                parts.privacy = self._dp.report(history.get("dp_holders" if self.cfg.control_variates else "active"))
             return parts
         return final_exchange(self, key, carry[0], carry[1], stack_clients(problem.data))
 
