@@ -347,6 +347,13 @@ def _asked_multiplier(dp: DP, setting: _Setting) -> float:
     return noise_multiplier_for(dp.epsilon, **setting)
 
 
+def sums_only(dp: Any, applies: bool, reason: str) -> bool | str:
+    """A run's ``sums_uploads`` (:class:`fedbayes.protocol.FederatedRun`): True where its distributed DP leaves the
+    server only sums of the uploads to need (``applies``: the run is one whose distributed mode does), else
+    ``reason``, why secure aggregation cannot run it."""
+    return True if applies and dp is not None and dp.distributed else reason
+
+
 def _answer_counts(answered: Any) -> dict[int, int]:
     """How many rounds had each number a > 0 of answering clients (``answered``: one count per round); a round
     nobody answered released nothing."""

@@ -48,7 +48,7 @@ from ..errors import ConfigError, ModelError, require_choice, require_fraction, 
 from ..protocol import ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from .expfam import CustomStatistics, Derived, derive
 from ..faults import fault_weight
-from ..privacy import SumPrivacy, check_dp
+from ..privacy import SumPrivacy, check_dp, sums_only
 from ..introspect import FedModel, Params
 from ..optim import as_schedule
 from . import louis
@@ -522,12 +522,12 @@ class FedMMRun(FederatedRun):
         """True for FedMM / FedEM with distributed DP, whose server needs the set-up's and each round's uploads
         (the members' clipped, weighted, noised statistics) only summed, so that secure aggregation can hide
         them (:class:`fedbayes.protocol.FederatedRun`); otherwise why not."""
-        if type(self) is FedMMRun and self._dp is not None and self._dp.distributed:
-            return True
-        return (
+        return sums_only(
+            self._dp,
+            type(self) is FedMMRun,
             f"{self.name}'s server weighs each client's statistic by its share of the data (central DP clips each "
             "one) and keeps the control variates' sum; secure aggregation runs FedMM with distributed DP "
-            "(privacy=fb.privacy.DP(..., mode='distributed')), whose server needs the sums alone"
+            "(privacy=fb.privacy.DP(..., mode='distributed')), whose server needs the sums alone",
         )
 
     # ------------------------------------------------------------------ results

@@ -57,7 +57,7 @@ from jax.flatten_util import ravel_pytree
 from .. import minibatch, optim
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import client_key, final_exchange, run_jit, stack_clients
-from ..privacy import SumPrivacy, check_dp
+from ..privacy import SumPrivacy, check_dp, sums_only
 from ..convergence import ONE_STEP_MAX
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
 from ..faults import as_aggregation
@@ -1046,12 +1046,12 @@ class FedSOULRun(FederatedRun):
     def sums_uploads(self) -> bool | str:  # type: ignore[override]  # FederatedRun's plain attribute, computed here
         """True for FedSOUL with distributed DP, whose server needs each round's uploads (the clipped, noised
         gradients) only summed, so that secure aggregation can hide them; otherwise why not."""
-        if type(self) is FedSOULRun and self._dp is not None and self._dp.distributed:
-            return True
-        return (
+        return sums_only(
+            self._dp,
+            type(self) is FedSOULRun,
             f"{self.name}'s server reads each client's gradient (central DP clips each one), objective and, with "
             "Fisher scoring, information; secure aggregation runs FedSOUL with distributed DP "
-            "(privacy=fb.privacy.DP(..., mode='distributed')), whose server needs the sum of the gradients alone"
+            "(privacy=fb.privacy.DP(..., mode='distributed')), whose server needs the sum of the gradients alone",
         )
 
     def sample_new_client(self, key, theta: Params, client: ClientData, num_samples: int, warmup: int) -> Params:

@@ -62,7 +62,7 @@ from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..faults import as_aggregation
 from ..introspect import FedModel
 from ..minibatch import check_batch_size
-from ..privacy import SumPrivacy, check_dp
+from ..privacy import SumPrivacy, check_dp, sums_only
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo
 from .tamuna_theory import (  # noqa: F401 - the masks and theory helpers, re-exported as fb.tamuna.*
     _real,
@@ -509,12 +509,12 @@ class TAMUNARun(FederatedRun):
         """True with distributed DP, whose server needs each round's uploads (the members' clipped, noised updates,
         or TAMUNA's noised iterates on their coordinates) only summed, so that secure aggregation can hide them
         (:class:`fedbayes.protocol.FederatedRun`); otherwise why not."""
-        if self._dp is not None and self._dp.distributed:
-            return True
-        return (
+        return sums_only(
+            self._dp,
+            True,
             f"{self.name}'s server averages the members' iterates over the holders of each coordinate and screens "
             "each upload; secure aggregation runs the TAMUNA family with distributed DP "
-            "(privacy=fb.privacy.DP(..., mode='distributed')), whose server needs the sum of the uploads alone"
+            "(privacy=fb.privacy.DP(..., mode='distributed')), whose server needs the sum of the uploads alone",
         )
 
     def _resolve(self, L_max: float | None, mu_min: float | None, mu_mean: float | None) -> tuple[float, float, float]:
