@@ -39,10 +39,12 @@ Point estimates (TAMUNA / Scaffnew / GD / FedAvg, FedSOUL's theta*, FedMM / FedE
     by the number of coordinates, Bonferroni) times its batch-means standard error. A constrained site (a
     scale, a probability, a simplex) is also checked in the unconstrained coordinates its estimate moves in
     (its bijection to R^n; scale at least 1 there, a log-unit being already relative), and the worse of
-    the two is its row (both count in Bonferroni's number of coordinates): a scale that runs away grows
-    geometrically, and in its own units the window's batch means curve away from a line so that the
-    curvature passes for noise, while in log units the growth is a line. A move of more than
-    :data:`RUNAWAY` there is reported as running away. This catches a
+    the two is its row (both count in Bonferroni's number of coordinates), where the change in its own units
+    exceeds the tolerance and passes only as noise: a scale that runs away grows geometrically, and in its
+    own units the window's batch means curve away from a line so that the curvature passes for noise, while
+    in log units the growth is a line. (A change within the tolerance is not judged again: a scale settling
+    near its boundary 0 keeps moving in log units.) A move of more than :data:`RUNAWAY` there is reported as
+    running away. This catches a
     fit still drifting (a capped step, a too small learning rate); it cannot see a very slow linear
     convergence whose change over the window is small against its remaining distance (that is what
     the decrement is for). With fewer than :data:`MIN_ROUNDS` rounds a ``rounds`` row takes its place
@@ -442,10 +444,16 @@ def _trace_rows(res: Any, decrement_available: bool) -> list[dict[str, Any]]:
         r = trace_check(trace[-window:], se=se, first=trace[0], num_coords=coords)
         change = "standard errors" if r["unit"] == "standard errors" else "units of the estimate's scale"
         where = ""
-        if s in free:
+        tol = TRACE_TOL_SE if se is not None else TRACE_TOL_REL
+        if s in free and r["value"] > tol:
+            # the change is beyond the tolerance and passes (if it does) only as Monte Carlo noise, whose estimate
+            # the curvature of a geometric run-away inflates: the unconstrained coordinates arbitrate. (A change
+            # within the tolerance, e.g. a scale settling near its boundary 0, is not judged again in log units,
+            # where it would keep moving.)
             u = free[s]
             se_u = None if se is None else _unconstrained_se(transforms[s], u[-window:].mean(0), se)
-            ru = trace_check(u[-window:], se=se_u, first=u[0], num_coords=coords, floor=1.0)
+            carried = se is None or se_u is not None  # standard errors that a simplex's transform cannot carry
+            ru = trace_check(u[-window:], se=se_u, first=u[0], num_coords=coords, floor=1.0) if carried else r
             if ru["value"] / ru["threshold"] > r["value"] / r["threshold"]:
                 r = ru
                 change = "standard errors" if se_u is not None else "units of the estimate's scale (at least 1)"
@@ -456,12 +464,13 @@ def _trace_rows(res: Any, decrement_available: bool) -> list[dict[str, Any]]:
             "(batch means)"
         )
         if where and not r["ok"] and abs(r["change"]) > RUNAWAY:
+            toward = "growing without bound" if r["change"] > 0 else "shrinking toward the boundary of its support"
             note += _RUNAWAY_MARK + (
-                f"a move of {abs(r['change']):.3g} in unconstrained units over the window (a factor of "
+                f"{toward}, a move of {abs(r['change']):.3g} in unconstrained units over the window (a factor of "
                 f"{math.exp(min(abs(r['change']), 700.0)):.3g} for a log scale), not an estimate converging "
-                "slowly: more rounds will not help. E.g. a population scale on nearly separable "
-                "classes, whose marginal likelihood keeps rising with it: fix the scale or give it a prior in the "
-                "model"
+                "slowly: more rounds will not help. E.g. a population scale on nearly separable classes, whose "
+                "marginal likelihood keeps rising with it (fix the scale or give it a prior in the model), or a "
+                "variance whose estimate is 0 (a singular fit: drop the effect or give it a prior)"
             )
         rows.append(_row("trace", s, r["value"], r["threshold"], r["ok"], note))
     return rows

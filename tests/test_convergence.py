@@ -150,6 +150,14 @@ def test_trace_checks_a_scale_in_its_unconstrained_coordinates_and_calls_a_runaw
 
     moved = float(re.search(r"worst coordinate 0: ([0-9.]+)", rows["sigma"]["note"]).group(1))
     assert moved == pytest.approx(75 * np.log(2) / 20, abs=0.05) and rows["mu"]["ok"]
+    # a variance collapsing to its boundary 0 (a singular fit: sigma = e^(-t / 20), 1e-5 of its travel left at the
+    # window): settled in its own units, so not judged again in log units, where it still moves by 3.75
+    collapse = np.exp(-t / 20.0)
+    rows = {r["site"]: r for r in cv._trace_rows(_trace_result({"sigma": collapse, "mu": weights}), False)}
+    assert rows["sigma"]["ok"] and "unconstrained" not in rows["sigma"]["note"]
+    # the same collapse still under way (e^(-t / 200): 22% of its travel over the window) fails in its own units
+    slow = cv._trace_rows(_trace_result({"sigma": np.exp(-t / 200.0), "mu": weights}), False)
+    assert not {r["site"]: r for r in slow}["sigma"]["ok"]
     # a settled scale (AR(1) noise of 1% around 2) passes both ways: over 200 runs at the Bonferroni level
     # 1e-3 (for all coordinates, the scale's two parametrisations included) the expected number of false
     # alarms is at most 0.2 (<= 3: probability 6e-5)

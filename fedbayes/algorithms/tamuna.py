@@ -240,8 +240,9 @@ class TAMUNA:
         sum_i h_i = 0, and with it the fixed point x*, only while each coordinate of x_bar is the exact mean of
         what its holders sent: noise the server added would move that sum, and the fit, by a random walk.
         So each member clips its update on the s coordinates it holds, u_i = clip(q_i (x_i - x_bar), C), sends
-        x_bar + u_i + N(0, sigma^2 C^2 / s) there, and corrects h_i with what it sent (h_i += (eta / gamma)
-        q_i (x_bar_new - sent_i)); the server takes each coordinate's mean over its holders that answered. Over
+        v_i = u_i + N(0, sigma^2 C^2 / s) there, and corrects h_i with x_bar + v_i instead of its local iterate
+        (h_i += (eta / gamma) q_i (x_bar_new - x_bar - v_i)); the server adds to each coordinate of x_bar the mean
+        of the v_i over its holders that answered. Over
         each coordinate's holders the corrections sum to zero, noise included, so sum_i h_i = 0 stays exact,
         and the noise in each h_i decays with its own correction (as in DP-SCAFFOLD, Noble, Bellet and
         Dieuleveut 2022). s x_bar_new - s x_bar is then sum_i u_i + N(0, sigma^2 C^2) per coordinate: the
@@ -333,6 +334,11 @@ class TAMUNA:
             raise ConfigError(
                 f"{n} with privacy needs a step_size: the automatic step is measured from every client's Hessian "
                 "in the set-up exchange, a release the accountant does not cover"
+            )
+        if self.p is None and self.local_steps is None and self.kappa is None:
+            raise ConfigError(
+                f"{n} with privacy needs p, local_steps or kappa: the default p is computed from every client's "
+                "curvature (mu_i, L_i) in the set-up exchange, a release the accountant does not cover"
             )
         if self.precondition:
             raise ConfigError(
@@ -753,11 +759,13 @@ class TAMUNARun(FederatedRun):
             x = jax.lax.fori_loop(0, steps, lambda _, x: x - gamma * (self._grad(x, client) - h), x_bar)
         q = self.column(client.shared_key, client.slot)
         if self._dp is not None and self._dp.distributed:  # the update on the member's s coordinates, clipped, noised
-            share = self._dp.share(key, jnp.where(q, x - x_bar, 0.0))
-            # GD / FedAvg (s = c) send the update, whose sum the server adds to x_bar; TAMUNA / Scaffnew the noised
-            # iterate, with which each member then corrects its h_i (client_finish): each coordinate's corrections
-            # sum to zero over its holders, noise included, so sum_i h_i = 0 and the fixed point stay
-            x = x_bar + share if self.cfg.control_variates else share
+            x = self._dp.share(key, jnp.where(q, x - x_bar, 0.0))  # sent as it is (bounded: SecAgg+'s range)
+            if self.cfg.control_variates:
+                # TAMUNA / Scaffnew: h_i is corrected with what was sent, x_bar + share, rather than with the local
+                # iterate: over each coordinate's holders the corrections then sum to zero, noise included, so
+                # sum_i h_i = 0 and the fixed point stay. Its part known now is taken here; client_finish adds
+                # the new x_bar's (a member that gets no reply keeps its h_i: the engine and Flower roll back)
+                h = h - client.settings.cv * jnp.where(q, x_bar + x, 0.0)
         sent = Masked(jnp.where(q, x, 0.0), self.column)
         if self.safeguard:  # f_i at the broadcast point, for the server's monotonicity check
             return h, Message((sent, self.run_objective(x_bar, client)), FLOAT_BITS * (jnp.sum(q) + 1))
@@ -774,8 +782,8 @@ class TAMUNARun(FederatedRun):
             # alone (zero off each member's coordinates; the holders are public), so secure aggregation can form it
             q = jax.vmap(self.column, in_axes=(None, 0))(info.shared_key, jnp.arange(self.c)) & info.active[:, None]
             holders = jnp.sum(q, axis=0)
-            total = jnp.sum(jnp.where(info.active[:, None], masked, 0.0), axis=0)
-            x = jnp.where(holders > 0, total / jnp.maximum(holders, 1).astype(total.dtype), state.x)
+            total = jnp.sum(jnp.where(info.active[:, None], masked, 0.0), axis=0)  # the updates' sum
+            x = jnp.where(holders > 0, state.x + total / jnp.maximum(holders, 1).astype(total.dtype), state.x)
             # the fewest shares behind any coordinate released this round (SumPrivacy.realised_epsilon)
             fewest = jnp.min(jnp.where(holders > 0, holders, self.s + 1))
             diag["dp_holders"] = jnp.where(fewest > self.s, 0, fewest)  # 0: nothing released
@@ -844,9 +852,11 @@ class TAMUNARun(FederatedRun):
         if not self.cfg.control_variates:
             return h, jnp.asarray(0)
         x_bar, gamma = self._unpack(payload, client.settings)
-        mine = upload[0] if self.safeguard else upload
         q = self.column(client.shared_key, client.slot)
         rate = client.settings.cv / gamma if self.safeguard else client.settings.cv
+        if self._dp is not None and self._dp.distributed:  # the sent part was taken in client_step (no safeguard)
+            return h + rate * jnp.where(q, x_bar, 0.0), FLOAT_BITS * jnp.sum(q)
+        mine = upload[0] if self.safeguard else upload
         h = h + rate * jnp.where(q, x_bar - mine, 0.0)
         return h, FLOAT_BITS * (jnp.sum(q) + (1 if self.safeguard else 0))
 

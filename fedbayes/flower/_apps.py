@@ -1114,7 +1114,8 @@ def simulate(
 
     ``secure_aggregation=fb.flower.SecAggPlus(...)``: every exchange's uploads reach the server only summed,
     by Flower's SecAgg+ (for the algorithms whose server needs no more: ``run.sums_uploads``; LMC and
-    P-ELF with full uploads, e.g. LMC with distributed DP; GD, FedAvg, FedSOUL and FedMM with distributed DP).
+    P-ELF with full uploads, e.g. LMC with distributed DP; the TAMUNA family, FedSOUL and FedMM with distributed
+    DP).
     Its messages are in ``flower_messages`` as
     ``secagg:<stage>`` and ``secagg:<stage>-reply``; the sums are exact to the quantisation's
     2 n R / Q per coordinate, with a random rounding from NumPy's global generator (not the fit's seed).

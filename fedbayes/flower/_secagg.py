@@ -43,8 +43,8 @@ from ..errors import ConfigError
 
 GENERIC = (
     "fedbayes runs secure aggregation only for the algorithms whose server needs every exchange's uploads "
-    "summed and nothing else (LMC and P-ELF with full uploads, e.g. LMC with distributed DP; GD, FedAvg, FedSOUL "
-    "and FedMM with distributed DP)"
+    "summed and nothing else (LMC and P-ELF with full uploads, e.g. LMC with distributed DP; the TAMUNA family, "
+    "FedSOUL and FedMM with distributed DP)"
 )
 CONFIG = "fedbayes"  # the prefix of fedbayes' fields in the FitIns config a secure exchange sends
 
