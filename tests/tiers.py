@@ -60,6 +60,8 @@ SECOND_TIER: dict[str, object] = {
         "test_private_p_elf_is_private_lmc_with_a_compressed_downlink",  # three 30-round fits, ~20 s
         "test_private_d_elf_clips_each_clients_memory_at_the_server",  # ~30 s
         "test_distributed_lmc_reports_the_epsilon_of_the_rounds_as_they_went",  # two fits, ~18 s
+        # four FedMM fits, 34 s (2026-11-27; the share and sum checks by hand stay in the first tier)
+        "test_distributed_fedmm_without_noise_is_the_central_one_and_reports_the_rounds_as_they_went",
         "test_private_lmc_noise_follows_the_rounds_fault_weight",  # 4 000 server steps, ~25 s
         "test_privacy_audit_of_a_private_d_elf_round_and_unclipped_memories_are_caught",  # 600 000 steps
         "test_distributed_fedavg_with_secure_aggregation_on_flower_equals_fed_fit",  # ~30 s each: SecAgg+ rounds
@@ -119,6 +121,7 @@ SECOND_TIER: dict[str, object] = {
         "test_fedsoul_batch_of_every_row_is_the_full_batch_bit_for_bit",
         "test_gd_with_stochastic_local_steps_has_its_exact_stationary_spread",
         "test_fedmm_minibatch_reaches_the_em_fixed_point_and_refuses_per_client_latents",
+        "test_every_family_takes_batches_and_a_batch_of_every_row_is_the_full_batch",  # 12 fits, ~45 s in all
     ),
     "tests/test_model.py": (
         "test_fisher_identity_gradient_matches_the_closed_form_marginal",
