@@ -153,22 +153,22 @@ def test_a_feature_extractor_with_personal_heads_trains_checkpoints_and_runs_on_
     assert int(np.sum(flower.history["bits_up"])) == int(np.sum(direct.history["bits_up"]))
 
 
-def test_fedsoul_on_a_network_with_a_compressed_uplink_is_the_same_fit_on_flower():
-    """FedSOUL's uploads in the shared sites of a flax network, flattened leaf by leaf into one vector, go
-    through QSGD and the ledger, in fed_fit and through Flower's messages (the wire format of the leaves):
-    the same fit, and the same bits. In float32 (JAX's default; tests/test_flower.py says why: floats cross the
-    wire as float32, so only then is the network exact)."""
+@pytest.fixture
+def float32():
+    """JAX's default float32 for one test (tests/test_flower.py says why: floats cross Flower's wire as float32,
+    so only then is the network exact)."""
     import jax
 
     before = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", False)
-    try:
-        _compressed_network_on_flower()
-    finally:
-        jax.config.update("jax_enable_x64", before)
+    yield
+    jax.config.update("jax_enable_x64", before)
 
 
-def _compressed_network_on_flower():
+def test_fedsoul_on_a_network_with_a_compressed_uplink_is_the_same_fit_on_flower(float32):
+    """FedSOUL's uploads in the shared sites of a flax network, flattened leaf by leaf into one vector, go
+    through QSGD and the ledger, in fed_fit and through Flower's messages (the wire format of the leaves):
+    the same fit, and the same bits (in float32)."""
     data = _class_data()
     data = fb.FederatedData({"x": [data.client(i)["x"].astype(np.float32) for i in range(data.num_clients)],
                              "y": [data.client(i)["y"] for i in range(data.num_clients)]})
