@@ -58,7 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .data import FederatedData
 from .errors import ConfigError, FedbayesError, StalledError
-from .faults import DROPPED, KIND_NAMES, NONFINITE, OK, TOO_LARGE, FaultPolicy, Faults, screen
+from .faults import ABSENT, DROPPED, KIND_NAMES, NONFINITE, OK, TOO_LARGE, FaultPolicy, Faults, screen
 from .protocol import (
     FLOAT_BITS,  # noqa: F401 (re-exported: fedbayes.engine.FLOAT_BITS)
     SETTING_BITS,
@@ -448,12 +448,16 @@ class Progress:
         sys.stderr.flush()
 
 
-def round_plan(base_key: jax.Array, k: jax.Array, num_clients: int, cohort_size: int, participation: float = 1.0):
-    """The public randomness of round ``k``: ``(round key, cohort, client keys, server key, shared key,
-    expected)``; ``expected`` marks the cohort members that take part (all, unless ``participation`` < 1)."""
+def _round_keys(base_key: jax.Array, k: jax.Array) -> tuple[jax.Array, ...]:
+    """``(round key, cohort key, client key, server key, shared key)`` of round ``k``."""
     rk = jax.random.fold_in(base_key, k)
     k_cohort, k_clients, k_server = jax.random.split(rk, 3)
-    k_shared = jax.random.fold_in(rk, _SHARED_STREAM)
+    return rk, k_cohort, k_clients, k_server, jax.random.fold_in(rk, _SHARED_STREAM)
+
+
+def _plan_from_keys(round_keys: tuple, num_clients: int, cohort_size: int, participation: float) -> tuple:
+    """:func:`round_plan` from the round's keys (:func:`_round_keys`)."""
+    rk, k_cohort, k_clients, k_server, k_shared = round_keys
     cohort = sample_cohort(k_cohort, num_clients, cohort_size)
     keys = jax.vmap(lambda i: jax.random.fold_in(k_clients, i))(cohort)
     if participation < 1.0:  # each cohort member takes part independently with probability p
@@ -461,6 +465,33 @@ def round_plan(base_key: jax.Array, k: jax.Array, num_clients: int, cohort_size:
     else:
         expected = jnp.ones((cohort_size,), bool)
     return rk, cohort, keys, k_server, k_shared, expected
+
+
+def round_plan(
+    base_key: jax.Array,
+    k: jax.Array,
+    num_clients: int,
+    cohort_size: int,
+    participation: float = 1.0,
+):
+    """The public randomness of round ``k``: ``(round key, cohort, client keys, server key, shared key,
+    expected)``; ``expected`` marks the cohort members that take part (all, unless ``participation`` < 1).
+    It is a function of the seed and the round alone, so a chunk of rounds hashes the round keys of all
+    its rounds at once (:func:`chunk_plans`)."""
+    return _plan_from_keys(_round_keys(base_key, k), num_clients, cohort_size, participation)
+
+
+def chunk_plans(base_key: jax.Array, ks: jax.Array) -> tuple[jax.Array, ...]:
+    """The round keys of :func:`round_plan` (round, cohort, client, server and shared key) of every round in
+    ``ks``, stacked; each round derives its cohort and client keys from them.
+
+    Why: on a CPU every call of JAX's key hash (threefry) lowers to a loop of its own, a few microseconds
+    each whatever its size, and a round of a hundred clients lasts tens of microseconds. Hashed here, a
+    chunk's round keys cost one batched call per kind instead of one per kind and round. The keys are
+    the same bits either way (the hash is elementwise), so the rounds do not change. The client keys stay
+    in the round: a chunk of them would be rounds x cohort keys, computed even for an algorithm that does
+    not use them (XLA drops unused work inside a round, not a loop's unused inputs)."""
+    return jax.vmap(lambda k: _round_keys(base_key, k))(ks)
 
 
 def server_half(
@@ -480,13 +511,14 @@ def server_half(
 ):
     """The server's half of a round, from the decoded uploads (stacked over the cohort; rows not
     ``received`` are ignored): screen, zero the faulty rows, ``server_step``. Returns
-    ``(server_state, new_broadcast, zeroed payload, record)``; the record holds the round's ledger and
-    fault counts, and ``_active`` / ``_faulty`` for the caller to pop."""
+    ``(server_state, new_broadcast, zeroed payload, record)``; the record holds the round's ledger per
+    cohort slot, each slot's fault kind (``_fault_kind``: ``ABSENT`` for a member not expected this round;
+    :func:`host_records` counts them), and ``_active`` / ``_faulty`` for the caller to pop."""
     policy = FaultPolicy() if policy is None else policy
     kind = jnp.where(expected & ~received, DROPPED, screen(payload, received, policy))
-    kind = jnp.where(expected, kind, OK)
-    faulty = kind != OK
-    active = expected & ~faulty
+    kind = jnp.where(expected, kind, ABSENT)
+    faulty = kind > OK
+    active = kind == OK
     payload = jax.tree_util.tree_map(
         lambda p: jnp.where(jnp.reshape(active, (-1,) + (1,) * (p.ndim - 1)), p, jnp.zeros_like(p)), payload
     )
@@ -495,14 +527,9 @@ def server_half(
         k_server, server_state, Message(payload, upload_bits), info
     )
     sent = expected & (kind != DROPPED)  # rejected uploads crossed the network all the same
-    record = {
+    record = {  # the fault counts and the rejected bits follow from the kinds, on the host (host_records)
         "bits_up": jnp.where(sent, upload_bits, 0),
         "bits_down": jnp.where(expected, broadcast_bits, 0),
-        "active": jnp.sum(active),
-        "dropped": jnp.sum(kind == DROPPED),
-        "nonfinite": jnp.sum(kind == NONFINITE),
-        "too_large": jnp.sum(kind == TOO_LARGE),
-        "bits_up_rejected": jnp.where(sent & faulty, upload_bits, 0),
         "_fault_kind": kind.astype(jnp.int8),
         **diag,
         "_active": active,
@@ -520,7 +547,9 @@ def make_round(
     faults: Faults | None = None,
     policy: FaultPolicy | None = None,
 ):
-    """The pure function of one round: ``(carry, k) -> (carry, record)``.
+    """The pure function of one round: ``(carry, k) -> (carry, record)``, where ``k`` is the round's number
+    or ``(number, keys)`` with the round's keys from :func:`chunk_plans` (the same round, its keys hashed
+    ahead).
 
     Every upload is screened (:func:`fedbayes.faults.screen`); ``faults`` injects simulated ones
     first. A faulty member's upload is zeroed before the server step, its client state is rolled back
@@ -530,12 +559,19 @@ def make_round(
 
     participation = float(algorithm.participation)
 
-    def round_fn(carry, k):
+    def round_fn(carry, step):
         server_state, client_states, broadcast = carry
         opening = server_state  # the state that opened the round (a faulty client's resync is built from it)
-        rk, cohort, keys, k_server, k_shared, expected = round_plan(
-            base_key, k, num_clients, cohort_size, participation
-        )
+        if isinstance(step, tuple):
+            k, plan = step
+            rk, cohort, keys, k_server, k_shared, expected = _plan_from_keys(
+                plan, num_clients, cohort_size, participation
+            )
+        else:
+            k = step
+            rk, cohort, keys, k_server, k_shared, expected = round_plan(
+                base_key, k, num_clients, cohort_size, participation
+            )
         members = _take(clients, cohort)._replace(
             slot=jnp.arange(cohort_size), shared_key=k_shared, settings=algorithm.client_settings(server_state)
         )
@@ -602,7 +638,7 @@ def fault_events(
     """``(round, client, kind)`` of every fault in the records of rounds ``start, start + 1, ...``
     (the cohort of a round is a function of the seed and the round, so it is recomputed here)."""
     kinds = np.asarray(records.get("_fault_kind", np.zeros((0, 0))))
-    rows = np.flatnonzero(kinds.any(axis=1)) if kinds.size else np.zeros(0, int)
+    rows = np.flatnonzero((kinds > OK).any(axis=1)) if kinds.size else np.zeros(0, int)
     if not len(rows):
         return []
     cohort_of = jax.vmap(
@@ -612,7 +648,7 @@ def fault_events(
     return [
         (start + int(r), int(cohort[j]), KIND_NAMES[int(kinds[r, j])])
         for r, cohort in zip(rows, cohorts)
-        for j in np.flatnonzero(kinds[r])
+        for j in np.flatnonzero(kinds[r] > OK)
     ]
 
 
@@ -652,7 +688,8 @@ def _compiled_chunk(
         def chunk(carry, ks, clients, base_key):
             # The client data enter as arguments, not closure constants, so XLA does not constant-fold them.
             round_fn = make_round(algorithm, clients, num_clients, cohort_size, base_key, faults, policy)
-            return jax.lax.scan(round_fn, carry, ks)
+            plans = chunk_plans(base_key, ks)
+            return jax.lax.scan(round_fn, carry, (ks, plans))
 
         return chunk
 
@@ -695,12 +732,30 @@ class Stopped(FedbayesError):
         self.counts = counts if counts is not None else {}
 
 
+def fault_counts(rec: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The rounds' fault counts from the cohort slots' kinds (``_fault_kind``, rounds x slots): ``active``
+    (answers the server used), ``dropped``, ``nonfinite`` and ``too_large``. Counted here rather than in
+    the round: each count is a reduction of its own, and a round of a small cohort is made of such small
+    operations (benchmarks/README.md, the samplers)."""
+    kinds = np.asarray(rec["_fault_kind"])
+    return {
+        "active": (kinds == OK).sum(axis=1),
+        "dropped": (kinds == DROPPED).sum(axis=1),
+        "nonfinite": (kinds == NONFINITE).sum(axis=1),
+        "too_large": (kinds == TOO_LARGE).sum(axis=1),
+    }
+
+
 def host_records(rec: dict[str, Any], seconds: float) -> dict[str, np.ndarray]:
     """A chunk's device records as the history's host arrays: per-round wall time (``seconds`` spread
-    over the chunk's rounds) and the per-client bit counts summed over the cohort."""
+    over the chunk's rounds), the fault counts (:func:`fault_counts`), and the per-client bit counts
+    summed over the cohort (``bits_up_rejected``: those of the uploads screened out)."""
     rec = {name: np.asarray(v) for name, v in rec.items()}
     length = len(rec["bits_up"])
     rec["seconds"] = np.full(length, seconds / max(length, 1))  # the first chunk includes compilation
+    rec.update(fault_counts(rec))
+    kinds = rec["_fault_kind"]
+    rec["bits_up_rejected"] = np.where((kinds == NONFINITE) | (kinds == TOO_LARGE), rec["bits_up"], 0)
     for name in ("bits_up", "bits_down", "bits_up_rejected"):
         rec[name] = rec[name].astype(np.int64).sum(axis=1)
     return rec

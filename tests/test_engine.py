@@ -87,6 +87,22 @@ def test_chunk_plan_covers_every_round_once(start, end, size):
     assert len({length for _, length in plan}) <= 2 and all(length <= max(size, 1) for _, length in plan)
 
 
+@pytest.mark.parametrize("cohort, participation", [(7, 1.0), (3, 1.0), (7, 0.5)])
+def test_a_chunks_keys_hashed_at_once_are_each_rounds_own(cohort, participation):
+    """The rounds of a chunk take their keys from one batched hash (``chunk_plans``); each round's plan is
+    then the plan it derives alone (``round_plan``, what Flower's server computes round by round), bit for
+    bit: cohort, client keys, server and shared keys, and who is expected."""
+    from fedbayes.engine import _plan_from_keys, chunk_plans, round_plan
+
+    base, ks = jax.random.PRNGKey(3), jnp.arange(40, 65, dtype=jnp.int32)
+    planned = jax.jit(lambda ks: jax.vmap(lambda keys: _plan_from_keys(keys, 7, cohort, participation))(
+        chunk_plans(base, ks)))(ks)
+    alone = [jax.jit(round_plan, static_argnums=(2, 3, 4))(base, k, 7, cohort, participation) for k in ks]
+    for i, one in enumerate(alone):
+        for a, b in zip(one, planned):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[i])
+
+
 def test_the_final_exchange_in_blocks_of_clients_is_the_final_exchange_of_all_at_once(monkeypatch):
     """Past ``FINAL_BLOCK`` clients the final exchange's client computations run block by block (to bound
     their memory): FedSOUL's personal posteriors and Louis' standard errors are those of one vmap over all

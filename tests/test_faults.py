@@ -12,7 +12,7 @@ import fedbayes as fb
 from fedbayes.wire import decode_tree
 from fedbayes.engine import Problem, run_rounds
 from fedbayes.errors import ConfigError
-from fedbayes.faults import DROPPED, NONFINITE, OK, TOO_LARGE, Aggregation, screen, upper_median
+from fedbayes.faults import DROPPED, NONFINITE, OK, TOO_LARGE, Aggregation, _beyond_median, screen, upper_median
 from test_elf import gauss_model, gaussian_clients
 
 N, D, C = 10, 5, 5
@@ -93,6 +93,25 @@ def test_the_screens_sort_free_median_is_numpys_upper_median(dtype, values, mask
         assert np.isnan(got)
     else:
         assert got == kept[kept.size // 2]
+
+
+_BEYOND = jax.jit(_beyond_median, static_argnums=2)
+
+
+@settings(max_examples=80, deadline=None)
+@given(hnp.arrays(np.float32, 9, elements=st.one_of(st.floats(0, 2.0**40, width=32), st.sampled_from([0.0, 1.0, 4.0]))),
+       hnp.arrays(bool, 9), st.sampled_from([1.5, 4.0, 1e6]))
+def test_the_screen_skips_its_median_only_where_no_upload_can_be_flagged(values, mask, relative):
+    """The quiet-round shortcut (no median where max <= relative x the smallest usable size) flags exactly
+    what the rule with the median flags: ``(m > 0) & (size > relative m)``, m the upper median by a sort.
+    The factors 1.5 and 4 make both branches common among these values; 1e6 is the default."""
+    got = np.asarray(_BEYOND(jnp.asarray(values), jnp.asarray(mask), relative))
+    kept = np.sort(values[mask])
+    if kept.size == 0:
+        np.testing.assert_array_equal(got, False)
+        return
+    m = kept[kept.size // 2]
+    np.testing.assert_array_equal(got, (m > 0) & (values > np.float32(relative) * m))
 
 
 def test_screen_flags_nonfinite_and_absurd_uploads():

@@ -337,6 +337,23 @@ def _dropped(algo, model, data, rounds, cohort, seed, faults):
     return out
 
 
+def test_a_flower_round_nobody_answers_stops_the_run_with_the_finished_rounds_ledger():
+    """Flower's stop check counts the faults of the round just run from its slots' kinds
+    (``engine.fault_counts``), and the error carries the finished rounds' history as fed_fit keeps it
+    (counts and bits per round): every node down in round 3 leaves nobody answering (the default
+    ``min_clients`` is 1)."""
+    algo, model, data, _, cohort = CASES["d-elf"]()
+    cohort = cohort or data.num_clients
+    with pytest.raises(fb.TooFewClientsError, match="round 3 ") as info:
+        flower.simulate(model, data, algo, num_rounds=6, clients_per_round=cohort, seed=5, backend="local",
+                        unreachable=lambda k, client: k == 3)
+    ref = fb.fed_fit(model, data, algo, num_rounds=3, clients_per_round=cohort, seed=5)
+    history = info.value.history
+    for name in ("active", "dropped", "nonfinite", "too_large", "bits_up", "bits_up_rejected"):
+        np.testing.assert_array_equal(history[name], ref.history[name])
+    np.testing.assert_array_equal(history["active"], cohort)
+
+
 @pytest.mark.parametrize("name", ["tamuna", "d-elf", "b-elf"])
 def test_an_unreachable_node_is_a_dropped_client(name):
     """A node that does not answer (Flower's NODE_UNAVAILABLE) is handled as fed_fit handles a dropped

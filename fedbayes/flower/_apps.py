@@ -32,6 +32,7 @@ from ..data import FederatedData
 from ..engine import (
     Progress,
     host_records,
+    fault_counts,
     first_short_round,
     resolve_cohort_size,
     round_plan,
@@ -936,8 +937,9 @@ class _Server:
         min_clients = (spec.fault_policy or FaultPolicy()).min_clients
         for k in range(spec.num_rounds):
             self.round(k)
-            if first_short_round(self.records[-1], min_clients) is not None:
-                before = {n: v for n, v in _concatenated(self.records[:-1]).items() if not n.startswith("_")}
+            if first_short_round(fault_counts(self.records[-1]), min_clients) is not None:
+                done = self.records[:-1]
+                before = public_history(host_records(_concatenated(done), time.perf_counter() - t0)) if done else {}
                 raise TooFewClientsError(
                     f"{rt.run.name} on Flower: round {k} left fewer answering clients than min_clients={min_clients}",
                     round=k,
