@@ -151,8 +151,8 @@ def rate(data, algo, gamma: float, chunk: int, timed: int) -> tuple[float, int]:
 
 
 def throughput(clients: int, repeats: int = 3) -> None:
-    """Each rate is the best of ``repeats`` runs (the reference's too): on a shared 2-core machine single
-    runs of a few seconds vary by up to 30%."""
+    """Each rate is the best of ``repeats`` runs (the reference's too), the runs of a row interleaved: on a
+    shared 2-core machine single runs of a few seconds vary by up to 30%."""
     data = make_data(clients)
     gamma = fb.elf.curvature_step_size(model, data, scale=0.1)
     timed = TIMED_ROUNDS[clients]
@@ -163,9 +163,12 @@ def throughput(clients: int, repeats: int = 3) -> None:
     print("|---|---|---|---|---|---|---|")
     algos = samplers(k)
     for name in algos:
-        ref = max(references_one(name, data, gamma, timed, k) for _ in range(repeats))
-        short = max(rate(data, algos[name], gamma, CHUNK, timed)[0] for _ in range(repeats))
-        long, per_it = max(rate(data, algos[name], gamma, LONG_CHUNK, timed) for _ in range(repeats))
+        refs, shorts, longs = [], [], []
+        for _ in range(repeats):  # interleaved, so that the machine's drift during a row hits every column alike
+            refs.append(references_one(name, data, gamma, timed, k))
+            shorts.append(rate(data, algos[name], gamma, CHUNK, timed)[0])
+            longs.append(rate(data, algos[name], gamma, LONG_CHUNK, timed))
+        ref, short, (long, per_it) = max(refs), max(shorts), max(longs)
         print(f"| {name} | {ref:.1f} | {short:.1f} | {ref / short:.2f} | {long:.1f} | {ref / long:.2f} | {per_it:,} |",
               flush=True)
 
