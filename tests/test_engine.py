@@ -103,6 +103,25 @@ def test_a_chunks_keys_hashed_at_once_are_each_rounds_own(cohort, participation)
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[i])
 
 
+def test_the_rounds_do_not_depend_on_the_chunk_size():
+    """Chunks of 7, 50 and 1 rounds run the same rounds (each round's keys, hashed per chunk, are a function of
+    the seed and the round alone): LMC's draws with dropped uploads, and FedAvg's iterate with sampled cohorts, are
+    equal to float rounding (XLA compiles each chunk length's loop on its own), and so are their ledgers."""
+    data = fb.FederatedData({"x": [np.linspace(-1, 1, 4 + i)[:, None] for i in range(6)],
+                             "y": [np.linspace(0, 2, 4 + i) for i in range(6)]})
+    model = fb.models.linear_regression()
+    for algo, kw in ((fb.LMC(num_chains=1, init="prior"), {}), (fb.FedAvg(), {"clients_per_round": 4})):
+        fits = [fb.fed_fit(model, data, algo, num_rounds=30, seed=2, chunk_size=size, faults=fb.Faults(drop=0.2),
+                           progress=False, **kw) for size in (7, 50, 1)]
+        first = fits[0].global_samples or fits[0].params
+        for fit in fits[1:]:
+            for name, value in (fit.global_samples or fit.params).items():
+                np.testing.assert_allclose(value, first[name], rtol=1e-12, atol=1e-12)
+            for name in ("bits_up", "bits_down", "active", "dropped"):
+                np.testing.assert_array_equal(fit.history[name], fits[0].history[name])
+        assert fits[0].history["dropped"].sum() > 0
+
+
 def test_the_final_exchange_in_blocks_of_clients_is_the_final_exchange_of_all_at_once(monkeypatch):
     """Past ``FINAL_BLOCK`` clients the final exchange's client computations run block by block (to bound
     their memory): FedSOUL's personal posteriors and Louis' standard errors are those of one vmap over all

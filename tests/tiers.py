@@ -47,6 +47,7 @@ SECOND_TIER: dict[str, object] = {
         "test_an_optax_optimiser_plugs_in_as_the_server_optimiser",  # 23 s
         "test_fit_reports_progress_between_chunks",
         "test_the_final_exchange_in_blocks_of_clients_is_the_final_exchange_of_all_at_once",  # 28 s, 2026-11-27
+        "test_the_rounds_do_not_depend_on_the_chunk_size",  # 27 s, 2026-11-27
     ),
     "tests/test_privacy.py": (
         "test_private_lmc_has_the_widened_exact_stationary_law",  # 13-30 s each (4 000 chains), 2026-11-27
