@@ -1,5 +1,7 @@
 """Client faults: screening, the algorithms' fallbacks, convergence to the fault-free targets, records."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,20 +100,31 @@ def test_the_screens_sort_free_median_is_numpys_upper_median(dtype, values, mask
 _BEYOND = jax.jit(_beyond_median, static_argnums=2)
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _with_median(size, usable, relative):
+    """The screen's rule with the median always computed (the screen before its quiet-round shortcut)."""
+    median = upper_median(size, usable)
+    return (median > 0) & (size > relative * median)
+
+
 @settings(max_examples=80, deadline=None)
 @given(hnp.arrays(np.float32, 9, elements=st.one_of(st.floats(0, 2.0**40, width=32), st.sampled_from([0.0, 1.0, 4.0]))),
        hnp.arrays(bool, 9), st.sampled_from([1.5, 4.0, 1e6]))
 def test_the_screen_skips_its_median_only_where_no_upload_can_be_flagged(values, mask, relative):
     """The quiet-round shortcut (no median where max <= relative x the smallest usable size) flags exactly
-    what the rule with the median flags: ``(m > 0) & (size > relative m)``, m the upper median by a sort.
-    The factors 1.5 and 4 make both branches common among these values; 1e6 is the default."""
+    what the rule with the median flags, ``(m > 0) & (size > relative m)``, m the upper median: as XLA
+    computes it (the screen before the shortcut), and as numpy computes it with a sort where m is 0 or a
+    normal float (XLA's CPU flushes a subnormal m to zero in the comparisons; numpy does not). The factors
+    1.5 and 4 make both branches common among these values; 1e6 is the default."""
     got = np.asarray(_BEYOND(jnp.asarray(values), jnp.asarray(mask), relative))
+    np.testing.assert_array_equal(got, np.asarray(_with_median(jnp.asarray(values), jnp.asarray(mask), relative)))
     kept = np.sort(values[mask])
     if kept.size == 0:
         np.testing.assert_array_equal(got, False)
         return
     m = kept[kept.size // 2]
-    np.testing.assert_array_equal(got, (m > 0) & (values > np.float32(relative) * m))
+    if m == 0 or m >= np.finfo(np.float32).tiny:
+        np.testing.assert_array_equal(got, (m > 0) & (values > np.float32(relative) * m))
 
 
 def test_screen_flags_nonfinite_and_absurd_uploads():
