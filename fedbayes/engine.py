@@ -562,16 +562,10 @@ def make_round(
     def round_fn(carry, step):
         server_state, client_states, broadcast = carry
         opening = server_state  # the state that opened the round (a faulty client's resync is built from it)
-        if isinstance(step, tuple):
-            k, plan = step
-            rk, cohort, keys, k_server, k_shared, expected = _plan_from_keys(
-                plan, num_clients, cohort_size, participation
-            )
-        else:
-            k = step
-            rk, cohort, keys, k_server, k_shared, expected = round_plan(
-                base_key, k, num_clients, cohort_size, participation
-            )
+        k, round_keys = step if isinstance(step, tuple) else (step, _round_keys(base_key, step))
+        rk, cohort, keys, k_server, k_shared, expected = _plan_from_keys(
+            round_keys, num_clients, cohort_size, participation
+        )
         members = _take(clients, cohort)._replace(
             slot=jnp.arange(cohort_size), shared_key=k_shared, settings=algorithm.client_settings(server_state)
         )
