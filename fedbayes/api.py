@@ -158,7 +158,7 @@ class _Fit(NamedTuple):
     clients_per_round: int | float | None
     seed: int
     model_kwargs: Mapping[str, Any] | None
-    chunk_size: int
+    chunk_size: int | None
     faults: Faults | None
     fault_policy: FaultPolicy | None
 
@@ -175,8 +175,9 @@ def validate_fit(
             data = FederatedData(data)
         else:
             raise DataError(f"data must be fb.FederatedData or a dict of per-client lists, got {type(data).__name__}")
-    for what, value, low in (("num_rounds", num_rounds, 1), ("chunk_size", chunk_size, 1)):
-        require_int(value, what, low)
+    require_int(num_rounds, "num_rounds", 1)
+    if chunk_size is not None:
+        require_int(chunk_size, "chunk_size", 1)
     require_seed(seed)
     if model_kwargs is not None and not isinstance(model_kwargs, Mapping):
         raise ConfigError(
@@ -195,7 +196,7 @@ def validate_fit(
         clients_per_round,
         int(seed),
         model_kwargs,
-        int(chunk_size),
+        None if chunk_size is None else int(chunk_size),
         faults,
         fault_policy,
     )
@@ -212,7 +213,7 @@ def fed_fit(
     seed: int = 0,
     model_kwargs: Mapping[str, Any] | None = None,
     progress: bool | None = None,
-    chunk_size: int = 50,
+    chunk_size: int | None = None,
     faults: Faults | None = None,
     fault_policy: FaultPolicy | None = None,
     checkpoint: str | os.PathLike | None = None,
@@ -246,7 +247,13 @@ def fed_fit(
         terminal or in a Jupyter notebook, nothing elsewhere; True: also in a log, one line per chunk;
         False: none.
     chunk_size:
-        Rounds per compiled ``lax.scan`` chunk (progress, callbacks and checkpoints happen between chunks).
+        Rounds per chunk: the rounds run on the device in chunks, and progress, callbacks, checkpoints and the
+        stop checks happen between chunks. None (default): chunks timed to last about half a second each
+        (1, 2, 4, ... rounds until a chunk's time is measured, then as many as that holds; see
+        :class:`fedbayes.engine.ChunkSchedule`), so that the host's work between chunks costs nothing
+        measurable however short a round is; an int: chunks of that many rounds. Every chunk runs the same
+        compiled program, so the chunks change no round of the fit, only how often progress, callbacks and
+        checkpoints come.
     faults:
         ``fb.Faults(drop=..., nan=..., large=...)``: simulated client faults (to test a set-up's
         resilience). Real faults are screened for whether or not this is given.

@@ -33,8 +33,9 @@ cohort must share. An algorithm that ``replies`` gets a second half-round (``cli
 server step, each member receives the server's reply (the new broadcast, of which it is charged
 only the bits ``client_finish`` reports) and updates its state. Every upload is screened for
 faults (dropped, non-finite, absurdly large: :mod:`fedbayes.faults`); a faulty member is left out of
-the server step (``RoundInfo.faulty``) and its round rolled back. Rounds run inside ``jax.lax.scan`` in
-chunks compiled once; between chunks the host records the ledger and updates the progress bar.
+the server step (``RoundInfo.faulty``) and its round rolled back. Rounds run in chunks, each a call of one
+compiled loop whose number of rounds is an argument (:func:`_compiled_chunk`, :class:`ChunkSchedule`);
+between chunks the host records the ledger and updates the progress bar.
 Randomness is a pure function of ``(seed, round, client id)``, so a fit is reproducible.
 """
 
@@ -647,10 +648,13 @@ def fault_events(
 
 
 def chunk_plan(start: int, end: int, size: int) -> list[tuple[int, int]]:
-    """``(first round, length)`` of the scan chunks covering rounds ``start .. end - 1``.
+    """``(first round, length)`` of the chunks of ``size`` rounds covering rounds ``start .. end - 1``
+    (a given ``chunk_size``).
 
-    A length dividing the rounds exactly is preferred (between ``size // 2`` and ``size``), so one
-    compilation serves every chunk; otherwise a shorter last chunk is compiled once more.
+    A length dividing the rounds exactly is preferred (between ``size // 2`` and ``size``), so the chunks
+    are of equal length; otherwise the last is shorter. Every chunk runs on the same compiled program
+    (:func:`_compiled_chunk` takes the length as an argument), so a shorter last chunk costs no
+    compilation.
     """
     remaining = end - start
     if remaining <= 0:
@@ -666,6 +670,78 @@ def chunk_plan(start: int, end: int, size: int) -> list[tuple[int, int]]:
     return plan
 
 
+AUTO_CHUNK_SECONDS = 0.5
+"""The wall time a timed chunk aims at (``chunk_size=None``, :class:`ChunkSchedule`)."""
+AUTO_CHUNK_ROUNDS = 2000
+"""The most rounds a timed chunk runs."""
+AUTO_RECORD_BYTES = 32 * 2**20
+"""The most bytes a timed chunk's buffer of per-round records may take (an estimate: :func:`chunk_capacity`)."""
+
+
+def chunk_capacity(num_rounds: int, cohort_size: int, server_state: PyTree) -> int:
+    """The rounds a timed chunk can hold: at most :data:`AUTO_CHUNK_ROUNDS` and ``num_rounds``, and few enough
+    that the buffer of the chunk's per-round records stays within :data:`AUTO_RECORD_BYTES`. A round records
+    a few numbers per cohort slot (its bits and fault kind) and the algorithm's diagnostics (the global state,
+    a draw of it, a few scalars), so a round's records are taken to be at most 16 bytes per slot and twice the
+    server state."""
+    leaves = jax.tree_util.tree_leaves(server_state)
+    state_bytes = sum(int(np.prod(np.shape(v))) * np.dtype(v.dtype).itemsize for v in leaves)
+    per_round = 16 * cohort_size + 2 * state_bytes + 256
+    return int(max(1, min(num_rounds, AUTO_CHUNK_ROUNDS, AUTO_RECORD_BYTES // per_round)))
+
+
+class ChunkSchedule:
+    """The chunks of rounds ``start .. end - 1``, one at a time, and the compiled program's capacity.
+
+    With a given ``size``: the chunks of :func:`chunk_plan` (of the whole fit, so that a run continued from a
+    chunk boundary runs the remaining chunks of the same plan). With ``size=None`` (``fed_fit``'s default),
+    timed chunks: 1 round first, then each chunk twice the previous until a chunk's time is known without
+    compilation (the second chunk's), then as many rounds as :data:`AUTO_CHUNK_SECONDS` holds at the time per
+    round of the last chunk measured, at most 16 times the previous chunk and at most ``capacity``. Between
+    chunks the host copies the records, checks the fit and shows progress (about a millisecond), which a
+    chunk of a few rounds of tens of microseconds would pay every few rounds; a long chunk pays it once.
+    Where the chunks end changes no round (each runs the same compiled program on the carry the last one
+    left), only how often progress, checkpoints and callbacks come."""
+
+    def __init__(self, start: int, end: int, size: int | None, capacity: int):
+        self.end, self.size = end, size
+        if size is not None:
+            plan = [c for c in chunk_plan(0, end, size) if c[0] >= start]
+            if not plan or plan[0][0] != start:
+                plan = chunk_plan(start, end, size)
+            self._plan = plan
+            self.capacity = max((length for _, length in plan), default=1)
+        else:
+            self._plan = []
+            self.capacity = max(1, capacity)
+        self._next = start
+        self._last = 0
+        self._per_round: float | None = None
+
+    def next(self) -> tuple[int, int] | None:
+        """``(first round, length)`` of the next chunk to dispatch, or None when every round is planned."""
+        first = self._next
+        if first >= self.end:
+            return None
+        if self.size is not None:
+            chunk = self._plan.pop(0)
+            self._next = chunk[0] + chunk[1]
+            return chunk
+        if self._per_round is None:
+            length = 1 if self._last == 0 else 2 * self._last
+        else:
+            length = min(16 * self._last, max(1, int(AUTO_CHUNK_SECONDS / max(self._per_round, 1e-9))))
+        length = max(1, min(length, self.capacity, self.end - first))
+        self._last = length
+        self._next = first + length
+        return first, length
+
+    def timed(self, index: int, length: int, seconds: float) -> None:
+        """The wall time of chunk ``index`` (0: the first, whose time includes compilation, is not used)."""
+        if index > 0 and length > 0:
+            self._per_round = seconds / length
+
+
 def _compiled_chunk(
     algorithm: FederatedRun,
     num_clients: int,
@@ -673,17 +749,31 @@ def _compiled_chunk(
     faults: Faults | None = None,
     policy: FaultPolicy | None = None,
 ):
-    """The jitted scan over a chunk of rounds, cached with the run (:func:`run_jit`) so that later calls of
+    """The jitted loop over a chunk of rounds, cached with the run (:func:`run_jit`) so that later calls of
     :func:`run_rounds` (a run continued in segments, or a later identical ``fed_fit`` that reuses the built
     run) reuse its compilation. A run is immutable after ``build`` and its settings travel in the carry, so
-    when the chunk is traced does not matter."""
+    when the chunk is traced does not matter.
+
+    Called as ``chunk(carry, ks, count, clients, base_key)``: it runs rounds ``ks[0] .. ks[count - 1]``
+    (``count`` at most ``len(ks)``, a traced number) and returns the carry and the rounds' records, stacked
+    in rows of ``len(ks)`` of which the first ``count`` are written (the rest are zeros). One compilation per
+    capacity ``len(ks)`` serves chunks of every length up to it."""
 
     def make():
-        def chunk(carry, ks, clients, base_key):
+        def chunk(carry, ks, count, clients, base_key):
             # The client data enter as arguments, not closure constants, so XLA does not constant-fold them.
             round_fn = make_round(algorithm, clients, num_clients, cohort_size, base_key, faults, policy)
-            plans = chunk_plans(base_key, ks)
-            return jax.lax.scan(round_fn, carry, (ks, plans))
+            steps = (ks, chunk_plans(base_key, ks))
+            row = lambda i: jax.tree_util.tree_map(lambda a: a[i], steps)  # noqa: E731
+            shapes = jax.eval_shape(lambda c: round_fn(c, row(0))[1], carry)
+            rows = jax.tree_util.tree_map(lambda s: jnp.zeros((ks.shape[0],) + s.shape, s.dtype), shapes)
+
+            def body(i, state):
+                c, written = state
+                c, rec = round_fn(c, row(i))
+                return c, jax.tree_util.tree_map(lambda buf, r: buf.at[i].set(r), written, rec)
+
+            return jax.lax.fori_loop(0, count, body, (carry, rows))
 
         return chunk
 
@@ -740,11 +830,12 @@ def fault_counts(rec: dict[str, Any]) -> dict[str, np.ndarray]:
     }
 
 
-def host_records(rec: dict[str, Any], seconds: float) -> dict[str, np.ndarray]:
-    """A chunk's device records as the history's host arrays: per-round wall time (``seconds`` spread
-    over the chunk's rounds), the fault counts (:func:`fault_counts`), and the per-client bit counts
-    summed over the cohort (``bits_up_rejected``: those of the uploads screened out)."""
-    rec = {name: np.asarray(v) for name, v in rec.items()}
+def host_records(rec: dict[str, Any], seconds: float, length: int | None = None) -> dict[str, np.ndarray]:
+    """A chunk's device records as the history's host arrays: its first ``length`` rows (default: all), with
+    per-round wall time (``seconds`` spread over the chunk's rounds), the fault counts (:func:`fault_counts`),
+    and the per-client bit counts summed over the cohort (``bits_up_rejected``: those of the uploads screened
+    out)."""
+    rec = {name: np.asarray(v)[:length] for name, v in rec.items()}
     length = len(rec["bits_up"])
     rec["seconds"] = np.full(length, seconds / max(length, 1))  # the first chunk includes compilation
     rec.update(fault_counts(rec))
@@ -846,7 +937,7 @@ def run_rounds(
     base_key: jax.Array,
     cohort_size: int,
     start: int = 0,
-    chunk_size: int = 50,
+    chunk_size: int | None = None,
     progress: bool | None = None,
     stop_on_divergence: bool = False,
     faults: Faults | None = None,
@@ -862,11 +953,11 @@ def run_rounds(
     end of the previous chunk to the end of this one; the first chunk's from its dispatch, compilation
     included).
 
-    Rounds run in the chunks of ``chunk_plan(0, num_rounds, chunk_size)``; a run continued from a
-    chunk boundary ``start`` runs the remaining chunks of that same plan, so a continued run performs
-    exactly the computations of an uninterrupted one. ``on_chunk(rounds_done, carry, records)`` is
-    called after each chunk (``records``: this call's chunk records so far). A chunk idle for
-    ``stall_timeout`` seconds raises :class:`fedbayes.errors.StalledError` (:func:`wait_ready`).
+    Rounds run in chunks (:class:`ChunkSchedule`): those of ``chunk_plan(0, num_rounds, chunk_size)``, or
+    with ``chunk_size=None`` chunks timed to last about :data:`AUTO_CHUNK_SECONDS` each. Every chunk runs the
+    same compiled program (:func:`_compiled_chunk`), so where chunks end changes no round. ``on_chunk(rounds_done,
+    carry, records)`` is called after each chunk (``records``: this call's chunk records so far). A chunk idle
+    for ``stall_timeout`` seconds raises :class:`fedbayes.errors.StalledError` (:func:`wait_ready`).
 
     A round fails a stop check when faults leave fewer than ``policy.min_clients`` answers, or, with
     ``stop_on_divergence``, when the global state turns non-finite (``"diverged"``) or no member answered
@@ -883,25 +974,30 @@ def run_rounds(
     min_clients = (FaultPolicy() if policy is None else policy).min_clients
     run_chunk = _compiled_chunk(algorithm, problem.data.num_clients, cohort_size, faults, policy)
     bar = Progress(num_rounds, algorithm.name, progress)
-    plan = [c for c in chunk_plan(0, num_rounds, chunk_size) if c[0] >= start]
-    if not plan or plan[0][0] != start:
-        plan = chunk_plan(start, num_rounds, chunk_size)
+    schedule = ChunkSchedule(
+        start, num_rounds, chunk_size, chunk_capacity(num_rounds, cohort_size, carry[0]) if chunk_size is None else 1
+    )
     records: list[dict[str, np.ndarray]] = []
 
     def dispatch(state: Any, first: int, length: int) -> Any:
-        return run_chunk(state, np.arange(first, first + length, dtype=np.int32), clients, base_key)
+        ks = np.arange(first, first + schedule.capacity, dtype=np.int32)
+        return run_chunk(state, ks, np.int32(length), clients, base_key)
 
     # Chunk i + 1 is dispatched (on chunk i's carry, still being computed) before the host reads chunk i's
     # records, so the device never waits for the host's work between chunks (copying the records, the stop
     # checks, progress, checkpoints, callbacks). Where a check stops the fit after chunk i, chunk i + 1's
     # work is dropped unread: what the fit returns is as without it.
     t0 = time.perf_counter()
-    ahead = dispatch(carry, *plan[0]) if plan else None  # (compiles the chunk on a first call)
-    for i, (first, length) in enumerate(plan):
+    chunk = schedule.next()
+    ahead = dispatch(carry, *chunk) if chunk is not None else None  # (compiles the chunk on a first call)
+    i = 0
+    while chunk is not None:
+        first, length = chunk
         before, current = carry, ahead
-        if current is None:  # every chunk of the plan is dispatched before its turn
+        if current is None:  # every chunk is dispatched before its turn
             raise AssertionError(f"the chunk of rounds from {first} was not dispatched")
-        ahead = dispatch(current[0], *plan[i + 1]) if i + 1 < len(plan) else None
+        following = schedule.next()
+        ahead = dispatch(current[0], *following) if following is not None else None
         try:
             carry, rec = wait_ready(
                 current,
@@ -913,7 +1009,8 @@ def run_rounds(
             err.history = concat_records(records)
             raise
         t1 = time.perf_counter()
-        rec = host_records(rec, t1 - t0)  # from the end of the previous chunk (the first: from its dispatch)
+        schedule.timed(i, length, t1 - t0)
+        rec = host_records(rec, t1 - t0, length)  # from the end of the previous chunk (the first: its dispatch)
         t0 = t1
         short = first_short_round(rec, min_clients)
         reason = "too_few_clients"
@@ -929,15 +1026,12 @@ def run_rounds(
         if found:  # the earliest bad round; on a tie, the fault count's verdict (it explains the other)
             bad, reason = min(found, key=lambda c: (c[0], c[1] == "diverged"))
             records.append({name: v[:bad] for name, v in rec.items()})
-            good = (
-                run_chunk(before, np.arange(first, first + bad, dtype=np.int32), clients, base_key)[0]
-                if bad
-                else before
-            )
+            good = dispatch(before, first, bad)[0] if bad else before
             counts = {name: int(rec[name][bad]) for name in ("active", "dropped", "nonfinite", "too_large")}
             raise Stopped(reason, first + bad, good, concat_records(records), counts)
         records.append(rec)
         bar.update(first + length)
         if on_chunk is not None:
             on_chunk(first + length, carry, records)
+        chunk, i = following, i + 1
     return carry, concat_records(records)

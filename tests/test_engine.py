@@ -104,22 +104,78 @@ def test_a_chunks_keys_hashed_at_once_are_each_rounds_own(cohort, participation)
 
 
 def test_the_rounds_do_not_depend_on_the_chunk_size():
-    """Chunks of 7, 50 and 1 rounds run the same rounds (each round's keys, hashed per chunk, are a function of
-    the seed and the round alone): LMC's draws with dropped uploads, and FedAvg's iterate with sampled cohorts, are
-    equal to float rounding (XLA compiles each chunk length's loop on its own), and so are their ledgers."""
+    """Chunks of 7, 50 and 1 rounds and timed chunks run the same rounds bit for bit: every chunk runs the one
+    compiled program of the run (its length is an argument) and each round's keys are a function of the seed
+    and the round alone. LMC's draws with dropped uploads, FedAvg's iterate with sampled cohorts, and their
+    ledgers."""
     data = fb.FederatedData({"x": [np.linspace(-1, 1, 4 + i)[:, None] for i in range(6)],
                              "y": [np.linspace(0, 2, 4 + i) for i in range(6)]})
     model = fb.models.linear_regression()
     for algo, kw in ((fb.LMC(num_chains=1, init="prior"), {}), (fb.FedAvg(), {"clients_per_round": 4})):
         fits = [fb.fed_fit(model, data, algo, num_rounds=30, seed=2, chunk_size=size, faults=fb.Faults(drop=0.2),
-                           progress=False, **kw) for size in (7, 50, 1)]
+                           progress=False, **kw) for size in (7, 50, 1, None)]
         first = fits[0].global_samples or fits[0].params
         for fit in fits[1:]:
             for name, value in (fit.global_samples or fit.params).items():
-                np.testing.assert_allclose(value, first[name], rtol=1e-12, atol=1e-12)
+                np.testing.assert_array_equal(value, first[name])
             for name in ("bits_up", "bits_down", "active", "dropped"):
                 np.testing.assert_array_equal(fit.history[name], fits[0].history[name])
         assert fits[0].history["dropped"].sum() > 0
+
+
+@pytest.mark.parametrize("start, end, size", [(0, 500, 50), (0, 101, 50), (30, 97, 20), (40, 100, 50), (5, 5, 10)])
+def test_a_given_chunk_size_runs_the_plan_of_the_whole_fit(start, end, size):
+    """With a given size the schedule is ``chunk_plan``'s for the whole fit (a continued run takes the remaining
+    chunks of the same plan), and the compiled program's capacity is the longest chunk."""
+    from fedbayes.engine import ChunkSchedule, chunk_plan
+
+    schedule = ChunkSchedule(start, end, size, capacity=1)
+    chunks = list(iter(schedule.next, None))
+    whole = [c for c in chunk_plan(0, end, size) if c[0] >= start]
+    assert chunks == (whole if whole and whole[0][0] == start else chunk_plan(start, end, size))
+    assert schedule.capacity == max([length for _, length in chunks], default=1)
+
+
+def test_timed_chunks_grow_to_the_time_they_aim_at_and_cover_every_round_once():
+    """``chunk_size=None``: 1 round, then doubling until a chunk is timed without compilation (the second), then
+    as many rounds as ``AUTO_CHUNK_SECONDS`` holds at the measured rate (at most 16 times the last chunk, at most
+    the capacity, never past the end); the chunks cover the rounds once, in order."""
+    from fedbayes.engine import AUTO_CHUNK_SECONDS, ChunkSchedule
+
+    per_round = AUTO_CHUNK_SECONDS / 300  # a chunk of 300 rounds lasts the time aimed at
+    schedule = ChunkSchedule(10, 2000, None, capacity=500)
+    chunks = []
+    while (chunk := schedule.next()) is not None:
+        chunks.append(chunk)
+        # as run_rounds does: chunk i + 1 is planned before chunk i's time is known
+        if len(chunks) >= 2:
+            schedule.timed(len(chunks) - 2, chunks[-2][1], 0.9 if len(chunks) == 2 else chunks[-2][1] * per_round)
+    lengths = [length for _, length in chunks]
+    assert lengths[:4] == [1, 2, 4, 64] and lengths[4] == 300 and set(lengths[5:-1]) == {300}
+    assert [r for first, length in chunks for r in range(first, first + length)] == list(range(10, 2000))
+    slow = ChunkSchedule(0, 100, None, capacity=100)
+    assert [slow.next(), slow.next()] == [(0, 1), (1, 2)]
+    slow.timed(0, 1, 100.0)  # the first chunk's time (compilation included) is not used
+    assert slow.next() == (3, 4)
+    slow.timed(1, 2, 4 * AUTO_CHUNK_SECONDS)  # rounds of twice the aim: one round a chunk
+    assert slow.next() == (7, 1)
+
+
+def test_a_fit_compiles_its_chunk_of_rounds_once_whatever_the_chunks_lengths():
+    """101 rounds in chunks of 50 (two of 50 and one of 1) or timed chunks (1, 2, 4, ...): one compilation of
+    the chunk for each capacity, not one per distinct length."""
+    from fedbayes import api, engine
+
+    data = fb.models.make_glm_clients(4, 3, 20, family="linear", seed=0)[0]
+    model = fb.models.linear_regression()
+    fb.clear_cache()
+    fb.fed_fit(model, data, fb.GD(), num_rounds=101, chunk_size=50, progress=False, seed=0)
+    [(_, run, _)] = api._BUILDS.values()
+    [chunk] = [f for key, f in engine._JITTED[run].items() if key[0] == "chunk"]
+    assert chunk._cache_size() == 1
+    fb.fed_fit(model, data, fb.GD(), num_rounds=101, progress=False, seed=0)  # timed chunks: capacity 101
+    assert [r for _, r, _ in api._BUILDS.values()] == [run] and chunk._cache_size() == 2
+    fb.clear_cache()
 
 
 def test_the_final_exchange_in_blocks_of_clients_is_the_final_exchange_of_all_at_once(monkeypatch):

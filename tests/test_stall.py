@@ -122,7 +122,7 @@ def test_no_lapack_call_is_batched_over_clients_or_rows(case):
     run = fb.FedMM().build(problem)
     carry = run.init(jax.random.PRNGKey(0), problem)
     clients = stack_clients(data)
-    chunk = _compiled_chunk(run, C, C).lower(carry, jnp.arange(2), clients, jax.random.PRNGKey(1)).compile()
+    chunk = _compiled_chunk(run, C, C).lower(carry, jnp.arange(2), 2, clients, jax.random.PRNGKey(1)).compile()
     final = jax.jit(jax.vmap(run.final_client, in_axes=(None, None, 0, 0))).lower(
         jax.random.PRNGKey(2), run.final_message(None, carry[0]), carry[1], clients).compile()
     for program in (chunk, final):
