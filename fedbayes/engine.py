@@ -456,6 +456,27 @@ def _round_keys(base_key: jax.Array, k: jax.Array) -> tuple[jax.Array, ...]:
     return rk, k_cohort, k_clients, k_server, jax.random.fold_in(rk, _SHARED_STREAM)
 
 
+_SERVER_HALVES: contextvars.ContextVar[tuple[Any, Any] | None] = contextvars.ContextVar(
+    "fedbayes_server_halves", default=None
+)
+
+
+def split_server_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``jax.random.split(key)`` as two keys: the same bits, taken from the chunk's batched hash where ``key`` is
+    the server key of the round being traced (:func:`make_round` hashes every round's split at once, in
+    :func:`chunk_plans`), computed here otherwise (the set-up, Flower's server, a derived key).
+
+    Why: on a CPU every call of JAX's key hash lowers to a loop of its own of about 75 small operations, and a
+    sampler's round of a hundred clients is made of such operations; a server step that splits its key (the
+    Langevin move's noise and the downlink's compression) would run one more such loop every round."""
+    known = _SERVER_HALVES.get()
+    if known is not None and known[0] is key:
+        first, second = known[1]
+        return first, second
+    first, second = jax.random.split(key)
+    return first, second
+
+
 def _plan_from_keys(round_keys: tuple, num_clients: int, cohort_size: int, participation: float) -> tuple:
     """:func:`round_plan` from the round's keys (:func:`_round_keys`)."""
     rk, k_cohort, k_clients, k_server, k_shared = round_keys
@@ -488,11 +509,17 @@ def chunk_plans(base_key: jax.Array, ks: jax.Array) -> tuple[jax.Array, ...]:
 
     Why: on a CPU every call of JAX's key hash (threefry) lowers to a loop of its own, a few microseconds
     each whatever its size, and a round of a hundred clients lasts tens of microseconds. Hashed here, a
-    chunk's round keys cost one batched call per kind instead of one per kind and round. The keys are
-    the same bits either way (the hash is elementwise), so the rounds do not change. The client keys stay
+    chunk's round keys cost one batched call per kind instead of one per kind and round, and so does the
+    split of each round's server key (the last entry: :func:`split_server_key`). The keys are the same bits
+    either way (the hash is elementwise), so the rounds do not change. The client keys stay
     in the round: a chunk of them would be rounds x cohort keys, computed even for an algorithm that does
     not use them (XLA drops unused work inside a round, not a loop's unused inputs)."""
-    return jax.vmap(lambda k: _round_keys(base_key, k))(ks)
+
+    def keys(k):
+        round_keys = _round_keys(base_key, k)
+        return round_keys + (jax.random.split(round_keys[3]),)  # the server key's halves (split_server_key)
+
+    return jax.vmap(keys)(ks)
 
 
 def server_half(
@@ -564,8 +591,9 @@ def make_round(
         server_state, client_states, broadcast = carry
         opening = server_state  # the state that opened the round (a faulty client's resync is built from it)
         k, round_keys = step if isinstance(step, tuple) else (step, _round_keys(base_key, step))
+        halves = round_keys[5] if len(round_keys) > 5 else None
         rk, cohort, keys, k_server, k_shared, expected = _plan_from_keys(
-            round_keys, num_clients, cohort_size, participation
+            round_keys[:5], num_clients, cohort_size, participation
         )
         members = _take(clients, cohort)._replace(
             slot=jnp.arange(cohort_size), shared_key=k_shared, settings=algorithm.client_settings(server_state)
@@ -580,21 +608,25 @@ def make_round(
             injected = faults.draw(jax.random.fold_in(rk, _FAULT_STREAM), cohort_size)
             payload = faults.corrupt(payload, injected)
         received = expected & (injected != DROPPED)
-        server_state, new_broadcast, payload, record = server_half(
-            algorithm,
-            server_state,
-            payload,
-            uploads.bits,
-            broadcast.bits,
-            expected,
-            received,
-            policy,
-            k,
-            cohort,
-            num_clients,
-            k_server,
-            k_shared,
-        )
+        token = _SERVER_HALVES.set(None if halves is None else (k_server, (halves[0], halves[1])))
+        try:
+            server_state, new_broadcast, payload, record = server_half(
+                algorithm,
+                server_state,
+                payload,
+                uploads.bits,
+                broadcast.bits,
+                expected,
+                received,
+                policy,
+                k,
+                cohort,
+                num_clients,
+                k_server,
+                k_shared,
+            )
+        finally:
+            _SERVER_HALVES.reset(token)
         active, faulty = record.pop("_active"), record.pop("_faulty")
         replied = resent = jnp.zeros((cohort_size,), jnp.int32)
         if algorithm.replies:  # the server's reply to this round's answering members

@@ -95,12 +95,50 @@ def test_a_chunks_keys_hashed_at_once_are_each_rounds_own(cohort, participation)
     from fedbayes.engine import _plan_from_keys, chunk_plans, round_plan
 
     base, ks = jax.random.PRNGKey(3), jnp.arange(40, 65, dtype=jnp.int32)
-    planned = jax.jit(lambda ks: jax.vmap(lambda keys: _plan_from_keys(keys, 7, cohort, participation))(
-        chunk_plans(base, ks)))(ks)
+    hashed = jax.jit(chunk_plans)(base, ks)
+    planned = jax.jit(lambda keys: jax.vmap(lambda k: _plan_from_keys(k, 7, cohort, participation))(keys))(hashed[:5])
     alone = [jax.jit(round_plan, static_argnums=(2, 3, 4))(base, k, 7, cohort, participation) for k in ks]
     for i, one in enumerate(alone):
         for a, b in zip(one, planned):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[i])
+        # the server key's halves, hashed ahead for split_server_key: jax.random.split of the round's server key
+        np.testing.assert_array_equal(np.asarray(hashed[5][i]), np.asarray(jax.random.split(one[3])))
+
+
+def test_a_rounds_server_step_takes_its_key_split_from_the_chunks_hash():
+    """LMC's server step splits its key (the move's noise, the downlink's compression) with ``split_server_key``:
+    in a round given its keys hashed ahead (``chunk_plans``) the round computes one key hash fewer than a round
+    that hashes its own, and outside a round the split is ``jax.random.split`` itself."""
+    from fedbayes.engine import Problem, _plan_from_keys, chunk_plans, make_round, split_server_key, stack_clients
+
+    key = jax.random.PRNGKey(5)
+    np.testing.assert_array_equal(np.stack(split_server_key(key)), jax.random.split(key))
+    data = fb.models.make_glm_clients(4, 3, 20, family="logistic", seed=0)[0]
+    problem = Problem(fb.FedModel(fb.models.logistic_regression(), data), data, 10)
+    run = fb.LMC(step_size=1e-3, num_chains=1).build(problem)
+    carry = run.init(jax.random.PRNGKey(0), problem)
+    round_fn = make_round(run, stack_clients(data), 4, 4, jax.random.PRNGKey(1))
+    k = jnp.asarray(3, jnp.int32)
+    hashed = jax.tree_util.tree_map(lambda a: a[0], chunk_plans(jax.random.PRNGKey(1), k[None]))
+
+    def count(jaxpr) -> int:  # the key hashes of a jaxpr, those of its inner jaxprs included
+        found = 0
+        for eqn in jaxpr.eqns:
+            found += eqn.primitive.name in ("random_split", "random_bits", "random_fold_in")
+            for param in eqn.params.values():
+                for inner in param if isinstance(param, (tuple, list)) else (param,):
+                    inner = getattr(inner, "jaxpr", inner)
+                    if hasattr(inner, "eqns"):
+                        found += count(inner)
+        return found
+
+    def hashes(*step):
+        return count(jax.make_jaxpr(round_fn)(carry, *step).jaxpr)
+
+    assert hashes((k, hashed)) == hashes((k, hashed[:5])) - 1
+    own, ahead = jax.jit(round_fn)(carry, (k, hashed[:5])), jax.jit(round_fn)(carry, (k, hashed))
+    for a, b in zip(jax.tree_util.tree_leaves(own), jax.tree_util.tree_leaves(ahead)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_the_rounds_do_not_depend_on_the_chunk_size():

@@ -141,6 +141,34 @@ def test_screen_flags_nonfinite_and_absurd_uploads():
     np.testing.assert_array_equal(kinds, [OK, NONFINITE, OK, OK, NONFINITE, OK, OK])
 
 
+def _two_pass_screen(payload, received, policy):
+    """The screen as it was written before its one-pass reduction (the reference): whether each row is finite,
+    and its largest finite |x_j|, as two reductions."""
+    flat = jnp.concatenate([jnp.reshape(x, (x.shape[0], -1)) for x in jax.tree_util.tree_leaves(payload)], axis=1)
+    finite = jnp.all(jnp.isfinite(flat), axis=1)
+    size = jnp.max(jnp.where(jnp.isfinite(flat), jnp.abs(flat), 0.0), axis=1)
+    large = jnp.zeros(received.shape, bool)
+    if policy.max_abs is not None:
+        large = large | (size > policy.max_abs)
+    if policy.relative is not None:
+        large = large | _with_median(size, received & finite, policy.relative)
+    return jnp.where(~finite, NONFINITE, jnp.where(large, TOO_LARGE, OK))
+
+
+@settings(max_examples=60, deadline=None)
+@given(hnp.arrays(np.float32, (8, 3), elements=st.one_of(st.floats(-2.0**40, 2.0**40, width=32),
+                                                        st.sampled_from([0.0, np.nan, np.inf, -np.inf, 1e9]))),
+       hnp.arrays(bool, 8), st.sampled_from([fb.FaultPolicy(), fb.FaultPolicy(relative=4.0, max_abs=1e3),
+                                             fb.FaultPolicy(relative=None, max_abs=10.0)]))
+def test_the_one_pass_screen_gives_the_kinds_of_the_two_pass_screen(values, received, policy):
+    """The screen takes each row's largest |x_j| with NaN as inf in one reduction; its kinds are those of the
+    screen with two reductions (all finite, largest finite |x_j|), for rows with NaN, +-inf, huge and zero entries,
+    received or not, under the default, a tight and a max_abs-only policy."""
+    payload = {"a": jnp.asarray(values[:, :2]), "b": jnp.asarray(values[:, 2])}
+    got = np.asarray(screen(payload, jnp.asarray(received), policy))
+    np.testing.assert_array_equal(got, np.asarray(_two_pass_screen(payload, jnp.asarray(received), policy)))
+
+
 def test_fault_draws_have_the_requested_rates():
     kinds = np.asarray(fb.Faults(drop=0.1, nan=0.2, large=0.3).draw(jax.random.PRNGKey(0), 100_000))
     for kind, p in ((OK, 0.4), (DROPPED, 0.1), (NONFINITE, 0.2), (TOO_LARGE, 0.3)):

@@ -53,7 +53,6 @@ SECOND_TIER: dict[str, object] = {
         "test_private_lmc_has_the_widened_exact_stationary_law",  # 13-30 s each (4 000 chains), 2026-11-27
         "test_noise_multiplier_for_a_target_epsilon",  # 5-10 s each: the accountant over a bisection
         "test_private_fedsoul_fit_reports_its_epsilon_and_releases_nothing_else",  # two FedSOUL fits, ~30 s
-        "test_private_fedmm_on_flower_equals_fed_fit",  # ~30 s: compiles FedMM for Flower's server and clients
         "test_private_fedavg_on_flower_equals_fed_fit",  # ~13 s: two fits and a Flower run
         "test_private_fedmm_reports_its_epsilon_and_refuses_unaccounted_releases",  # ~15 s
         "test_lmc_with_secure_aggregation_equals_the_plain_run_and_shows_the_server_sums_only",  # ~15 s each
@@ -72,7 +71,6 @@ SECOND_TIER: dict[str, object] = {
         "test_privacy_audit_of_a_private_d_elf_round_and_unclipped_memories_are_caught",  # 600 000 steps
         "test_distributed_fedavg_with_secure_aggregation_on_flower_equals_fed_fit",  # ~30 s each: SecAgg+ rounds
         "test_distributed_gd_with_a_loose_clip_and_no_noise_is_gd_and_reports_the_rounds_as_they_went",  # 4 fits
-        "test_distributed_fedsoul_without_noise_is_the_central_one_and_reports_the_rounds_as_they_went",  # ~45 s
     ),
     "tests/test_expfam.py": (
         "test_gmm_statistics_and_m_step",
@@ -201,6 +199,11 @@ THIRD_TIER: dict[str, object] = {
         "test_distributed_fedsoul_with_secure_aggregation_on_flower_equals_fed_fit",
         "test_distributed_fedmm_with_secure_aggregation_on_flower_equals_fed_fit",  # the same for FedMM
         "test_distributed_tamuna_with_secure_aggregation_on_flower_equals_fed_fit",  # and TAMUNA
+        # 55 s and 53 s in the second tier (2026-11-28), moved to keep .ci/run under its 40 minutes on a slow day
+        # (it took 2 624 s on 2026-11-27): central DP's FedMM on Flower, and distributed FedSOUL without noise
+        # against the central one; each mode's mechanism stays in CI (the clip-and-noise tests of both families)
+        "test_private_fedmm_on_flower_equals_fed_fit",
+        "test_distributed_fedsoul_without_noise_is_the_central_one_and_reports_the_rounds_as_they_went",
     ),
     "tests/test_joint.py": (  # CI keeps the ULA law, MALA at the biased step, and JointMALA on Flower
         "test_each_client_s_own_step_gives_the_block_diagonal_ula_law",

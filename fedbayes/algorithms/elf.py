@@ -42,7 +42,7 @@ from jax.flatten_util import ravel_pytree
 
 from .. import minibatch
 from ..compress import Compressor, identity, require_contractive, scale_to_contractive
-from ..engine import run_jit, stack_clients
+from ..engine import run_jit, split_server_key, stack_clients
 from ..errors import ConfigError, ModelError, require_choice, require_int
 from ..kernels import curvature
 from ..minibatch import check_batch_size
@@ -561,7 +561,7 @@ class LangevinRun(FederatedRun):
         """Langevin step x -> x - gamma g + sqrt(2 gamma) Z, sent through the downlink. Under central DP the
         step's noise counts towards the mechanism, so Z, like the added noise, comes from the secret key:
         drawn from the fit's public seed it could be recomputed and subtracted from the released x."""
-        k_noise, k_comp = jax.random.split(key)
+        k_noise, k_comp = split_server_key(key)  # jax.random.split(key), hashed ahead in a round
         if self._dp is not None and not self._dp.distributed:
             k_noise = folded(self._dp.secret, k_noise)
         z = jax.random.normal(k_noise, s.x.shape, s.x.dtype)

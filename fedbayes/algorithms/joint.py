@@ -43,7 +43,7 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from .. import minibatch
-from ..engine import final_exchange, stack_clients
+from ..engine import final_exchange, split_server_key, stack_clients
 from ..errors import ConfigError, ConvergenceWarning, ModelError, require_choice, require_int
 from ..introspect import FedModel
 from ..kernels import curvature
@@ -834,7 +834,7 @@ class JointMALARun(JointLangevinRun):
         # kernel a mixture of Metropolis-Hastings and staying put, both of which keep the posterior.
         c, ok, g_prop = jnp.sum(c, 0), jnp.min(ok, 0) > 0, jnp.sum(g_prop, 0)
         lost = _any_lost(info)
-        k_u, k_prop = jax.random.split(key)
+        k_u, k_prop = split_server_key(key)  # jax.random.split(key), hashed ahead in a round
         gamma = state.scale * self._multiplier(state.log_mult)[:, None]
         log_alpha = c + _log_q(state.x, state.proposal, g_prop, gamma) - _log_q(state.proposal, state.x, state.g, gamma)
         log_alpha = jnp.where(jnp.isnan(log_alpha) | ~ok, -jnp.inf, log_alpha)
@@ -1161,7 +1161,7 @@ class JointHMCRun(JointMALARun):
         c, ok, g_pos = uploads.payload
         c, ok, g_pos = jnp.sum(c, 0), state.ok & (jnp.min(ok, 0) > 0), jnp.sum(g_pos, 0)
         lost = state.lost | _any_lost(info)  # a lost upload's flag arrives 0: the trajectory is rejected
-        k_u, k_rho = jax.random.split(key)
+        k_u, k_rho = split_server_key(key)  # jax.random.split(key), hashed ahead in a round
         eps, root = state.eps[:, None], jnp.sqrt(state.scale)
         rho = state.rho - 0.5 * eps * root * g_pos
         last = state.r % self.L == self.L - 1
