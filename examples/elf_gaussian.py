@@ -104,7 +104,7 @@ def step_study(data, P, mu, ratios, chains):
         gamma = r / lam_max
         rounds = math.ceil(4.0 / (gamma * lam_min))
         algo = fb.LMC(step_size=gamma, num_chains=chains, warmup=rounds - 1, init={"x": mu})
-        # one scan chunk: one compilation per fit (compiling dominates these short runs)
+        # one chunk of every round: the host reads the records once (the chunks change no round)
         res = fb.fed_fit(gauss_model, data, algo, num_rounds=rounds, seed=i, chunk_size=rounds)
         x = res.global_samples["x"][:, -1]
         emp = np.cov(x.T)

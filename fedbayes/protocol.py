@@ -326,7 +326,11 @@ class FederatedRun(abc.ABC):
     def server_step(
         self, key: jax.Array, server_state: PyTree, uploads: Message, info: RoundInfo
     ) -> tuple[PyTree, Message, dict[str, jax.Array]]:
-        """The server's step from the cohort's uploads: its state, the next broadcast, diagnostics."""
+        """The server's step from the cohort's uploads: its state, the next broadcast, diagnostics.
+
+        ``key`` is the round's server key. A step that splits it in two can take the halves with
+        ``fedbayes.engine.split_server_key(key)``: the bits of ``jax.random.split(key)``, hashed ahead with the
+        chunk's other keys inside ``fed_fit``'s rounds (one key hash fewer a round on a CPU)."""
 
     def finish_message(self, payload: PyTree) -> PyTree:
         """The reply a cohort member receives after the server step (``replies``), from the new

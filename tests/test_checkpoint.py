@@ -155,6 +155,34 @@ def test_a_model_that_does_not_pickle_must_be_passed_again(tmp_path):
         fb.fed_fit(model, data, fb.GD(), num_rounds=30, checkpoint_every=5)
 
 
+def test_a_fit_in_timed_chunks_resumes_to_the_uninterrupted_fit(tmp_path):
+    """The default chunks (timed: 1, 2, 4, ... rounds) end where the machine's speed puts them; a fit stopped
+    after its third chunk (round 7) resumes from that checkpoint, in timed chunks of its own, to the fit that
+    ran without a stop, bit for bit (every chunk runs the same compiled program)."""
+    path = tmp_path / "fit.ckpt"
+    model = fb.models.linear_regression()
+    data, _ = fb.models.make_glm_clients(4, 3, 20, family="linear", seed=0)
+    stops = []
+
+    def interrupt(done, hist):
+        stops.append(done)
+        if len(stops) == 3:
+            raise KeyboardInterrupt
+
+    kw = dict(num_rounds=40, seed=3, faults=fb.Faults(drop=0.2), progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        fb.fed_fit(model, data, fb.GD(), checkpoint=path, callback=interrupt, **kw)
+    assert stops == [1, 3, 7]  # chunks of 1, 2 and 4 rounds: none was timed yet
+    resumed = fb.resume(path, model=model, data=data, algorithm=fb.GD())  # a closure model: passed again
+    uninterrupted = fb.fed_fit(model, data, fb.GD(), **kw)
+    for name, value in uninterrupted.params.items():
+        np.testing.assert_array_equal(resumed.params[name], value)
+    for name, value in uninterrupted.history.items():
+        if name != "seconds":  # wall time is not part of the result
+            np.testing.assert_array_equal(resumed.history[name], value, err_msg=name)
+    assert uninterrupted.history["dropped"].sum() > 0 and resumed.faults.equals(uninterrupted.faults)
+
+
 def test_checkpoint_options_are_checked_and_every_chunk_is_saved_by_default(tmp_path):
     model = fb.models.linear_regression(1.0, 1.0)
     data, _ = fb.models.make_glm_clients(4, 3, 20, family="linear", seed=0)
