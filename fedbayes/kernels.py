@@ -95,8 +95,24 @@ class LangevinPoint(NamedTuple):
     aux: Any = ()
 
 
+class MoveKeys(NamedTuple):
+    """The two keys a Langevin move splits its key into (the noise's, the acceptance's), split ahead."""
+
+    noise: jax.Array
+    accept: jax.Array
+
+
+def move_keys(keys: jax.Array) -> MoveKeys:
+    """``jax.random.split`` of each key of ``keys`` (a chain's moves' keys, stacked) as the moves' pairs of
+    keys, for :func:`langevin_move`: the same bits, in one batched key hash for the whole chain where each move
+    would hash its own (on a CPU every call of JAX's key hash is a loop of its own of some 75 small operations,
+    and a local chain makes ten or more moves a round)."""
+    halves = jax.vmap(jax.random.split)(keys)
+    return MoveKeys(halves[:, 0], halves[:, 1])
+
+
 def langevin_move(
-    key: jax.Array,
+    key: jax.Array | MoveKeys,
     point: LangevinPoint,
     evaluate: Callable[[PyTree], tuple[Any, PyTree, Any]],
     step_size: jax.Array | float,
@@ -123,9 +139,12 @@ def langevin_move(
     new point and the acceptance probability (1 for an accepted ULA move, 0 for a non-finite one).
 
     ``noise=False`` drops the noise term: the move is a (preconditioned) gradient-ascent step
-    u' = u + D(x), taken unadjusted (FedRep's local training, :class:`fedbayes.FedRep`)."""
+    u' = u + D(x), taken unadjusted (FedRep's local training, :class:`fedbayes.FedRep`).
+
+    ``key`` is split in two, the noise's and the acceptance's; a :class:`MoveKeys` (:func:`move_keys`) gives
+    the two halves split ahead, the same bits."""
     flat, unravel = ravel_pytree(point.x)
-    k_noise, k_accept = jax.random.split(key)
+    k_noise, k_accept = (key.noise, key.accept) if isinstance(key, MoveKeys) else jax.random.split(key)
 
     def drift(grad):
         g = ravel_pytree(grad)[0]

@@ -9,7 +9,7 @@ import pytest
 
 import fedbayes as fb
 from fedbayes.errors import ConfigError
-from fedbayes.kernels import TAME, LangevinPoint, curvature, langevin_move, ula_chain
+from fedbayes.kernels import TAME, LangevinPoint, curvature, langevin_move, move_keys, ula_chain
 
 
 def test_ula_gaussian_stationary_law_is_exact():
@@ -139,6 +139,24 @@ def test_tamed_mala_is_exact_on_an_exp_link_from_far_out():
                             adjusted=True, tame=False)
     assert np.all(np.asarray(y) == 7.0)
     assert TAME == 4.0
+
+
+@pytest.mark.parametrize("adjusted", [False, True])
+def test_moves_with_their_keys_split_ahead_are_the_same_moves(adjusted):
+    """A chain of 30 moves given its keys split ahead (``move_keys``: one batched hash for the chain) runs the
+    moves of the chain that splits each key in the move, bit for bit, ULA and MALA."""
+    P = jnp.asarray([[2.0, 0.5], [0.5, 1.0]])
+    evaluate = lambda x: (-0.5 * x @ P @ x, -P @ x, ())  # noqa: E731
+    start = LangevinPoint(jnp.asarray([3.0, -1.0]), *evaluate(jnp.asarray([3.0, -1.0])))
+    keys = jax.random.split(jax.random.PRNGKey(7), 30)
+
+    def chain(ks):
+        return jax.lax.scan(lambda p, k: langevin_move(k, p, evaluate, 0.3, adjusted=adjusted, tame=True), start, ks)
+
+    (end, probs), (end_ahead, probs_ahead) = jax.jit(chain)(keys), jax.jit(chain)(move_keys(keys))
+    for a, b in zip(jax.tree_util.tree_leaves((end, probs)), jax.tree_util.tree_leaves((end_ahead, probs_ahead))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(jnp.min(probs)) < 1.0 if adjusted else float(jnp.min(probs)) == 1.0  # MALA rejected some
 
 
 def test_curvature_power_iteration_finds_largest_eigenvalue():

@@ -63,7 +63,7 @@ from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, r
 from ..faults import as_aggregation
 from ..wire import decode_tree
 from ..minibatch import check_batch_size
-from ..kernels import LangevinPoint, backtrack, curvature, langevin_move, newton_mode, newton_root
+from ..kernels import LangevinPoint, backtrack, curvature, langevin_move, move_keys, newton_mode, newton_root
 from ..introspect import FedModel, Params
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from . import louis
@@ -663,7 +663,7 @@ class FedSOULRun(FederatedRun):
                 acc_h = acc_h - jnp.where(keep, hess(flat, point.x, c), 0.0)
             return (point, acc, acc_val + jnp.where(keep, point.log_density, 0.0), acc_h), None
 
-        xs = (jax.random.split(key, num_steps), jnp.arange(num_steps))
+        xs = (move_keys(jax.random.split(key, num_steps)), jnp.arange(num_steps))  # each move's pair, hashed ahead
         init = (start, zeros, jnp.zeros_like(start.log_density), jnp.zeros((d, d), flat.dtype))
         (end, acc, acc_val, acc_h), _ = jax.lax.scan(body, init, xs)
         z = end.x
@@ -924,7 +924,7 @@ class FedSOULRun(FederatedRun):
                 point, prob = self._move(k, point, evaluate, step, root, self._final_adjusted)
                 return point, (point.x, prob)
 
-            return jax.lax.scan(body, LangevinPoint(z0, *evaluate(z0)), jax.random.split(kc, n_steps))[1]
+            return jax.lax.scan(body, LangevinPoint(z0, *evaluate(z0)), move_keys(jax.random.split(kc, n_steps)))[1]
 
         zs, probs = jax.vmap(chain)(jax.random.split(k_chains, cfg.num_chains), starts)
         keep = lambda a: a[:, warmup + cfg.thinning - 1 :: cfg.thinning]  # noqa: E731
