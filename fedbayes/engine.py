@@ -53,6 +53,7 @@ from typing import Any
 from collections.abc import Callable, Sequence
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -470,11 +471,8 @@ def split_server_key(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     sampler's round of a hundred clients is made of such operations; a server step that splits its key (the
     Langevin move's noise and the downlink's compression) would run one more such loop every round."""
     known = _SERVER_HALVES.get()
-    if known is not None and known[0] is key:
-        first, second = known[1]
-        return first, second
-    first, second = jax.random.split(key)
-    return first, second
+    halves = known[1] if known is not None and known[0] is key else jax.random.split(key)
+    return halves[0], halves[1]
 
 
 def _plan_from_keys(round_keys: tuple, num_clients: int, cohort_size: int, participation: float) -> tuple:
@@ -608,7 +606,7 @@ def make_round(
             injected = faults.draw(jax.random.fold_in(rk, _FAULT_STREAM), cohort_size)
             payload = faults.corrupt(payload, injected)
         received = expected & (injected != DROPPED)
-        token = _SERVER_HALVES.set(None if halves is None else (k_server, (halves[0], halves[1])))
+        token = _SERVER_HALVES.set(None if halves is None else (k_server, halves))
         try:
             server_state, new_broadcast, payload, record = server_half(
                 algorithm,
@@ -736,6 +734,8 @@ class ChunkSchedule:
     left), only how often progress, checkpoints and callbacks come."""
 
     def __init__(self, start: int, end: int, size: int | None, capacity: int):
+        """``capacity``: the most rounds of a timed chunk (:func:`chunk_capacity`); with a given ``size`` the
+        capacity is the longest chunk of the plan."""
         self.end, self.size = end, size
         if size is not None:
             plan = [c for c in chunk_plan(0, end, size) if c[0] >= start]
@@ -748,6 +748,7 @@ class ChunkSchedule:
             self.capacity = max(1, capacity)
         self._next = start
         self._last = 0
+        self._timed = 0  # the chunks timed so far (the first's time includes compilation: not used)
         self._per_round: float | None = None
 
     def next(self) -> tuple[int, int] | None:
@@ -768,10 +769,12 @@ class ChunkSchedule:
         self._next = first + length
         return first, length
 
-    def timed(self, index: int, length: int, seconds: float) -> None:
-        """The wall time of chunk ``index`` (0: the first, whose time includes compilation, is not used)."""
-        if index > 0 and length > 0:
+    def timed(self, length: int, seconds: float) -> None:
+        """The wall time of the next chunk not yet timed, in order (the first's, which includes compilation, is
+        not used)."""
+        if self._timed > 0 and length > 0:
             self._per_round = seconds / length
+        self._timed += 1
 
 
 def _compiled_chunk(
@@ -797,12 +800,16 @@ def _compiled_chunk(
             round_fn = make_round(algorithm, clients, num_clients, cohort_size, base_key, faults, policy)
             steps = (ks, chunk_plans(base_key, ks))
             row = lambda i: jax.tree_util.tree_map(lambda a: a[i], steps)  # noqa: E731
-            shapes = jax.eval_shape(lambda c: round_fn(c, row(0))[1], carry)
+            # The round is traced once (its Python, the model's included, can take a second): the loop's body
+            # evaluates that trace, and its output shapes size the records' buffers.
+            traced, (_, shapes) = jax.make_jaxpr(round_fn, return_shape=True)(carry, row(0))
+            evaluate = jax.extend.core.jaxpr_as_fun(traced)
+            out_tree = jax.tree_util.tree_structure((carry, shapes))
             rows = jax.tree_util.tree_map(lambda s: jnp.zeros((ks.shape[0],) + s.shape, s.dtype), shapes)
 
             def body(i, state):
                 c, written = state
-                c, rec = round_fn(c, row(i))
+                c, rec = jax.tree_util.tree_unflatten(out_tree, evaluate(*jax.tree_util.tree_leaves((c, row(i)))))
                 return c, jax.tree_util.tree_map(lambda buf, r: buf.at[i].set(r), written, rec)
 
             return jax.lax.fori_loop(0, count, body, (carry, rows))
@@ -1006,9 +1013,7 @@ def run_rounds(
     min_clients = (FaultPolicy() if policy is None else policy).min_clients
     run_chunk = _compiled_chunk(algorithm, problem.data.num_clients, cohort_size, faults, policy)
     bar = Progress(num_rounds, algorithm.name, progress)
-    schedule = ChunkSchedule(
-        start, num_rounds, chunk_size, chunk_capacity(num_rounds, cohort_size, carry[0]) if chunk_size is None else 1
-    )
+    schedule = ChunkSchedule(start, num_rounds, chunk_size, chunk_capacity(num_rounds, cohort_size, carry[0]))
     records: list[dict[str, np.ndarray]] = []
 
     def dispatch(state: Any, first: int, length: int) -> Any:
@@ -1022,7 +1027,6 @@ def run_rounds(
     t0 = time.perf_counter()
     chunk = schedule.next()
     ahead = dispatch(carry, *chunk) if chunk is not None else None  # (compiles the chunk on a first call)
-    i = 0
     while chunk is not None:
         first, length = chunk
         before, current = carry, ahead
@@ -1041,7 +1045,7 @@ def run_rounds(
             err.history = concat_records(records)
             raise
         t1 = time.perf_counter()
-        schedule.timed(i, length, t1 - t0)
+        schedule.timed(length, t1 - t0)
         rec = host_records(rec, t1 - t0, length)  # from the end of the previous chunk (the first: its dispatch)
         t0 = t1
         short = first_short_round(rec, min_clients)
@@ -1065,5 +1069,5 @@ def run_rounds(
         bar.update(first + length)
         if on_chunk is not None:
             on_chunk(first + length, carry, records)
-        chunk, i = following, i + 1
+        chunk = following
     return carry, concat_records(records)

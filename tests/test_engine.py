@@ -187,15 +187,15 @@ def test_timed_chunks_grow_to_the_time_they_aim_at_and_cover_every_round_once():
         chunks.append(chunk)
         # as run_rounds does: chunk i + 1 is planned before chunk i's time is known
         if len(chunks) >= 2:
-            schedule.timed(len(chunks) - 2, chunks[-2][1], 0.9 if len(chunks) == 2 else chunks[-2][1] * per_round)
+            schedule.timed(chunks[-2][1], 0.9 if len(chunks) == 2 else chunks[-2][1] * per_round)
     lengths = [length for _, length in chunks]
     assert lengths[:4] == [1, 2, 4, 64] and lengths[4] == 300 and set(lengths[5:-1]) == {300}
     assert [r for first, length in chunks for r in range(first, first + length)] == list(range(10, 2000))
     slow = ChunkSchedule(0, 100, None, capacity=100)
     assert [slow.next(), slow.next()] == [(0, 1), (1, 2)]
-    slow.timed(0, 1, 100.0)  # the first chunk's time (compilation included) is not used
+    slow.timed(1, 100.0)  # the first chunk's time (compilation included) is not used
     assert slow.next() == (3, 4)
-    slow.timed(1, 2, 4 * AUTO_CHUNK_SECONDS)  # rounds of twice the aim: one round a chunk
+    slow.timed(2, 4 * AUTO_CHUNK_SECONDS)  # rounds of twice the aim: one round a chunk
     assert slow.next() == (7, 1)
 
 
