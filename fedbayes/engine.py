@@ -53,7 +53,6 @@ from typing import Any
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -800,16 +799,12 @@ def _compiled_chunk(
             round_fn = make_round(algorithm, clients, num_clients, cohort_size, base_key, faults, policy)
             steps = (ks, chunk_plans(base_key, ks))
             row = lambda i: jax.tree_util.tree_map(lambda a: a[i], steps)  # noqa: E731
-            # The round is traced once (its Python, the model's included, can take a second): the loop's body
-            # evaluates that trace, and its output shapes size the records' buffers.
-            traced, (_, shapes) = jax.make_jaxpr(round_fn, return_shape=True)(carry, row(0))
-            evaluate = jax.extend.core.jaxpr_as_fun(traced)
-            out_tree = jax.tree_util.tree_structure((carry, shapes))
+            shapes = jax.eval_shape(lambda c: round_fn(c, row(0))[1], carry)
             rows = jax.tree_util.tree_map(lambda s: jnp.zeros((ks.shape[0],) + s.shape, s.dtype), shapes)
 
             def body(i, state):
                 c, written = state
-                c, rec = jax.tree_util.tree_unflatten(out_tree, evaluate(*jax.tree_util.tree_leaves((c, row(i)))))
+                c, rec = round_fn(c, row(i))
                 return c, jax.tree_util.tree_map(lambda buf, r: buf.at[i].set(r), written, rec)
 
             return jax.lax.fori_loop(0, count, body, (carry, rows))
