@@ -176,6 +176,20 @@ def _bit_length(m: jax.Array) -> jax.Array:
     return 8 * m.dtype.itemsize - jax.lax.clz(m).astype(jnp.int32)
 
 
+def _uniform_grid(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """The integers k of ``jax.random.uniform(key, shape, dtype)`` = k 2^-nmant (unsigned, below 2^nmant):
+    its random bits shifted right by width - nmant, as ``uniform`` builds its floats."""
+    info = jnp.finfo(dtype)
+    uint = jnp.dtype(f"uint{int(info.bits)}")
+    return jax.random.bits(key, shape, uint) >> _uint(int(info.bits) - int(info.nmant), uint)
+
+
+def _bits_binade(size: jax.Array, nmant: int, minexp: int) -> jax.Array:
+    """floor(log2 v) of a finite nonzero v >= 0 given by its bits ``size`` (subnormals included)."""
+    field = (size >> jnp.asarray(nmant, size.dtype)).astype(jnp.int32)
+    return jnp.where(field > 0, field + (minexp - 1), (minexp - 1 - nmant) + _bit_length(size))
+
+
 # The bit helpers are jitted: called outside jit (an eager compressor call) they compile once, not
 # op by op.
 @jax.jit
@@ -402,6 +416,26 @@ class Compressor(abc.ABC):
         x, bits = self._checked(x)
         codes = self.encode(key, x)
         return Coded(codes, self, x.shape[0], x.dtype), self.decode(codes, x.shape[0]), bits
+
+    def coded_rows(self, key: jax.Array, v: jax.Array) -> tuple[Coded, jax.Array, jax.Array]:
+        """``coded`` of each row of a 2-D ``v`` (one message per row, e.g. per chain), each row compressed
+        independently: ``(messages with a leading row axis, C(v_r) row by row, bits per row)``.
+
+        Default: row r coded with its own key, ``jax.random.split(key, rows)[r]``. A compressor whose only
+        randomness is one uniform per coordinate (``natural``, ``qsgd``) draws the uniforms of all rows
+        with ``key`` at once (``_row_codes``): the same law, one key hash instead of two (on a CPU each
+        is a loop of its own, a noticeable share of a compressed sampler's round)."""
+        if v.ndim != 2:
+            raise ConfigError(f"coded_rows codes the rows of a 2-D array, got shape {v.shape}")
+        _, bits = self._checked(v[0])
+        codes = self._row_codes(key, jnp.asarray(v))
+        d = v.shape[1]
+        decoded = jax.vmap(lambda *cs: self.decode(tuple(cs), d))(*codes)
+        return Coded(codes, self, d, v.dtype), decoded, jnp.full((v.shape[0],), bits)
+
+    def _row_codes(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+        """The codes of every row of ``v`` (leading row axis), each with its own randomness."""
+        return jax.vmap(self.encode)(jax.random.split(key, v.shape[0]), v)
 
 
 class BitWriter:
@@ -762,13 +796,20 @@ class _QSGD(_UnbiasedQuantizer):
 
     def encode(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
         """(*the codes of ||x||_2 at float_bits, sign(x_j) xi_j as int32)."""
+        return self._encode_with(jax.random.uniform(key, x.shape, x.dtype), x)
+
+    def _row_codes(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+        return jax.vmap(self._encode_with)(jax.random.uniform(key, v.shape, v.dtype), v)
+
+    def _encode_with(self, uniform: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
+        """``encode`` with its uniforms given (one per coordinate)."""
         s = self.levels
         c = _top_binade(x)
         y = _ldexp(x, -c)  # max |y_j| in [1, 2): ||y|| in [1, 2 sqrt(d))
         norm_y = jnp.linalg.norm(y)
         scaled = s * jnp.abs(y) / jnp.where(norm_y > 0, norm_y, 1)
         low = jnp.floor(scaled)
-        up = jax.random.uniform(key, x.shape, x.dtype) < scaled - low
+        up = uniform < scaled - low
         # Rounding can push s|x_j|/||x|| a hair above s; clipping keeps xi_j on the grid {0..s}.
         level = jnp.nan_to_num(jnp.minimum(low + up, s))  # a non-finite x: the norm carries the NaN
         norm = _ldexp(norm_y, c)  # ||x||_2, saturated
@@ -855,38 +896,47 @@ class _Natural(_UnbiasedQuantizer):
         """(b, y): the shared binade and the rounded y_j = C(x)_j 2^(hi - 1 - b), signed powers of two,
         0 or +-inf (NaN stays NaN), in x's dtype.
 
-        Computed on the bits, with integer operations only (no ``_ldexp``): write
-        |x_j| = (1 + r_j 2^-nmant) 2^e_j (subnormals normalised, r_j an integer). Then
-        |x_j| 2^(hi - 1 - b) has binade e_j + hi - 1 - b. On the grid (binade >= lo) it is rounded up
-        with probability r_j 2^-nmant: the uniform u = k 2^-nmant (as ``jax.random.uniform`` draws it)
-        is below that exactly when u < r_j 2^-nmant, both on the same grid. Below the grid, at
-        q = |x_j| 2^(hi - 1 - b - lo) in (0, 1), it goes to 2^lo when u < ceil(q 2^nmant) 2^-nmant,
-        the integer ceiling taken exactly on the significand's bits (probability q up to the uniform's
-        grid of 2^-nmant)."""
+        Computed on the bits, with integer operations only (no ``_ldexp``). The shared binade b is that of
+        the largest finite |x_j|, the largest of their bit patterns (nonnegative floats are ordered as
+        their bits): one integer reduction. Write |x_j| = (1 + r_j 2^-nmant) 2^e_j (subnormals normalised,
+        r_j an integer) and M_j = 2^nmant + r_j its significand. Then |x_j| 2^(hi - 1 - b) has binade
+        ey_j = e_j + hi - 1 - b. The uniform of ``jax.random.uniform`` is u = k 2^-nmant (``_uniform_grid``:
+        the same draws), and k is compared as an integer. On the grid (ey_j >= lo) the coordinate is rounded up with probability
+        r_j 2^-nmant: when k < r_j. Below the grid, at q = |x_j| 2^(hi - 1 - b - lo) = M_j 2^-(t + nmant)
+        in (0, 1), t = lo - ey_j >= 1, it goes to 2^lo when u < ceil(q 2^nmant) 2^-nmant, i.e. when
+        k < ceil(M_j 2^-t), the integer ceiling taken exactly on the significand's bits (probability q up
+        to the uniform's grid of 2^-nmant; past t = nmant + 1 the ceiling of a nonzero M_j is 1)."""
+        return self._encode_with(_uniform_grid(key, x.shape, x.dtype), x)
+
+    def _row_codes(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+        return jax.vmap(self._encode_with)(_uniform_grid(key, v.shape, v.dtype), v)
+
+    def _encode_with(self, k: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
+        """``encode`` with its uniforms given, as the integers k of u = k 2^-nmant (``_uniform_grid``)."""
         lo, hi = self._grid(x.dtype)
         info = jnp.finfo(x.dtype)
         width, nmant, nexp, minexp = int(info.bits), int(info.nmant), int(info.nexp), int(info.minexp)
         uint = jnp.dtype(f"uint{width}")
+        one = _uint(1, uint)
         u = jax.lax.bitcast_convert_type(x, uint)
         sign = u & _uint(2 ** (width - 1), uint)
-        field = ((u >> _uint(nmant, uint)) & _uint(2**nexp - 1, uint)).astype(jnp.int32)
-        frac = u & _uint(2**nmant - 1, uint)
-        special = field == 2**nexp - 1
+        size = u ^ sign  # |x_j|'s bits
+        special = size >= _uint((2**nexp - 1) << nmant, uint)  # +-inf, NaN
+        top = jnp.max(jnp.where(special, _uint(0, uint), size))  # the largest finite |x_j|
+        b = jnp.where(top == 0, 0, _bits_binade(top, nmant, minexp))
+        field = (size >> _uint(nmant, uint)).astype(jnp.int32)
+        frac = size & _uint(2**nmant - 1, uint)
         length = _bit_length(frac)  # of a subnormal's fraction (0 for a zero)
         e = jnp.where(field > 0, field + (minexp - 1), (minexp - 1 - nmant) + length)
         r = jnp.where(field > 0, frac, (frac << (nmant + 1 - length).astype(uint)) & _uint(2**nmant - 1, uint))
-        nonzero = (field > 0) | (frac > 0)
-        b = jnp.max(jnp.where(nonzero & ~special, e, _NO_BINADE))
-        b = jnp.where(b == _NO_BINADE, 0, b)
+        nonzero = size > 0
         ey = e + (hi - 1) - b  # the binade of |y_j|
         on_grid = nonzero & (ey >= lo)
-        # Below the grid: ceil(q 2^nmant) = ceil(M 2^-t), M the significand, t = lo - ey >= 1 (past
-        # nmant + 1 places M 2^-t < 1 and the ceiling is 1 for a nonzero M).
+        # Below the grid: ceil(M 2^-t), t = lo - ey >= 1 (past nmant + 1 places it is 1 for a nonzero M).
         significand = jnp.where(nonzero, r | _uint(2**nmant, uint), _uint(0, uint))
         t = jnp.clip(lo - ey, 1, nmant + 1).astype(uint)
-        ceiling = (significand >> t) + ((significand & ((_uint(1, uint) << t) - _uint(1, uint))) > 0).astype(uint)
-        p = jnp.where(on_grid, r, ceiling).astype(x.dtype) * jnp.asarray(2.0**-nmant, x.dtype)
-        up = jax.random.uniform(key, x.shape, x.dtype) < p
+        ceiling = (significand >> t) + ((significand & ((one << t) - one)) > 0).astype(uint)
+        up = k < jnp.where(on_grid, r, ceiling)
         binade = jnp.where(on_grid, ey + up.astype(jnp.int32), lo)  # <= hi: the largest |y_j| is below 2^hi
         magnitude = jnp.where(on_grid | up, (binade - minexp + 1).astype(uint) << _uint(nmant, uint), _uint(0, uint))
         y = jax.lax.bitcast_convert_type(jnp.where(special, u, sign | magnitude), x.dtype)
@@ -1008,6 +1058,9 @@ class _Scaled(Compressor):
 
     def encode(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
         return self.base.encode(key, x)
+
+    def _row_codes(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+        return self.base._row_codes(key, v)
 
     def decode(self, codes: tuple[jax.Array, ...], d: int) -> jax.Array:
         return self.base._decode_divided(codes, d, 1.0 + self._base_omega(d))

@@ -417,6 +417,102 @@ def test_natural_integer_decoding_equals_exact_float_scaling(float_bits: int, dt
             assert same.all(), (start, a[~same][:3], b[~same][:3])
 
 
+def _natural_reference(x: np.ndarray, k: np.ndarray, float_bits: int) -> tuple[int, np.ndarray]:
+    """natural's (b, y) by exact rational arithmetic, one coordinate at a time, given the integers k of
+    the uniforms u_j = k_j 2^-nmant: b = floor(log2 max |x_j|) over the finite nonzero x_j (0 if none);
+    y_j = x_j 2^(hi - 1 - b) rounded to 2^e or 2^(e + 1) (e = floor(log2 |y_j|)) with P(up) = (|y_j| - 2^e) / 2^e
+    on the grid (e >= lo), below it to 0 or 2^lo with P(up) = ceil(q 2^nmant) 2^-nmant, q = |y_j| / 2^lo:
+    rounded up exactly when u_j < P(up)."""
+    from fractions import Fraction
+
+    lo, hi = natural(float_bits)._grid(x.dtype)
+    nmant = int(np.finfo(x.dtype).nmant)
+    finite = [float(v) for v in x if np.isfinite(v) and v != 0]
+    b = max(math.frexp(v)[1] - 1 for v in finite) if finite else 0
+    y = []
+    for v, kj in zip(x.tolist(), k.tolist()):
+        if not math.isfinite(v) or v == 0:
+            y.append(v)
+            continue
+        size = abs(Fraction(v)) * Fraction(2) ** (hi - 1 - b)
+        u = Fraction(int(kj), 2**nmant)
+        e = math.frexp(abs(v))[1] - 1 + (hi - 1 - b)
+        if e >= lo:
+            low = Fraction(2) ** e
+            power = 2 * low if u < (size - low) / low else low
+        else:
+            q = size / Fraction(2) ** lo
+            power = Fraction(2) ** lo if u < Fraction(math.ceil(q * 2**nmant), 2**nmant) else Fraction(0)
+        y.append(math.copysign(float(power), v))  # powers of two of the grid: exact as floats
+    return b, np.asarray(y, x.dtype)
+
+
+@pytest.mark.parametrize("float_bits,dtype", [(16, np.float16), (16, np.float32), (32, np.float32), (64, np.float64)])
+def test_natural_encode_is_the_exact_rounding_of_its_uniforms(float_bits: int, dtype) -> None:
+    # natural's encode works on the floats' bits and integers (the shared binade from the largest bit
+    # pattern, the uniforms as integers); an exact rational reference rounds each coordinate given the
+    # same uniforms. Vectors of random bit patterns of the dtype (zeros, subnormals, normals, +-inf,
+    # NaN) and vectors spanning the whole range (coordinates below the grid), the same numbers bit for bit.
+    rng = np.random.default_rng(float_bits)
+    width = np.dtype(dtype).itemsize * 8
+    info = np.finfo(dtype)
+    span = np.arange(int(info.minexp) - int(info.nmant), int(info.maxexp))
+    vectors = [rng.integers(0, 2**width, size=30, dtype=np.uint64).astype(f"uint{width}").view(dtype) for _ in range(6)]
+    vectors += [(rng.choice([-1.0, 1.0], 30) * rng.uniform(1, 2, 30) * 2.0 ** rng.choice(span, 30)).astype(dtype)
+                for _ in range(6)]
+    # the largest binade next to the smallest ones: those lie just below the grid (t = lo - ey small),
+    # where the probability of going up to 2^lo is far from 0 and 1
+    low = np.arange(int(info.minexp) - int(info.nmant), int(info.minexp) + 3)
+    edge = np.concatenate([[1.5 * 2.0 ** (int(info.maxexp) - 1)], rng.uniform(1, 2, low.size) * 2.0**low])
+    vectors += [np.tile(edge, 4).astype(dtype),
+                np.asarray([float(info.max), float(info.smallest_subnormal), -float(info.tiny), 0.0, -0.0], dtype),
+                np.zeros(4, dtype)]
+    nat = natural(float_bits)
+    encode = jax.jit(nat.encode)
+    for i, x in enumerate(vectors):
+        key = jax.random.key(i)
+        k = fb_compress._uniform_grid(key, x.shape, x.dtype)
+        # the integers are jax.random.uniform's draws: u = k 2^-nmant exactly
+        np.testing.assert_array_equal(np.asarray(k, np.float64) * 2.0 ** -int(info.nmant),
+                                      np.asarray(jax.random.uniform(key, x.shape, x.dtype), np.float64))
+        b, y = map(np.asarray, encode(key, jnp.asarray(x)))
+        b_ref, y_ref = _natural_reference(x, np.asarray(k), float_bits)
+        assert int(b) == b_ref, (i, int(b), b_ref)
+        same = (y.view(f"uint{width}") == y_ref.view(f"uint{width}")) | (np.isnan(y) & np.isnan(y_ref))
+        assert same.all(), (i, x[~same][:3], y[~same][:3], y_ref[~same][:3])
+
+
+@pytest.mark.parametrize("c", [natural(), natural(contractive=True), qsgd(4), rand_k(2), top_k(2)], ids=repr)
+def test_coded_rows_codes_every_row_independently(c: Compressor) -> None:
+    # Two equal rows of x with every |x_j| = 1.5 2^e: a rounding goes up with probability 1/2, so two
+    # independent draws agree with probability 1/2 (1 were the rows' draws shared); each row's draw
+    # has the law of c's own draw (its mean is c's, x for the unbiased ones). N draws: the standard
+    # error of a rate near 1/2 is 0.5 / sqrt(N) = 0.0035; Z = 5 of them.
+    d = 8
+    x = jnp.asarray(1.5 * 2.0 ** np.arange(-3, d - 3) * np.where(np.arange(d) % 2, 1, -1), jnp.float32)
+    rows = jnp.stack([x, x])
+    coded, decoded, bits = jax.jit(jax.vmap(c.coded_rows, (0, None)))(jax.random.split(jax.random.key(3), N), rows)
+    np.testing.assert_array_equal(np.asarray(bits), c.bits(d))
+    np.testing.assert_array_equal(np.asarray(coded.decoded()), np.asarray(decoded))
+    draws = np.asarray(decoded, np.float64)
+    single = np.asarray(jax.jit(jax.vmap(c, (0, None)))(jax.random.split(jax.random.key(4), N), x)[0], np.float64)
+    for r in range(2):
+        mean, se = _mean_se(draws[:, r] - single)
+        assert np.all(np.abs(mean) <= Z * se + 1e-12), (r, mean, se)
+    if c.name == top_k(2).name:  # deterministic: equal rows, equal messages
+        np.testing.assert_array_equal(draws[:, 0], draws[:, 1])
+        return
+    agree = np.mean(draws[:, 0] == draws[:, 1], axis=0)
+    if c.name.startswith("natural"):
+        assert np.all(np.abs(agree - 0.5) <= Z * 0.5 / math.sqrt(N)), agree
+    else:  # qsgd, rand_k: not 1, as shared draws would give
+        assert np.all(agree < 0.95), agree
+    if c.name == rand_k(2).name:  # the default: row r coded with the r-th key split from the row key
+        keys = jax.random.split(jax.random.key(5), 2)
+        expected = jax.vmap(c.coded)(keys, rows)[1]
+        np.testing.assert_array_equal(np.asarray(c.coded_rows(jax.random.key(5), rows)[1]), np.asarray(expected))
+
+
 def test_natural_is_unbiased_where_the_rounding_gap_is_subnormal() -> None:
     # |x_j| = 1.3 2^-110 next to 1.5 2^126: y_j = x_j, and |y_j| - 2^-110 is a subnormal number, which
     # XLA's CPU flushes to zero; rounding on the integer mantissa keeps the probability 0.3 (a float

@@ -40,8 +40,9 @@ from ..protocol import Message, RoundInfo, dense_message
 
 
 def compress_rows(comp: Compressor, key: jax.Array, v: jax.Array) -> tuple[Coded, jax.Array, jax.Array]:
-    """Compress each chain's row of ``v`` with its own key: (the coded rows as sent, the decoded rows, total bits)."""
-    coded, out, bits = jax.vmap(comp.coded)(jax.random.split(key, v.shape[0]), v)
+    """Compress each chain's row of ``v`` independently (``Compressor.coded_rows``): (the coded rows as
+    sent, the decoded rows, total bits)."""
+    coded, out, bits = comp.coded_rows(key, v)
     return coded, out, jnp.sum(bits)
 
 
