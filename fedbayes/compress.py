@@ -901,11 +901,12 @@ class _Natural(_UnbiasedQuantizer):
         their bits): one integer reduction. Write |x_j| = (1 + r_j 2^-nmant) 2^e_j (subnormals normalised,
         r_j an integer) and M_j = 2^nmant + r_j its significand. Then |x_j| 2^(hi - 1 - b) has binade
         ey_j = e_j + hi - 1 - b. The uniform of ``jax.random.uniform`` is u = k 2^-nmant (``_uniform_grid``:
-        the same draws), and k is compared as an integer. On the grid (ey_j >= lo) the coordinate is rounded up with probability
-        r_j 2^-nmant: when k < r_j. Below the grid, at q = |x_j| 2^(hi - 1 - b - lo) = M_j 2^-(t + nmant)
-        in (0, 1), t = lo - ey_j >= 1, it goes to 2^lo when u < ceil(q 2^nmant) 2^-nmant, i.e. when
-        k < ceil(M_j 2^-t), the integer ceiling taken exactly on the significand's bits (probability q up
-        to the uniform's grid of 2^-nmant; past t = nmant + 1 the ceiling of a nonzero M_j is 1)."""
+        the same draws), and k is compared as an integer. On the grid (ey_j >= lo) the coordinate is
+        rounded up with probability r_j 2^-nmant: when k < r_j. Below the grid, at
+        q = |x_j| 2^(hi - 1 - b - lo) = M_j 2^-(t + nmant) in (0, 1), t = lo - ey_j >= 1, it goes to 2^lo
+        when u < ceil(q 2^nmant) 2^-nmant, i.e. when k < ceil(M_j 2^-t), the integer ceiling taken exactly
+        on the significand's bits (probability q up to the uniform's grid of 2^-nmant; past t = nmant + 1
+        the ceiling of a nonzero M_j is 1)."""
         return self._encode_with(_uniform_grid(key, x.shape, x.dtype), x)
 
     def _row_codes(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
