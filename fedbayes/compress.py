@@ -62,6 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
+from fedbayes import prng
 from fedbayes.errors import ConfigError
 
 __all__ = [
@@ -181,7 +182,30 @@ def _uniform_grid(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Arr
     its random bits shifted right by width - nmant, as ``uniform`` builds its floats."""
     info = jnp.finfo(dtype)
     uint = jnp.dtype(f"uint{int(info.bits)}")
-    return jax.random.bits(key, shape, uint) >> _uint(int(info.bits) - int(info.nmant), uint)
+    return prng.bits(key, shape, uint) >> _uint(int(info.bits) - int(info.nmant), uint)
+
+
+def _uniform(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """``jax.random.uniform(key, shape, dtype)``, the same numbers: k 2^-nmant (``_uniform_grid``), exact."""
+    return _uniform_grid(key, shape, dtype).astype(dtype) * jnp.asarray(2.0 ** -int(jnp.finfo(dtype).nmant), dtype)
+
+
+def _kept(codes: Any, key: jax.Array, x: jax.Array) -> Any:
+    """``codes(key, x)``, computed once and kept in memory on a CPU.
+
+    XLA fuses an elementwise computation into each of its consumers and, where it deems it cheap, computes it
+    again in every one of them. A quantiser's codes (the key hash of its uniforms and the rounding: some
+    hundred integer operations a coordinate) are read by the sender's own state, by the server's decoding and
+    by the fault screen, and were computed three times (B-ELF with natural compression, 1 000 clients: a
+    third of the round). ``jax.lax.optimization_barrier`` did not prevent it on a CPU; a loop does: a
+    ``while_loop`` of one iteration, whose count XLA cannot see (it depends on whether x's first entry is
+    NaN), so its result is kept. On other platforms, where each iteration of a loop costs a synchronisation
+    with the host, the codes are computed as they are."""
+    if jax.default_backend() != "cpu" or x.size == 0:
+        return codes(key, x)
+    nan = jnp.isnan(jnp.ravel(x)[0]).astype(jnp.int32)
+    start = (nan, jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(codes, key, x)))
+    return jax.lax.while_loop(lambda c: c[0] < nan + 1, lambda c: (c[0] + 1, codes(key, x)), start)[1]
 
 
 def _bits_binade(size: jax.Array, nmant: int, minexp: int) -> jax.Array:
@@ -414,7 +438,7 @@ class Compressor(abc.ABC):
         """``(message, C(x), bits)``: the message as a :class:`Coded` payload (its codes, what crosses the
         network), the decoded vector the sender keeps, and the bit length (as from ``__call__``)."""
         x, bits = self._checked(x)
-        codes = self.encode(key, x)
+        codes = _kept(self.encode, key, x) if self._keep_codes else self.encode(key, x)
         return Coded(codes, self, x.shape[0], x.dtype), self.decode(codes, x.shape[0]), bits
 
     def coded_rows(self, key: jax.Array, v: jax.Array) -> tuple[Coded, jax.Array, jax.Array]:
@@ -428,7 +452,8 @@ class Compressor(abc.ABC):
         if v.ndim != 2:
             raise ConfigError(f"coded_rows codes the rows of a 2-D array, got shape {v.shape}")
         _, bits = self._checked(v[0])
-        codes = self._row_codes(key, jnp.asarray(v))
+        v = jnp.asarray(v)
+        codes = _kept(self._row_codes, key, v) if self._keep_codes else self._row_codes(key, v)
         d = v.shape[1]
         decoded = jax.vmap(lambda *cs: self.decode(tuple(cs), d))(*codes)
         return Coded(codes, self, d, v.dtype), decoded, jnp.full((v.shape[0],), bits)
@@ -436,6 +461,10 @@ class Compressor(abc.ABC):
     def _row_codes(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
         """The codes of every row of ``v`` (leading row axis), each with its own randomness."""
         return jax.vmap(self.encode)(jax.random.split(key, v.shape[0]), v)
+
+    _keep_codes: ClassVar[bool] = False
+    """Whether ``coded`` computes its codes once and keeps them (``_kept``): for codes that are a long
+    elementwise computation, which XLA would otherwise repeat in each of their consumers."""
 
 
 class BitWriter:
@@ -793,13 +822,14 @@ class _QSGD(_UnbiasedQuantizer):
         return None
 
     has_wire_format: ClassVar[bool] = True
+    _keep_codes: ClassVar[bool] = True
 
     def encode(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
         """(*the codes of ||x||_2 at float_bits, sign(x_j) xi_j as int32)."""
-        return self._encode_with(jax.random.uniform(key, x.shape, x.dtype), x)
+        return self._encode_with(_uniform(key, x.shape, x.dtype), x)
 
     def _row_codes(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
-        return jax.vmap(self._encode_with)(jax.random.uniform(key, v.shape, v.dtype), v)
+        return jax.vmap(self._encode_with)(_uniform(key, v.shape, v.dtype), v)
 
     def _encode_with(self, uniform: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
         """``encode`` with its uniforms given (one per coordinate)."""
@@ -891,6 +921,7 @@ class _Natural(_UnbiasedQuantizer):
         return None
 
     has_wire_format: ClassVar[bool] = True
+    _keep_codes: ClassVar[bool] = True
 
     def encode(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
         """(b, y): the shared binade and the rounded y_j = C(x)_j 2^(hi - 1 - b), signed powers of two,
@@ -923,7 +954,8 @@ class _Natural(_UnbiasedQuantizer):
         sign = u & _uint(2 ** (width - 1), uint)
         size = u ^ sign  # |x_j|'s bits
         special = size >= _uint((2**nexp - 1) << nmant, uint)  # +-inf, NaN
-        top = jnp.max(jnp.where(special, _uint(0, uint), size))  # the largest finite |x_j|
+        sint = jnp.dtype(f"int{width}")
+        top = jnp.max(jax.lax.bitcast_convert_type(jnp.where(special, _uint(0, uint), size), sint)).astype(uint)
         b = jnp.where(top == 0, 0, _bits_binade(top, nmant, minexp))
         field = (size >> _uint(nmant, uint)).astype(jnp.int32)
         frac = size & _uint(2**nmant - 1, uint)
@@ -1062,6 +1094,10 @@ class _Scaled(Compressor):
 
     def _row_codes(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
         return self.base._row_codes(key, v)
+
+    @property
+    def _keep_codes(self) -> bool:  # type: ignore[override]  # a ClassVar on Compressor, the base's here
+        return self.base._keep_codes
 
     def decode(self, codes: tuple[jax.Array, ...], d: int) -> jax.Array:
         return self.base._decode_divided(codes, d, 1.0 + self._base_omega(d))

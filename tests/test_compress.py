@@ -513,6 +513,22 @@ def test_coded_rows_codes_every_row_independently(c: Compressor) -> None:
         np.testing.assert_array_equal(np.asarray(c.coded_rows(jax.random.key(5), rows)[1]), np.asarray(expected))
 
 
+@pytest.mark.parametrize("c", [natural(), natural(contractive=True), qsgd(4, contractive=True)], ids=repr)
+def test_kept_codes_are_the_codes(c: Compressor) -> None:
+    # A quantiser's codes are computed once in a loop of one iteration (``_kept``, on a CPU); the loop's
+    # count depends on whether x's first entry is NaN: the codes are encode's either way, under jit and vmap.
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 9)), jnp.float32)
+    x_nan = x.at[:, 0].set(jnp.nan)
+    keys = jax.random.split(jax.random.key(1), 3)
+    for v in (x, x_nan):
+        coded = jax.jit(jax.vmap(c.coded))(keys, v)[0]
+        for got, want in zip(coded.codes, jax.jit(jax.vmap(c.encode))(keys, v)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        rows = jax.jit(c.coded_rows)(keys[0], v)[0]
+        for got, want in zip(rows.codes, jax.jit(c._row_codes)(keys[0], v)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_natural_is_unbiased_where_the_rounding_gap_is_subnormal() -> None:
     # |x_j| = 1.3 2^-110 next to 1.5 2^126: y_j = x_j, and |y_j| - 2^-110 is a subnormal number, which
     # XLA's CPU flushes to zero; rounding on the integer mantissa keeps the probability 0.3 (a float
