@@ -60,6 +60,11 @@ def _unrolled(words: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array
     return (b1 ^ b2).astype(dtype)
 
 
+def _option(name: str) -> Any:
+    """A ``jax.config`` option (dynamic attributes, not in its type)."""
+    return getattr(jax.config, name)
+
+
 @functools.cache
 def _layout_matches() -> bool:
     """Whether ``jax.random.bits`` draws in the layout :func:`_unrolled` reproduces (checked once, eagerly,
@@ -67,7 +72,7 @@ def _layout_matches() -> bool:
     with jax.ensure_compile_time_eval():
         key = jax.random.key(20_261_128)
         words = jax.random.key_data(key)
-        widths = (jnp.uint8, jnp.uint16, jnp.uint32) + ((jnp.uint64,) if jax.config.jax_enable_x64 else ())
+        widths = (jnp.uint8, jnp.uint16, jnp.uint32) + ((jnp.uint64,) if _option("jax_enable_x64") else ())
         for dtype in widths:
             for shape in ((5,), (3, 4)):
                 want = np.asarray(jax.random.bits(key, shape, dtype))
@@ -79,13 +84,13 @@ def _layout_matches() -> bool:
 
 def _threefry_words(key: jax.Array) -> jax.Array | None:
     """The key's two uint32 words when it is a Threefry key drawn in the partitionable layout; else None."""
-    if not jax.config.jax_threefry_partitionable:
+    if not _option("jax_threefry_partitionable"):
         return None
     if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
         if jax.random.key_impl(key) != "threefry2x32":
             return None
         return jax.random.key_data(key)
-    if key.dtype != jnp.uint32 or key.shape[-1:] != (2,) or jax.config.jax_default_prng_impl != "threefry2x32":
+    if key.dtype != jnp.uint32 or key.shape[-1:] != (2,) or _option("jax_default_prng_impl") != "threefry2x32":
         return None
     return key
 
@@ -100,4 +105,3 @@ def bits(key: jax.Array, shape: tuple[int, ...], dtype: Any = None) -> jax.Array
     if words is None or math.prod(shape) >= 2**32 or not _layout_matches():
         return jax.random.bits(key, shape, dtype)
     return _unrolled(words, shape, dtype)
-
