@@ -9,6 +9,7 @@ run; and, for 100 clients, the bits sent until the running posterior mean of 4 c
 
     python benchmarks/bench_langevin.py                # both tables
     python benchmarks/bench_langevin.py --throughput   # the speed table only
+    python benchmarks/bench_langevin.py --unrolled-reference   # B-ELF nat/nat against a reference with the unrolled hash
 """
 
 from __future__ import annotations
@@ -79,14 +80,36 @@ def topk_rows(k: int):
     return compress
 
 
-def natural_rows(key, v):
+def natural_rows(key, v, uniform=jax.random.uniform):
     """Hand-written contractive natural compression of a (rows, d) batch: each v_j rounded at random to
     sign(v_j) 2^floor(log2 |v_j|) or twice that, unbiased, then scaled by 1 / (1 + 1/8)."""
     size = jnp.abs(v)
     low = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(size, jnp.uint32) & jnp.uint32(0xFF800000),
                                        jnp.float32)  # 2^floor(log2 |v_j|): the mantissa cleared
-    up = jax.random.uniform(key, v.shape) * low < size - low
+    up = uniform(key, v.shape) * low < size - low
     return jnp.sign(v) * jnp.where(up, 2 * low, low) * (8.0 / 9.0)
+
+
+def natural_rows_unrolled(key, v):
+    """``natural_rows`` drawing the same uniforms from ``fedbayes.prng.bits`` (JAX's hash without its CPU loop),
+    as fed_fit's natural compression does: k 2^-23, k the top 23 of the 32 random bits."""
+    def uniform(k, shape):
+        return (fb.prng.bits(k, shape, jnp.uint32) >> jnp.uint32(9)).astype(jnp.float32) * jnp.float32(2.0**-23)
+    return natural_rows(key, v, uniform)
+
+
+def unrolled_reference(clients: int, repeats: int = 3) -> None:
+    """B-ELF nat/nat's hand-written reference with ``natural_rows_unrolled``, against fed_fit's default: how much
+    of fed_fit's rate is the unrolled hash alone."""
+    data = make_data(clients)
+    gamma = fb.elf.curvature_step_size(model, data, scale=0.1)
+    timed = TIMED_ROUNDS[clients]
+    nat = fb.compress.natural(contractive=True)
+    refs, feds = [], []
+    for _ in range(repeats):
+        refs.append(handwritten_elf(data, gamma, timed, up=natural_rows_unrolled, down=natural_rows_unrolled))
+        feds.append(rate(data, fb.BELF(uplink=nat, downlink=nat), gamma, None, timed)[0])
+    print(f"| {clients} | {max(refs):.1f} | {max(feds):.1f} | {max(refs) / max(feds):.2f} |", flush=True)
 
 
 def handwritten_elf(data: fb.FederatedData, gamma: float, rounds: int, up=None, down=None, naive=False) -> float:
@@ -221,6 +244,13 @@ def main() -> None:
 
     warnings.simplefilter("ignore")  # the timed fits are short chains: their convergence warnings are expected
     print(f"# {time.strftime('%Y-%m-%d')}, {platform.machine()}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    if "--unrolled-reference" in sys.argv:
+        print("\nB-ELF nat/nat, the hand-written reference drawing its uniforms with fedbayes.prng.bits (best of 3)\n")
+        print("| clients | hand-written (unrolled hash) it/s | fed_fit it/s (timed chunks) | time ratio |")
+        print("|---|---|---|---|")
+        for clients in (100, 1000):
+            unrolled_reference(clients)
+        return
     for clients in (100, 1000):
         throughput(clients)
     if "--throughput" not in sys.argv:
