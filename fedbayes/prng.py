@@ -87,7 +87,7 @@ def _threefry_words(key: jax.Array) -> jax.Array | None:
     if not _option("jax_threefry_partitionable"):
         return None
     if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        if jax.random.key_impl(key) != "threefry2x32":
+        if str(jax.random.key_impl(key)) != "threefry2x32":  # a name, or a spec whose str is its name
             return None
         return jax.random.key_data(key)
     if key.dtype != jnp.uint32 or key.shape[-1:] != (2,) or _option("jax_default_prng_impl") != "threefry2x32":
