@@ -91,11 +91,9 @@ def natural_rows(key, v, uniform=jax.random.uniform):
 
 
 def natural_rows_unrolled(key, v):
-    """``natural_rows`` drawing the same uniforms from ``fedbayes.prng.bits`` (JAX's hash without its CPU loop),
-    as fed_fit's natural compression does: k 2^-23, k the top 23 of the 32 random bits."""
-    def uniform(k, shape):
-        return (fb.prng.bits(k, shape, jnp.uint32) >> jnp.uint32(9)).astype(jnp.float32) * jnp.float32(2.0**-23)
-    return natural_rows(key, v, uniform)
+    """``natural_rows`` drawing the same uniforms with ``fedbayes.prng.uniform`` (JAX's hash without its CPU loop),
+    as fed_fit's natural compression does."""
+    return natural_rows(key, v, lambda k, shape: fb.prng.uniform(k, shape, jnp.float32))
 
 
 def unrolled_reference(clients: int, repeats: int = 3) -> None:

@@ -177,19 +177,6 @@ def _bit_length(m: jax.Array) -> jax.Array:
     return 8 * m.dtype.itemsize - jax.lax.clz(m).astype(jnp.int32)
 
 
-def _uniform_grid(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """The integers k of ``jax.random.uniform(key, shape, dtype)`` = k 2^-nmant (unsigned, below 2^nmant):
-    its random bits shifted right by width - nmant, as ``uniform`` builds its floats."""
-    info = jnp.finfo(dtype)
-    uint = jnp.dtype(f"uint{int(info.bits)}")
-    return prng.bits(key, shape, uint) >> _uint(int(info.bits) - int(info.nmant), uint)
-
-
-def _uniform(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """``jax.random.uniform(key, shape, dtype)``, the same numbers: k 2^-nmant (``_uniform_grid``), exact."""
-    return _uniform_grid(key, shape, dtype).astype(dtype) * jnp.asarray(2.0 ** -int(jnp.finfo(dtype).nmant), dtype)
-
-
 def _kept(codes: Any, key: jax.Array, x: jax.Array) -> Any:
     """``codes(key, x)``, computed once and kept in memory on a CPU.
 
@@ -208,12 +195,6 @@ def _kept(codes: Any, key: jax.Array, x: jax.Array) -> Any:
     return jax.lax.while_loop(lambda c: c[0] < nan + 1, lambda c: (c[0] + 1, codes(key, x)), start)[1]
 
 
-def _bits_binade(size: jax.Array, nmant: int, minexp: int) -> jax.Array:
-    """floor(log2 v) of a finite nonzero v >= 0 given by its bits ``size`` (subnormals included)."""
-    field = (size >> jnp.asarray(nmant, size.dtype)).astype(jnp.int32)
-    return jnp.where(field > 0, field + (minexp - 1), (minexp - 1 - nmant) + _bit_length(size))
-
-
 # The bit helpers are jitted: called outside jit (an eager compressor call) they compile once, not
 # op by op.
 @jax.jit
@@ -226,8 +207,13 @@ def _binade(x: jax.Array) -> jax.Array:
 
 @jax.jit
 def _top_binade(x: jax.Array) -> jax.Array:
-    """floor(log2 max_j |x_j|) over the finite nonzero x_j (an int32 scalar); 0 if there are none."""
-    b = jnp.max(_binade(x))
+    """floor(log2 max_j |x_j|) over the finite nonzero x_j (an int32 scalar); 0 if there are none: the binade
+    of the largest of their bit patterns (nonnegative floats are ordered as their bits), one integer
+    reduction and one binade."""
+    sign, _, _, special = _split(x)
+    size = jax.lax.bitcast_convert_type(x, sign.dtype) ^ sign
+    top = jnp.max(jnp.where(special, jnp.zeros_like(size), size))
+    b = _binade(jax.lax.bitcast_convert_type(top, x.dtype))
     return jnp.where(b == _NO_BINADE, 0, b)
 
 
@@ -438,7 +424,7 @@ class Compressor(abc.ABC):
         """``(message, C(x), bits)``: the message as a :class:`Coded` payload (its codes, what crosses the
         network), the decoded vector the sender keeps, and the bit length (as from ``__call__``)."""
         x, bits = self._checked(x)
-        codes = _kept(self.encode, key, x) if self._keep_codes else self.encode(key, x)
+        codes = self._computed(self.encode, key, x)
         return Coded(codes, self, x.shape[0], x.dtype), self.decode(codes, x.shape[0]), bits
 
     def coded_rows(self, key: jax.Array, v: jax.Array) -> tuple[Coded, jax.Array, jax.Array]:
@@ -449,11 +435,11 @@ class Compressor(abc.ABC):
         randomness is one uniform per coordinate (``natural``, ``qsgd``) draws the uniforms of all rows
         with ``key`` at once (``_row_codes``): the same law, one key hash instead of two (on a CPU each
         is a loop of its own, a noticeable share of a compressed sampler's round)."""
+        v = jnp.asarray(v)
         if v.ndim != 2:
             raise ConfigError(f"coded_rows codes the rows of a 2-D array, got shape {v.shape}")
         _, bits = self._checked(v[0])
-        v = jnp.asarray(v)
-        codes = _kept(self._row_codes, key, v) if self._keep_codes else self._row_codes(key, v)
+        codes = self._computed(self._row_codes, key, v)
         d = v.shape[1]
         decoded = jax.vmap(lambda *cs: self.decode(tuple(cs), d))(*codes)
         return Coded(codes, self, d, v.dtype), decoded, jnp.full((v.shape[0],), bits)
@@ -465,6 +451,10 @@ class Compressor(abc.ABC):
     _keep_codes: ClassVar[bool] = False
     """Whether ``coded`` computes its codes once and keeps them (``_kept``): for codes that are a long
     elementwise computation, which XLA would otherwise repeat in each of their consumers."""
+
+    def _computed(self, codes: Any, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
+        """``codes(key, x)``, kept once computed where ``_keep_codes`` says so."""
+        return _kept(codes, key, x) if self._keep_codes else codes(key, x)
 
 
 class BitWriter:
@@ -826,10 +816,10 @@ class _QSGD(_UnbiasedQuantizer):
 
     def encode(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
         """(*the codes of ||x||_2 at float_bits, sign(x_j) xi_j as int32)."""
-        return self._encode_with(_uniform(key, x.shape, x.dtype), x)
+        return self._encode_with(prng.uniform(key, x.shape, x.dtype), x)
 
     def _row_codes(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
-        return jax.vmap(self._encode_with)(_uniform(key, v.shape, v.dtype), v)
+        return jax.vmap(self._encode_with)(prng.uniform(key, v.shape, v.dtype), v)
 
     def _encode_with(self, uniform: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
         """``encode`` with its uniforms given (one per coordinate)."""
@@ -931,20 +921,20 @@ class _Natural(_UnbiasedQuantizer):
         the largest finite |x_j|, the largest of their bit patterns (nonnegative floats are ordered as
         their bits): one integer reduction. Write |x_j| = (1 + r_j 2^-nmant) 2^e_j (subnormals normalised,
         r_j an integer) and M_j = 2^nmant + r_j its significand. Then |x_j| 2^(hi - 1 - b) has binade
-        ey_j = e_j + hi - 1 - b. The uniform of ``jax.random.uniform`` is u = k 2^-nmant (``_uniform_grid``:
+        ey_j = e_j + hi - 1 - b. The uniform of ``jax.random.uniform`` is u = k 2^-nmant (``prng.uniform_grid``:
         the same draws), and k is compared as an integer. On the grid (ey_j >= lo) the coordinate is
         rounded up with probability r_j 2^-nmant: when k < r_j. Below the grid, at
         q = |x_j| 2^(hi - 1 - b - lo) = M_j 2^-(t + nmant) in (0, 1), t = lo - ey_j >= 1, it goes to 2^lo
         when u < ceil(q 2^nmant) 2^-nmant, i.e. when k < ceil(M_j 2^-t), the integer ceiling taken exactly
         on the significand's bits (probability q up to the uniform's grid of 2^-nmant; past t = nmant + 1
         the ceiling of a nonzero M_j is 1)."""
-        return self._encode_with(_uniform_grid(key, x.shape, x.dtype), x)
+        return self._encode_with(prng.uniform_grid(key, x.shape, x.dtype), x)
 
     def _row_codes(self, key: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
-        return jax.vmap(self._encode_with)(_uniform_grid(key, v.shape, v.dtype), v)
+        return jax.vmap(self._encode_with)(prng.uniform_grid(key, v.shape, v.dtype), v)
 
     def _encode_with(self, k: jax.Array, x: jax.Array) -> tuple[jax.Array, ...]:
-        """``encode`` with its uniforms given, as the integers k of u = k 2^-nmant (``_uniform_grid``)."""
+        """``encode`` with its uniforms given, as the integers k of u = k 2^-nmant (``prng.uniform_grid``)."""
         lo, hi = self._grid(x.dtype)
         info = jnp.finfo(x.dtype)
         width, nmant, nexp, minexp = int(info.bits), int(info.nmant), int(info.nexp), int(info.minexp)
@@ -954,9 +944,7 @@ class _Natural(_UnbiasedQuantizer):
         sign = u & _uint(2 ** (width - 1), uint)
         size = u ^ sign  # |x_j|'s bits
         special = size >= _uint((2**nexp - 1) << nmant, uint)  # +-inf, NaN
-        sint = jnp.dtype(f"int{width}")
-        top = jnp.max(jax.lax.bitcast_convert_type(jnp.where(special, _uint(0, uint), size), sint)).astype(uint)
-        b = jnp.where(top == 0, 0, _bits_binade(top, nmant, minexp))
+        b = _top_binade(x)
         field = (size >> _uint(nmant, uint)).astype(jnp.int32)
         frac = size & _uint(2**nmant - 1, uint)
         length = _bit_length(frac)  # of a subnormal's fraction (0 for a zero)

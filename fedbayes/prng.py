@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["bits", "threefry2x32"]
+__all__ = ["bits", "threefry2x32", "uniform", "uniform_grid"]
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA  # Threefry's key-schedule constant
@@ -105,3 +105,18 @@ def bits(key: jax.Array, shape: tuple[int, ...], dtype: Any = None) -> jax.Array
     if words is None or math.prod(shape) >= 2**32 or not _layout_matches():
         return jax.random.bits(key, shape, dtype)
     return _unrolled(words, shape, dtype)
+
+
+def uniform_grid(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """The integers k of ``jax.random.uniform(key, shape, dtype)`` = k 2^-nmant on [0, 1) (unsigned, below
+    2^nmant): the random bits shifted right by width - nmant, as ``jax.random.uniform`` builds its floats."""
+    info = jnp.finfo(dtype)
+    uint = jnp.dtype(f"uint{int(info.bits)}")
+    return bits(key, shape, uint) >> jnp.asarray(int(info.bits) - int(info.nmant), uint)
+
+
+def uniform(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """``jax.random.uniform(key, shape, dtype)`` on [0, 1), the same numbers: k 2^-nmant (:func:`uniform_grid`),
+    exact in ``dtype`` (k has at most nmant bits). Only [0, 1): JAX computes another range with a scaling whose
+    rounding the compiler may place differently."""
+    return uniform_grid(key, shape, dtype).astype(dtype) * jnp.asarray(2.0 ** -int(jnp.finfo(dtype).nmant), dtype)

@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import fedbayes.compress as fb_compress
+from fedbayes import prng
 from fedbayes.compress import (
     Compressor,
     compress_tree,
@@ -471,7 +472,7 @@ def test_natural_encode_is_the_exact_rounding_of_its_uniforms(float_bits: int, d
     encode = jax.jit(nat.encode)
     for i, x in enumerate(vectors):
         key = jax.random.key(i)
-        k = fb_compress._uniform_grid(key, x.shape, x.dtype)
+        k = prng.uniform_grid(key, x.shape, x.dtype)
         # the integers are jax.random.uniform's draws: u = k 2^-nmant exactly
         np.testing.assert_array_equal(np.asarray(k, np.float64) * 2.0 ** -int(info.nmant),
                                       np.asarray(jax.random.uniform(key, x.shape, x.dtype), np.float64))
