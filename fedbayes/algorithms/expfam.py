@@ -142,6 +142,50 @@ class _WhitenedMVN(dist.MultivariateNormal):
         return -0.5 * (self.event_shape[0] * math.log(2 * math.pi) + jnp.sum(z**2, -1)) - half_log_det
 
 
+def _components_mvn_log_probs(sites: list[dict], axis: int) -> jax.Array | None:
+    """(N, K) log N(x_j | m_k, Sigma_k) of every row j and component k at once, for a MultivariateNormal table
+    term whose component traces ``sites`` (one per k, rows on ``axis``) observe the same rows x; None where the
+    term is not of that form (then each component is evaluated on its own).
+
+    A table term's mean and covariance are the same on every row, so with Sigma_k = L_k L_k^T and A_k = L_k^-1
+    (both from row 0) and any shift c (here the components' mean of the m_k),
+
+        z_jk = A_k (x_j - m_k) = A_k (x_j - c) - A_k (m_k - c),
+
+    one matrix product of the rows with the K factors side by side (D x KD) where component by component it
+    would be K products of D columns each: on a CPU about 3x faster for a mixture's E-step (the products
+    are too narrow to use the machine). The shift keeps the two terms at the scale of the data's spread
+    about the means, as in the per-component form, whatever the data's offset (raw units)."""
+    values = [site["value"] for site in sites]
+    fns = [site["fn"] for site in sites]
+    masks = [fn._mask if isinstance(fn, dist.MaskedDistribution) else None for fn in fns]  # the engine's padding
+    inner = [fn.base_dist if isinstance(fn, dist.MaskedDistribution) else fn for fn in fns]
+    plain = all(
+        len(fn.batch_shape) == 1
+        and type(_base(fn)) is dist.MultivariateNormal
+        and (fn is _base(fn) or (isinstance(fn, dist.ExpandedDistribution) and fn.base_dist is _base(fn)))
+        for fn in inner
+    )
+    same = all(v is values[0] for v in values) and all(m is masks[0] for m in masks)
+    if not plain or not same or values[0].ndim != 2:
+        return None
+    locs = jnp.stack([_first(axis, _param(fn, "loc")) for fn in fns])  # (K, D)
+    # one factorisation per component, each a single matrix (see the section comment above)
+    factors = jnp.stack(
+        [jnp.linalg.cholesky(_first(axis, _param(fn, "covariance_matrix", fn.event_shape))) for fn in fns]
+    )
+    whiten = lapack_free_tril_inverse(factors)  # (K, D, D)
+    x = jnp.moveaxis(values[0], axis, 0)
+    shift = jnp.mean(locs, 0)
+    z = jnp.einsum("nj,kij->nki", x - shift, whiten) - jnp.einsum("kj,kij->ki", locs - shift, whiten)
+    half_log_det = jnp.sum(jnp.log(jnp.diagonal(factors, axis1=-2, axis2=-1)), -1)
+    lp = -0.5 * (x.shape[-1] * math.log(2 * math.pi) + jnp.sum(z**2, -1)) - half_log_det
+    if masks[0] is None:
+        return lp
+    keep = jnp.broadcast_to(jnp.asarray(masks[0]), fns[0].batch_shape)
+    return jnp.where(keep[:, None], lp, 0.0)  # as MaskedDistribution.log_prob: 0 off the mask
+
+
 def family_of(fn: dist.Distribution) -> str | None:
     """The table entry of a NumPyro distribution, or None if it is not in the table."""
     base = _base(fn)
@@ -439,12 +483,16 @@ class Derived:
         mask: jax.Array,
         weights: jax.Array | None = None,
         component: int | None = None,
+        skip: frozenset[str] = frozenset(),
     ) -> Stats:
-        """S(D_i, h) for fixed latent values ``h`` (one component's share with row ``weights``)."""
+        """S(D_i, h) for fixed latent values ``h`` (one component's share with row ``weights``), without the
+        tables named in ``skip``."""
         w = mask.astype(jnp.result_type(float)) if weights is None else weights
         tr = self._trace(theta_c, latents_c, data, mask)
         out: Stats = {}
         for t in self.tables:
+            if t.site in skip:
+                continue
             x, _ = self._site_values(tr[t.site])
             rw = w if t.in_plate else jnp.ones((1,), w.dtype)
             out[t.site] = _family_stats(t.family, tr[t.site]["fn"], x, rw)
@@ -487,12 +535,26 @@ class Derived:
         if self.latent_mode == "none":
             return self.complete_stats(theta_c, {}, data, mask), {}
         if self.latent_mode == "enumerate":
-            resp = self.responsibilities(theta_c, data, mask)
+            traces = self._component_traces(theta_c, data, mask)
+            resp = jax.nn.softmax(self.component_log_probs(theta_c, data, mask, traces), -1) * mask[:, None]
             name = self.latent_sites[0]
+            # an in-plate table observing the same rows in every component: its K statistics at once (one
+            # product of the rows with the K weight columns, :func:`_family_stats` under vmap over them)
+            joint = frozenset(
+                t.site
+                for t in self.tables
+                if t.in_plate and all(tr[t.site]["value"] is traces[0][t.site]["value"] for tr in traces)
+            )
             per_k = [
-                self._component_stats(theta_c, name, k, data, mask, resp[:, k]) for k in range(self.num_components)
+                self._component_stats(theta_c, name, k, data, mask, resp[:, k], skip=joint)
+                for k in range(self.num_components)
             ]
             stats = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_k)
+            for site in joint:
+                x, _ = self._site_values(traces[0][site])
+                family = next(t.family for t in self.tables if t.site == site)
+                fn = traces[0][site]["fn"]
+                stats[site] = jax.vmap(lambda w: _family_stats(family, fn, x, w), in_axes=1)(resp * mask[:, None])
             stats["latent"] = jnp.sum(resp * mask[:, None], 0)
             return stats, {"responsibilities": resp}
         if self.latent_mode == "gaussian":
@@ -503,28 +565,38 @@ class Derived:
             }
         raise NotImplementedError  # monte_carlo: the algorithm averages complete_stats over its chain
 
-    def _component_stats(self, theta_c, name, k, data, mask, r):
+    def _component_stats(self, theta_c, name, k, data, mask, r, skip: frozenset[str] = frozenset()):
         z = jnp.full(mask.shape, k, jnp.int32)
-        return self.complete_stats(theta_c, {name: z}, data, mask, r * mask, component=k)
+        return self.complete_stats(theta_c, {name: z}, data, mask, r * mask, component=k, skip=skip)
 
-    def component_log_probs(self, theta_c: Params, data, mask) -> jax.Array:
-        """(N, K): sum over the data-plate sites of log p(x_j, z_j = k | theta) per row and component."""
+    def _component_traces(self, theta_c: Params, data, mask) -> list[dict]:
+        """The client's trace with every row in component k, for each k."""
         name = self.latent_sites[0]
+        return [
+            self._trace(theta_c, {name: jnp.full(mask.shape, k, jnp.int32)}, data, mask)
+            for k in range(self.num_components)
+        ]
+
+    def component_log_probs(self, theta_c: Params, data, mask, traces: list[dict] | None = None) -> jax.Array:
+        """(N, K): sum over the data-plate sites of log p(x_j, z_j = k | theta) per row and component
+        (``traces``: :meth:`_component_traces`, traced here if not given)."""
+        traces = self._component_traces(theta_c, data, mask) if traces is None else traces
         shared = {t.site for t in self.tables if t.family == "mvn" and t.in_plate}  # one covariance for all rows
-
-        def one(k):
-            tr = self._trace(theta_c, {name: jnp.full(mask.shape, k, jnp.int32)}, data, mask)
-            total = jnp.zeros(mask.shape)
-            for n, site in tr.items():
-                axis = self._rows(site)
-                if site["type"] != "sample" or axis is None:
-                    continue
-                fn = _shared_factor(site["fn"], axis) if n in shared else site["fn"]
-                lp = jnp.moveaxis(fn.log_prob(site["value"]), axis, 0)
-                total = total + jnp.reshape(lp, (mask.shape[0], -1)).sum(-1)
-            return total
-
-        return jnp.stack([one(k) for k in range(self.num_components)], -1)
+        joint = jnp.zeros(mask.shape + (self.num_components,))
+        each = [jnp.zeros(mask.shape) for _ in traces]
+        for n, site in traces[0].items():
+            axis = self._rows(site)
+            if site["type"] != "sample" or axis is None:
+                continue
+            together = _components_mvn_log_probs([tr[n] for tr in traces], axis) if n in shared else None
+            if together is not None:
+                joint = joint + together
+                continue
+            for k, tr in enumerate(traces):
+                fn = _shared_factor(tr[n]["fn"], axis) if n in shared else tr[n]["fn"]
+                lp = jnp.moveaxis(fn.log_prob(tr[n]["value"]), axis, 0)
+                each[k] = each[k] + jnp.reshape(lp, (mask.shape[0], -1)).sum(-1)
+        return joint + jnp.stack(each, -1)
 
     def responsibilities(self, theta_c: Params, data, mask) -> jax.Array:
         """r_jk = p(z_j = k | x_j, theta) by exact enumeration (zero rows for padding)."""
