@@ -351,6 +351,38 @@ def _input_dependence(closed: Any, labels: Sequence[str]) -> list[frozenset[str]
     return [read(v) for v in jaxpr.outvars]
 
 
+_VALIDATION_LOCK = threading.Lock()
+_VALIDATION_OFF = {"depth": 0, "saved": True}
+
+
+class _UnvalidatedUnderTrace:
+    """Within this block, while any of ``trees``' arrays is a JAX tracer, NumPyro distributions are built
+    without checking their arguments (``Distribution.set_default_validate_args(False)``), as
+    ``numpyro.enable_validation`` says they are under ``jit`` anyway: a check of a tracer cannot fail, yet it
+    is traced, and a MultivariateNormal's is a Cholesky factorisation per distribution (a mixture's E-step
+    builds one per component and round: a quarter of tracing FedMM's round). With concrete arrays (a model
+    evaluated eagerly) the checks run as NumPyro's settings say. Nested and threaded uses keep one count, and
+    the setting in force before the first is restored after the last."""
+
+    def __init__(self, *trees: Any):
+        self.active = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(trees))
+
+    def __enter__(self) -> None:
+        if self.active:
+            with _VALIDATION_LOCK:
+                if _VALIDATION_OFF["depth"] == 0:
+                    _VALIDATION_OFF["saved"] = bool(dist.Distribution._validate_args)
+                    dist.Distribution.set_default_validate_args(False)
+                _VALIDATION_OFF["depth"] += 1
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.active:
+            with _VALIDATION_LOCK:
+                _VALIDATION_OFF["depth"] -= 1
+                if _VALIDATION_OFF["depth"] == 0:
+                    dist.Distribution.set_default_validate_args(_VALIDATION_OFF["saved"])
+
+
 def _trace(model: Callable, kwargs: Mapping[str, Any], substitutions=None, substitute_fn=None, seed=0):
     fn = handlers.seed(model, seed)
     if substitutions is not None or substitute_fn is not None:
@@ -939,7 +971,8 @@ class FedModel:
     # ----------------------------------------------------------------------------- densities
     def _client_trace(self, values_c: Params, data: Mapping[str, jax.Array], mask: jax.Array):
         fn = DataMask(handlers.substitute(handlers.seed(self.model, 0), data=values_c), mask, self.data_plates)
-        return handlers.trace(fn).get_trace(**data, **self.model_kwargs)
+        with _UnvalidatedUnderTrace(values_c, data, mask):
+            return handlers.trace(fn).get_trace(**data, **self.model_kwargs)
 
     def log_prior(self, theta_u: Params, jacobian: bool = False) -> jax.Array:
         """log p(theta) of the global ``sample`` sites, counted once for the whole federation.
