@@ -28,6 +28,8 @@ from .engine import (
     fault_events,
     resolve_cohort_size,
     resolve_devices,
+    bucketed_clients,
+    check_size_buckets,
     run_rounds,
     sharded_clients,
     matmul_precision,
@@ -222,6 +224,7 @@ def fed_fit(
     stall_timeout: float | None = STALL_TIMEOUT,
     devices: int | Sequence[jax.Device] | None = None,
     matmul_precision: str | None = "highest",
+    size_buckets: str | int = "auto",
 ) -> Result:
     """Fit ``model`` (a NumPyro model of one client's data) across the clients of ``data``.
 
@@ -293,6 +296,13 @@ def fed_fit(
         sufficient statistics then lose positive-definiteness), and ``"default"`` asks for it explicitly,
         for the speed of a large network's products on a GPU. A CPU always computes in full precision
         (see :func:`fedbayes.engine.matmul_precision`).
+    size_buckets:
+        Clients of unequal sizes are padded to the largest; an algorithm whose client step ignores its padding
+        (FedMM and FedEM with an exact E-step and no minibatch), with every client in every round, can instead
+        run its clients in groups of similar size, each padded to its own largest
+        (:func:`fedbayes.engine.size_buckets`): fewer rows a round, one more compilation a group.
+        ``"auto"`` (default): as many groups (at most 4) as the fit's rounds repay; an int k: at most k
+        (1: none). The result is the same up to the order of float sums.
 
     Notes
     -----
@@ -307,6 +317,7 @@ def fed_fit(
     _check_run_options(checkpoint, checkpoint_every, callback)
     _check_stall_timeout(stall_timeout)
     check_matmul_precision(matmul_precision)
+    check_size_buckets(size_buckets)
     chosen = resolve_devices(devices, fit.data.num_clients)
     return _execute(
         fit,
@@ -317,6 +328,7 @@ def fed_fit(
         stall_timeout=stall_timeout,
         devices=chosen,
         precision=matmul_precision,
+        buckets=size_buckets,
     )
 
 
@@ -431,11 +443,17 @@ def _spec_bytes(fit: _Fit) -> bytes:
 
 
 def _execute(
-    fit: _Fit, *, devices: Sequence[Any] | None = None, precision: str | None = "highest", **options: Any
+    fit: _Fit,
+    *,
+    devices: Sequence[Any] | None = None,
+    precision: str | None = "highest",
+    buckets: str | int = "auto",
+    **options: Any,
 ) -> Result:
     """A validated fit, its clients laid over ``devices`` (:func:`fedbayes.engine.sharded_clients`), its
-    matrix products traced at ``precision`` (:func:`fedbayes.engine.matmul_precision`)."""
-    with sharded_clients(devices), matmul_precision(precision):
+    matrix products traced at ``precision`` (:func:`fedbayes.engine.matmul_precision`), its rounds' clients in
+    size ``buckets`` (:func:`fedbayes.engine.bucketed_clients`)."""
+    with sharded_clients(devices), matmul_precision(precision), bucketed_clients(buckets):
         return _execute_here(fit, **options)
 
 
@@ -583,6 +601,7 @@ def resume(
     stall_timeout: float | None = STALL_TIMEOUT,
     devices: int | Sequence[jax.Device] | None = None,
     matmul_precision: str | None = "highest",
+    size_buckets: str | int = "auto",
 ) -> Result:
     """Continue the fit saved in the checkpoint ``path``; the result equals the uninterrupted fit's, bit
     for bit (same machine, same library versions).
@@ -592,9 +611,9 @@ def resume(
     ``model_kwargs=``) again. Whatever is passed is checked against the checkpoint's fingerprints, and
     the re-initialised state against the saved digest: a checkpoint of a different fit, or a corrupted
     one, raises :class:`fb.CheckpointError` and is never used. ``checkpoint=True`` keeps writing to
-    ``path`` (``False``/None: no more checkpoints, or another path). ``stall_timeout``, ``devices`` and
-    ``matmul_precision`` as in ``fed_fit`` (the continuation is exact with the devices and precision of the
-    interrupted fit).
+    ``path`` (``False``/None: no more checkpoints, or another path). ``stall_timeout``, ``devices``,
+    ``matmul_precision`` and ``size_buckets`` as in ``fed_fit`` (the continuation is exact with the devices,
+    precision and size buckets of the interrupted fit).
     """
     ck = checkpoint_io.load(path)
     try:
@@ -630,10 +649,12 @@ def resume(
     _check_run_options(target, checkpoint_every, callback)
     _check_stall_timeout(stall_timeout)
     check_matmul_precision(matmul_precision)
+    check_size_buckets(size_buckets)
     chosen = resolve_devices(devices, fit.data.num_clients)
     return _execute(
         fit,
         precision=matmul_precision,
+        buckets=size_buckets,
         progress=progress,
         checkpoint=target,
         checkpoint_every=checkpoint_every,

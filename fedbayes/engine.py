@@ -49,7 +49,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 from collections.abc import Callable, Sequence
 
 import jax
@@ -226,6 +226,130 @@ def stack_clients(data: FederatedData) -> ClientData:
     return shard_clients(
         ClientData(dict(data.padded), data.mask, jnp.asarray(data.sizes), jnp.arange(data.num_clients))
     )
+
+
+# ------------------------------------------------------------------------------ clients in buckets of size
+
+MAX_BUCKETS = 4
+"""At most this many size buckets by default (:func:`size_buckets`): each is a vmap of its own in the round."""
+
+BUCKET_ROW_ROUNDS = 5_000_000
+"""What one more size bucket costs, in padded rows times rounds (:func:`size_buckets`): each bucket is a trace and
+a compilation of the client step of its own, about 1 s on a 2-core CPU for FedMM's round on a 5-component,
+10-dimensional Gaussian mixture, where a padded row costs 0.13-0.27 microseconds a round (benchmarks/README.md,
+FedMM)."""
+
+_BUCKETS: contextvars.ContextVar[str | int] = contextvars.ContextVar("fedbayes_size_buckets", default="auto")
+
+
+def check_size_buckets(size_buckets: Any) -> None:
+    """A :class:`fedbayes.ConfigError` unless ``size_buckets`` is ``"auto"`` or a count of at least 1."""
+    if size_buckets == "auto" and isinstance(size_buckets, str):
+        return
+    if isinstance(size_buckets, numbers.Integral) and not isinstance(size_buckets, bool) and int(size_buckets) >= 1:
+        return
+    raise ConfigError(f"size_buckets must be 'auto' or a number of buckets >= 1 (1: none), got {size_buckets!r}")
+
+
+@contextlib.contextmanager
+def bucketed_clients(size_buckets: str | int = "auto"):
+    """Within this block a fit's rounds group their clients in size buckets as ``size_buckets`` says
+    (:func:`round_buckets`): ``"auto"`` or at most that many (1: none)."""
+    check_size_buckets(size_buckets)
+    token = _BUCKETS.set(size_buckets if isinstance(size_buckets, str) else int(size_buckets))
+    try:
+        yield
+    finally:
+        _BUCKETS.reset(token)
+
+
+def size_buckets(sizes: Any, limit: int = MAX_BUCKETS, rounds: int | None = None) -> list[np.ndarray] | None:
+    """The clients grouped by size, each group to be padded to its own largest client only; None where one
+    group (every client padded to the largest) is chosen.
+
+    A round's client work is about proportional to its padded rows, ``rows_k = sum_b |b| max_{i in b} N_i``
+    (one group: C max_i N_i). Clients of 50 to 150 rows padded to 150 compute on 1.5 times their rows; in
+    four groups of similar size, on about 1.12 times. For each count k <= ``limit`` the groups are the
+    contiguous runs of the clients sorted by size that minimise rows_k (dynamic programming over the distinct
+    sizes, at most 256 candidate boundaries). Without ``rounds`` the best k = ``limit`` groups are taken; with
+    it, the k that minimises ``rows_k * rounds + (k - 1) * BUCKET_ROW_ROUNDS``: a group saves its rows in
+    every round but costs a compilation once. Each group lists its clients' indices in increasing order."""
+    sizes = np.asarray(sizes, np.int64)
+    if sizes.size < 2 or limit < 2:
+        return None
+    values, counts = np.unique(sizes, return_counts=True)
+    cum = np.concatenate([[0], np.cumsum(counts)])
+    if len(values) > 256:  # candidate boundaries: the sizes at 256 quantiles (the largest always one)
+        ends = np.searchsorted(cum[1:], np.linspace(0, cum[-1], 257)[1:])
+        picks = np.unique(np.concatenate([ends, [len(values) - 1]]))
+        values, cum = values[picks], np.concatenate([[0], cum[1:][picks]])
+    u = len(values)
+    # best[k, j]: the least padded rows of the clients of the j smallest candidate sizes in k groups
+    inf = np.iinfo(np.int64).max // 4
+    best = np.full((limit + 1, u + 1), inf, np.int64)
+    back = np.zeros((limit + 1, u + 1), np.int64)
+    best[0, 0] = 0
+    for k in range(1, limit + 1):
+        for j in range(1, u + 1):
+            cost = best[k - 1, :j] + (cum[j] - cum[:j]) * values[j - 1]
+            at = int(np.argmin(cost))
+            best[k, j], back[k, j] = cost[at], at
+    rows = best[1:, u].astype(float)  # rows_k for k = 1 .. limit (inf where fewer distinct sizes than k)
+    score = rows if rounds is None else rows * rounds + np.arange(limit) * BUCKET_ROW_ROUNDS
+    k = 1 + int(np.argmin(score))
+    if k == 1:
+        return None
+    bounds, j = [], u
+    for kk in range(k, 0, -1):
+        bounds.append(values[j - 1])
+        j = int(back[kk, j])
+    group = np.searchsorted(np.asarray(sorted(bounds)), sizes)  # the first group whose bound holds the client
+    return [np.flatnonzero(group == g) for g in range(k) if np.any(group == g)]
+
+
+class ClientBuckets(NamedTuple):
+    """The clients in size buckets (:func:`bucket_clients`): ``parts``, each bucket's clients stacked as
+    :func:`stack_clients` stacks all, and ``order``, the position of each client in the buckets' clients
+    one after the other (what puts their results back in client order)."""
+
+    parts: tuple[ClientData, ...]
+    order: jax.Array
+
+
+def bucket_clients(data: FederatedData, groups: list[np.ndarray]) -> ClientBuckets:
+    """The clients of each group (:func:`size_buckets`) stacked as :func:`stack_clients` does, with rows
+    padded to the group's largest client only (its first rows of the padded data: rows past a client's size
+    repeat its last row, here as there)."""
+    sizes = np.asarray(data.sizes)
+    parts = []
+    for idx in groups:
+        rows = int(sizes[idx].max())
+        take = jnp.asarray(idx)
+        parts.append(
+            ClientData(
+                {k: v[take, :rows] for k, v in data.padded.items()},
+                data.mask[take, :rows],
+                jnp.asarray(sizes[idx]),
+                take,
+            )
+        )
+    return ClientBuckets(tuple(parts), jnp.asarray(np.argsort(np.concatenate(groups))))
+
+
+def round_buckets(algorithm: FederatedRun, problem: Problem, cohort_size: int) -> ClientBuckets | None:
+    """The size buckets a fit's rounds run their client steps in (:func:`bucket_clients`), as
+    :func:`bucketed_clients` asks (by default ``"auto"``: :func:`size_buckets` weighing the rows saved over the
+    fit's rounds against the compilations), or None. Only for an algorithm whose client step does not depend on
+    its padding (``FederatedRun.pads_freely``), with every client in every round's cohort (a drawn cohort's
+    sizes change each round) and the clients on one device."""
+    data, setting = problem.data, _BUCKETS.get()
+    if not algorithm.pads_freely or cohort_size != data.num_clients or _MESH.get() is not None:
+        return None
+    if setting == "auto":
+        groups = size_buckets(data.sizes, MAX_BUCKETS, problem.num_rounds)
+    else:
+        groups = size_buckets(data.sizes, int(setting))
+    return None if groups is None else bucket_clients(data, groups)
 
 
 # ------------------------------------------------------------------------------ clients over devices
@@ -571,10 +695,15 @@ def make_round(
     base_key: jax.Array,
     faults: Faults | None = None,
     policy: FaultPolicy | None = None,
+    buckets: ClientBuckets | None = None,
 ):
     """The pure function of one round: ``(carry, k) -> (carry, record)``, where ``k`` is the round's number
     or ``(number, keys)`` with the round's keys from :func:`chunk_plans` (the same round, its keys hashed
     ahead).
+
+    ``buckets`` (:func:`round_buckets`; every client in the cohort): the client steps run one vmap per
+    bucket of clients of similar size, on rows padded to the bucket's largest client, and their states
+    and uploads are put back in client order; the same round up to the order of the padded rows' sums.
 
     Every upload is screened (:func:`fedbayes.faults.screen`); ``faults`` injects simulated ones
     first. A faulty member's upload is zeroed before the server step, its client state is rolled back
@@ -598,7 +727,12 @@ def make_round(
         step = jax.vmap(algorithm.client_step, in_axes=(0, None, 0, _CLIENT_AXES))
         full = cohort_size == num_clients  # every client, in order: no gather or scatter of the client states
         old_states = client_states if full else _take(client_states, cohort)
-        new_states, uploads = step(keys, decode_tree(broadcast.payload), old_states, members)
+        if buckets is None:
+            new_states, uploads = step(keys, decode_tree(broadcast.payload), old_states, members)
+        else:
+            new_states, uploads = _bucketed_step(
+                step, buckets, keys, decode_tree(broadcast.payload), old_states, members
+            )
         payload = decode_tree(uploads.payload)  # what the server reconstructs from the messages
         injected = jnp.zeros((cohort_size,), jnp.int32)
         if faults is not None:
@@ -643,6 +777,17 @@ def make_round(
         return (server_state, client_states, new_broadcast), record
 
     return round_fn
+
+
+def _bucketed_step(step: Callable, buckets: ClientBuckets, keys, payload, states, members: ClientData):
+    """``step`` (the vmapped client step) on every client, one bucket at a time (:func:`round_buckets`): each
+    bucket's clients with their own keys, states and rows, then the results in client order."""
+    outs = []
+    for part in buckets.parts:
+        idx = part.index
+        own = part._replace(slot=idx, shared_key=members.shared_key, settings=members.settings)
+        outs.append(step(keys[idx], payload, _take(states, idx), own))
+    return jax.tree_util.tree_map(lambda *parts: jnp.concatenate(parts)[buckets.order], *outs)
 
 
 def downlink_bits(
@@ -788,15 +933,20 @@ def _compiled_chunk(
     run) reuse its compilation. A run is immutable after ``build`` and its settings travel in the carry, so
     when the chunk is traced does not matter.
 
-    Called as ``chunk(carry, ks, count, clients, base_key)``: it runs rounds ``ks[0] .. ks[count - 1]``
+    Called as ``chunk(carry, ks, count, clients, base_key, buckets)`` (``buckets``: :func:`round_buckets`): it
+    runs rounds ``ks[0] .. ks[count - 1]``
     (``count`` at most ``len(ks)``, a traced number) and returns the carry and the rounds' records, stacked
     in rows of ``len(ks)`` of which the first ``count`` are written (the rest are zeros). One compilation per
     capacity ``len(ks)`` serves chunks of every length up to it."""
 
     def make():
-        def chunk(carry, ks, count, clients, base_key):
+        def chunk(carry, ks, count, clients, base_key, buckets=None):
             # The client data enter as arguments, not closure constants, so XLA does not constant-fold them.
-            round_fn = make_round(algorithm, clients, num_clients, cohort_size, base_key, faults, policy)
+            # jitted so that the shape query and the loop's body share one trace of the round (a nested jit is
+            # traced once per argument shapes, and XLA inlines it: the compiled loop is the same)
+            round_fn = jax.jit(
+                make_round(algorithm, clients, num_clients, cohort_size, base_key, faults, policy, buckets)
+            )
             steps = (ks, chunk_plans(base_key, ks))
             row = lambda i: jax.tree_util.tree_map(lambda a: a[i], steps)  # noqa: E731
             shapes = jax.eval_shape(lambda c: round_fn(c, row(0))[1], carry)
@@ -1004,6 +1154,7 @@ def run_rounds(
     """
     num_rounds = problem.num_rounds
     clients = stack_clients(problem.data)
+    buckets = round_buckets(algorithm, problem, cohort_size)
     carry, base_key = placed(carry, base_key)
     min_clients = (FaultPolicy() if policy is None else policy).min_clients
     run_chunk = _compiled_chunk(algorithm, problem.data.num_clients, cohort_size, faults, policy)
@@ -1013,7 +1164,7 @@ def run_rounds(
 
     def dispatch(state: Any, first: int, length: int) -> Any:
         ks = np.arange(first, first + schedule.capacity, dtype=np.int32)
-        return run_chunk(state, ks, np.int32(length), clients, base_key)
+        return run_chunk(state, ks, np.int32(length), clients, base_key, buckets)
 
     # Chunk i + 1 is dispatched (on chunk i's carry, still being computed) before the host reads chunk i's
     # records, so the device never waits for the host's work between chunks (copying the records, the stop

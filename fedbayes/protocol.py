@@ -256,6 +256,10 @@ class FederatedRun(abc.ABC):
     * ``sums_uploads`` (False): True when the server uses the uploads of every exchange only through their
       sum over the clients, so that secure aggregation can hide them (Flower's SecAgg+,
       :class:`fedbayes.flower.SecAggPlus`); otherwise False or a string saying why not.
+    * ``pads_freely`` (False): True when a client step's new state and upload do not depend on how far the
+      client's rows are padded, beyond the order of sums (no per-row axis in them, no random draw over its
+      rows, padded rows masked out): in a round of every client the engine may then run the clients in
+      buckets of similar size, each padded to its own largest (:func:`fedbayes.engine.round_buckets`).
     * ``kept_on_fault`` (()): fields of a client's state (a NamedTuple) that a faulty member keeps from its
       round instead of rolling them back: records the round made that its catch-up would make again, identical
       (the joint exact samplers' buffers of kept draws, which a select with the old state would copy whole every
@@ -274,6 +278,7 @@ class FederatedRun(abc.ABC):
     replies: bool = False
     resyncs: bool = False
     kept_on_fault: tuple[str, ...] = ()
+    pads_freely: bool = False
     sums_uploads: bool | str = False
     divergence_hint: str = ""
     """Likely fixes named in the error when the fit diverges (empty: a generic hint)."""

@@ -356,6 +356,10 @@ class FedMMRun(FederatedRun):
         self._structure(problem)
         self._m_step_jit = jax.jit(self.m_step)
         self._batches = minibatch.resolve(cfg.batch_size, fm, problem.data.mask.shape[1], cfg.name)
+        # a derived exact E-step reads only the client's masked rows: its statistic and state are the same
+        # whatever the padding (the engine then runs a round's clients in size buckets); a chain's state and a
+        # minibatch draw span the padded rows, and a user's statistics are the user's own
+        self.pads_freely = not self._batches.active and not self.source.chain and self.source.traceable
 
     def _structure(self, problem: Problem) -> None:
         """The statistic's layout (q numbers), theta's size and the resulting alpha, from shapes alone
