@@ -6,7 +6,10 @@ mixing weights), 100 and 1 000 clients. FedMM with step_size = 1, every client i
 compression (exact federated EM), ``uncertainty=False``, JAX's default float32.
 
 * FedMM: seconds per round of the compiled round loop, compilation excluded: the chunks after the
-  first two (compilation and first execution) from ``res.history["seconds"]``.
+  first two (compilation and first execution) from ``res.history["seconds"]``, in a fit of 500 rounds
+  (``fed_fit``'s default), twice: with the default ``size_buckets="auto"`` (the clients in as many size
+  buckets as 500 rounds repay, ``fedbayes.engine.size_buckets``) and with ``size_buckets=4``. Each fit's
+  whole wall time (compilation included) is printed too: a bucket costs a compilation.
 * Centralised EM: one EM iteration on the pooled data written directly in JAX (E-step
   responsibilities by log-sum-exp, the Mahalanobis terms through the inverse Cholesky factor of
   each component's covariance as one matrix product; closed-form M-step for the weights, means and
@@ -51,8 +54,10 @@ import numpy as np
 import fedbayes as fb
 
 K, D, SIZES = 5, 10, (50, 150)
-CHUNKS = {100: 25, 1000: 10}  # rounds per scan chunk (fewer rounds at 1 000 clients: fewer chances to hang)
-WARM, TIMED = 2, 8  # chunks left out (compilation, first execution) and timed
+CHUNKS = {100: 25, 1000: 10}  # rounds per scan chunk
+ROUNDS = 500  # fed_fit's default number of rounds (what the default size buckets weigh their compilation against)
+WARM = 2  # chunks left out (compilation, first execution); the others are timed
+BUCKETS = 4  # the forced size buckets of the second FedMM column (fedbayes.engine.MAX_BUCKETS)
 EM_ITERS = 200  # timed hand-written iterations
 STALL, TIME_LIMIT, ATTEMPTS = 45, 900, 5  # s without CPU progress = hung; s per attempt; tries
 
@@ -126,13 +131,25 @@ def bench(clients: int, chunk: int) -> dict:
     rng = np.random.default_rng(0)
     init_means = np.asarray(y)[rng.choice(len(y), K, replace=False)]
 
-    rounds = chunk * (WARM + TIMED)
+    rounds = ROUNDS
     algo = fb.FedMM(step_size=1.0, participation=1.0, uncertainty=False, init={"means": init_means})
-    t0 = time.perf_counter()
-    res = fb.fed_fit(model, data, algo, num_rounds=rounds, chunk_size=chunk, seed=0, progress=False)
-    total = time.perf_counter() - t0
-    timed = res.history["seconds"][WARM * chunk:]
-    fedmm_s = float(timed.sum() / len(timed))
+    fits = {}
+    for buckets in ("auto", BUCKETS):
+        t0 = time.perf_counter()
+        res = fb.fed_fit(model, data, algo, num_rounds=rounds, chunk_size=chunk, seed=0, progress=False,
+                         size_buckets=buckets)
+        total = time.perf_counter() - t0
+        timed = res.history["seconds"][WARM * chunk:]
+        with fb.engine.bucketed_clients(buckets):  # the layout the fit's rounds used
+            run = algo.build(fb.engine.Problem(fb.introspect.FedModel(model, data), data, rounds))
+            layout = fb.engine.round_buckets(run, fb.engine.Problem(None, data, rounds), data.num_clients)
+        fits[buckets] = dict(s=float(timed.sum() / len(timed)), fit_s=total,
+                             first_chunk_s=float(res.history["seconds"][0] * chunk),
+                             buckets=1 if layout is None else len(layout.parts),
+                             padded=int(data.mask.size if layout is None else sum(p.mask.size for p in layout.parts)),
+                             means=np.asarray(res.history["theta/means"][-1]))
+    differ = float(np.max(np.abs(fits["auto"]["means"] - fits[BUCKETS]["means"])))
+    fedmm_s = fits["auto"]["s"]
 
     step = make_em_step(y)
     start = (jnp.full(K, 1.0 / K, jnp.float32), jnp.asarray(init_means, jnp.float32),
@@ -145,11 +162,12 @@ def bench(clients: int, chunk: int) -> dict:
     fed_two = fed_step(fed_step(start))
     agree["federated means"] = float(jnp.max(jnp.abs(fed_two[1] - two[1])))
     fed_em_s = time_em(fed_step, start, EM_ITERS)
+    for f in fits.values():
+        f.pop("means")
     return dict(clients=clients, n=int(data.total_size), fedmm_s=fedmm_s, em_s=em_s, fed_em_s=fed_em_s,
-                padded=int(data.mask.size),
+                padded=int(data.mask.size), fits={str(k): v for k, v in fits.items()}, differ=differ,
                 up=int(res.history["bits_up"][-1]), down=int(res.history["bits_down"][-1]),
-                first_chunk_s=float(res.history["seconds"][0] * chunk), fit_s=total, agree=agree,
-                rounds=rounds, chunk=chunk)
+                agree=agree, rounds=rounds, chunk=chunk)
 
 
 def _cpu_ticks(pid: int) -> int | None:
@@ -208,9 +226,8 @@ def main(nproc: int | None) -> None:
           f"{os.cpu_count()} CPU cores, {dev.platform} ({dev.device_kind}), jax {jax.__version__}, "
           f"Python {platform.python_version()}")
     print(f"# Gaussian mixture K = {K}, D = {D}, full covariances, {SIZES[0]}-{SIZES[1]} points per client; "
-          f"FedMM step 1, full participation, no compression, float32; timed: the last {TIMED} of "
-          f"{WARM + TIMED} scan chunks ({CHUNKS} rounds per chunk by clients), {EM_ITERS} centralised "
-          "iterations\n", flush=True)
+          f"FedMM step 1, full participation, no compression, float32, {ROUNDS} rounds; timed: the scan chunks after "
+          f"the first {WARM} ({CHUNKS} rounds per chunk by clients), {EM_ITERS} centralised iterations\n", flush=True)
     rows = []
     for clients in (100, 1000):
         r = run_child(clients, nproc)
@@ -218,19 +235,25 @@ def main(nproc: int | None) -> None:
             rows.append(dict(clients=clients))
             continue
         rows.append(r)
-        print(f"{clients} clients: fed_fit {r['rounds']} rounds in {r['fit_s']:.1f} s (first chunk of {r['chunk']} "
-              f"rounds, compilation included: {r['first_chunk_s']:.1f} s); FedMM vs hand-written EM iterate 2: "
-              f"max |diff| means {r['agree']['means']:.1e}, covs {r['agree']['covs']:.1e}", flush=True)
-    print("\n| clients | N total (padded) | FedMM s/round | centralised EM s/iteration | ratio | hand-written federated "
-          "EM s/round | ratio | bits up/round | bits down/round | XLA pool |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+        for name, f in r["fits"].items():
+            print(f"{clients} clients, size_buckets={name!r}: {f['buckets']} bucket(s), fed_fit {r['rounds']} rounds in "
+                  f"{f['fit_s']:.1f} s (first chunk of {r['chunk']} rounds, compilation included: "
+                  f"{f['first_chunk_s']:.1f} s)", flush=True)
+        print(f"{clients} clients: FedMM vs hand-written EM iterate 2: max |diff| means {r['agree']['means']:.1e}, "
+              f"covs {r['agree']['covs']:.1e}; final means, default vs {BUCKETS} buckets: {r['differ']:.1e}", flush=True)
+    print(f"\n| clients | N total | FedMM default: buckets (padded rows) | s/round | ratio | FedMM {BUCKETS} buckets: "
+          "padded rows | s/round | ratio | centralised EM s/iteration | hand-written federated EM (padded) s/round | "
+          "ratio | fit of 500 rounds, default / 4 buckets (s) | bits up/round | bits down/round | XLA pool |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "n" not in r:
-            print(f"| {r['clients']} | - | no result in {ATTEMPTS} attempts (hung) | - | - | - | - | - | - | - |")
+            print(f"| {r['clients']} | - | no result in {ATTEMPTS} attempts (hung) |" + " - |" * 12)
             continue
-        print(f"| {r['clients']} | {r['n']:,} ({r['padded']:,}) | {r['fedmm_s']:.2e} | {r['em_s']:.2e} | "
-              f"{r['fedmm_s'] / r['em_s']:.2f} | {r['fed_em_s']:.2e} | {r['fedmm_s'] / r['fed_em_s']:.2f} | "
-              f"{r['up']:,} | {r['down']:,} | {r['pool']} |")
+        a, b = r["fits"]["auto"], r["fits"][str(BUCKETS)]
+        print(f"| {r['clients']} | {r['n']:,} | {a['buckets']} ({a['padded']:,}) | {a['s']:.2e} | "
+              f"{a['s'] / r['em_s']:.2f} | {b['padded']:,} | {b['s']:.2e} | {b['s'] / r['em_s']:.2f} | "
+              f"{r['em_s']:.2e} | {r['fed_em_s']:.2e} | {r['fed_em_s'] / r['em_s']:.2f} | "
+              f"{a['fit_s']:.1f} / {b['fit_s']:.1f} | {r['up']:,} | {r['down']:,} | {r['pool']} |")
 
 
 if __name__ == "__main__":
