@@ -298,7 +298,8 @@ def fed_fit(
         (see :func:`fedbayes.engine.matmul_precision`).
     size_buckets:
         Clients of unequal sizes are padded to the largest; an algorithm whose client step ignores its padding
-        (FedMM and FedEM with an exact E-step and no minibatch), with every client in every round, can instead
+        (FedMM and FedEM with an exact E-step, the samplers LMC, D-, P- and B-ELF and QLSD, each without
+        minibatches), with every client in every round, can instead
         run its clients in groups of similar size, each padded to its own largest
         (:func:`fedbayes.engine.size_buckets`): fewer rows a round, one more compilation a group.
         ``"auto"`` (default): as many groups (at most 4) as the fit's rounds repay; an int k: at most k

@@ -109,6 +109,20 @@ def test_bucketed_gaussian_latent_e_step_is_the_padded_one():
         np.testing.assert_allclose(fits[1].params[key], fits[0].params[key], rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "algo", [fb.LMC(step_size=1e-3, warmup=0), fb.PELF(downlink=fb.compress.top_k(2), step_size=1e-3, warmup=0)]
+)
+def test_bucketed_samplers_are_the_padded_ones(algo):
+    """A sampler's client gradient is a sum over its masked rows: in buckets the chain is the padded fit's up
+    to the order of float sums (the same noise, keys and compression draws per client)."""
+    data, _ = fb.models.make_glm_clients(10, 3, (5, 60), seed=2)
+    model = fb.models.logistic_regression()
+    fits = [fb.fed_fit(model, data, algo, num_rounds=30, seed=3, size_buckets=k) for k in (1, 4)]
+    for site, draws in fits[0].global_samples.items():
+        np.testing.assert_allclose(fits[1].global_samples[site], draws, rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(fits[1].history["bits_up"], fits[0].history["bits_up"])
+
+
 def test_no_buckets_where_the_client_step_depends_on_its_padding():
     import em_reference as R
 
@@ -127,7 +141,12 @@ def test_no_buckets_where_the_client_step_depends_on_its_padding():
         assert round_buckets(full, problem, data.num_clients) is not None
         assert round_buckets(full, problem, data.num_clients - 1) is None  # a drawn cohort
         lmc_problem = Problem(FedModel(fb.models.logistic_regression(), glm), glm, 40)
-        assert round_buckets(fb.LMC().build(lmc_problem), lmc_problem, glm.num_clients) is None
+        assert round_buckets(fb.LMC(batch_size=3).build(lmc_problem), lmc_problem, glm.num_clients) is None
+        assert round_buckets(fb.LMC().build(lmc_problem), lmc_problem, glm.num_clients) is not None
+        schools = fb.models.eight_schools_data()
+        joint_problem = Problem(FedModel(fb.models.eight_schools, schools), schools, 40)
+        joint = fb.JointLMC().build(joint_problem)  # the clients' own latents move with them
+        assert not joint.pads_freely and round_buckets(joint, joint_problem, schools.num_clients) is None
 
 
 def _sites(x, locs, covs, mask):

@@ -388,6 +388,9 @@ class LangevinRun(FederatedRun):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
         self._b = problem.data.num_clients
         self._batches = minibatch.resolve(cfg.batch_size, fm, problem.data.mask.shape[1], cfg.name)
+        # a client's gradient is a sum over its masked rows and its state has the parameter's shape: the engine may
+        # run a round's clients in size buckets (a minibatch draw spans the padded rows)
+        self.pads_freely = not self._batches.active
         self.warmup = cfg.warmup if cfg.warmup is not None else problem.num_rounds // 2
         self._spread: jax.Array | None = None  # Cholesky factor of H^-1 at the mode: the chains' dispersed starts
         self._precond: jax.Array | None = None  # the same factor S as the Langevin preconditioner (automatic step)
