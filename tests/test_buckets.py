@@ -102,7 +102,9 @@ def test_bucketed_gaussian_latent_e_step_is_the_padded_one():
     """A per-client Gaussian latent (linear mixed effects): the exact E-step reads only the masked rows too."""
     data, _ = fb.models.make_linear_mixed_effects(12, sizes=(3, 40), seed=5)
     fits = [
-        fb.fed_fit(fb.models.linear_mixed_effects, data, fb.FedMM(uncertainty=False), num_rounds=30, seed=0, size_buckets=k)
+        fb.fed_fit(
+            fb.models.linear_mixed_effects, data, fb.FedMM(uncertainty=False), num_rounds=30, seed=0, size_buckets=k
+        )
         for k in (1, 4)
     ]
     for key in fits[0].params:
@@ -180,14 +182,14 @@ def test_components_log_probs_are_numpyros_on_raw_scale_data():
         return np.where(np.asarray(mask)[:, None], lp, 0.0)
 
     got = _components_mvn_log_probs(_sites(jnp.asarray(x), jnp.asarray(locs), jnp.asarray(covs), mask), 0)
-    np.testing.assert_allclose(got, exact(x, locs, covs), rtol=1e-11, atol=1e-11)
+    np.testing.assert_allclose(got.T, exact(x, locs, covs), rtol=1e-11, atol=1e-11)  # laid out (K, N)
 
     x32, locs32, covs32 = (np.asarray(a, np.float32) for a in (x, locs, covs))
     truth = exact(*(a.astype(np.float64) for a in (x32, locs32, covs32)))
     got32 = _components_mvn_log_probs(_sites(jnp.asarray(x32), jnp.asarray(locs32), jnp.asarray(covs32), mask), 0)
     own = np.stack([np.asarray(dist.MultivariateNormal(locs32[k], covs32[k]).log_prob(x32)) for k in range(K)], -1)
     own_err = np.max(np.abs(np.where(np.asarray(mask)[:, None], own, 0.0) - truth))
-    assert np.max(np.abs(np.asarray(got32, np.float64) - truth)) <= 2 * own_err
+    assert np.max(np.abs(np.asarray(got32, np.float64).T - truth)) <= 2 * own_err
     # not of that form (a different value per component): evaluated component by component instead
     sites = _sites(jnp.asarray(x), jnp.asarray(locs), jnp.asarray(covs), mask)
     sites[1] = dict(sites[1], value=sites[1]["value"] + 0.0)

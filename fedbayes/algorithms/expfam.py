@@ -143,7 +143,7 @@ class _WhitenedMVN(dist.MultivariateNormal):
 
 
 def _components_mvn_log_probs(sites: list[dict], axis: int) -> jax.Array | None:
-    """(N, K) log N(x_j | m_k, Sigma_k) of every row j and component k at once, for a MultivariateNormal table
+    """(K, N) log N(x_j | m_k, Sigma_k) of every component k and row j at once, for a MultivariateNormal table
     term whose component traces ``sites`` (one per k, rows on ``axis``) observe the same rows x; None where the
     term is not of that form (then each component is evaluated on its own).
 
@@ -177,13 +177,15 @@ def _components_mvn_log_probs(sites: list[dict], axis: int) -> jax.Array | None:
     whiten = lapack_free_tril_inverse(factors)  # (K, D, D)
     x = jnp.moveaxis(values[0], axis, 0)
     shift = jnp.mean(locs, 0)
-    z = jnp.einsum("nj,kij->nki", x - shift, whiten) - jnp.einsum("kj,kij->ki", locs - shift, whiten)
+    # rows first in the product (one matrix product whatever the clients), components first in the result: the
+    # E-step's sums over the K components then run along a leading axis, vectorised over the rows
+    z = jnp.einsum("nj,kij->nki", x - shift, whiten) - jnp.einsum("kij,kj->ki", whiten, locs - shift)
     half_log_det = jnp.sum(jnp.log(jnp.diagonal(factors, axis1=-2, axis2=-1)), -1)
-    lp = -0.5 * (x.shape[-1] * math.log(2 * math.pi) + jnp.sum(z**2, -1)) - half_log_det
+    lp = -0.5 * (x.shape[-1] * math.log(2 * math.pi) + jnp.sum(z**2, -1).T) - half_log_det[:, None]
     if masks[0] is None:
         return lp
     keep = jnp.broadcast_to(jnp.asarray(masks[0]), fns[0].batch_shape)
-    return jnp.where(keep[:, None], lp, 0.0)  # as MaskedDistribution.log_prob: 0 off the mask
+    return jnp.where(keep[None, :], lp, 0.0)  # as MaskedDistribution.log_prob: 0 off the mask
 
 
 def family_of(fn: dist.Distribution) -> str | None:
@@ -536,17 +538,17 @@ class Derived:
             return self.complete_stats(theta_c, {}, data, mask), {}
         if self.latent_mode == "enumerate":
             traces = self._component_traces(theta_c, data, mask)
-            resp = jax.nn.softmax(self.component_log_probs(theta_c, data, mask, traces), -1) * mask[:, None]
+            weights = jax.nn.softmax(self._log_probs_by_component(theta_c, data, mask, traces), 0) * mask  # (K, N)
             name = self.latent_sites[0]
             # an in-plate table observing the same rows in every component: its K statistics at once (one
-            # product of the rows with the K weight columns, :func:`_family_stats` under vmap over them)
+            # product of the rows with the K rows of weights, :func:`_family_stats` under vmap over them)
             joint = frozenset(
                 t.site
                 for t in self.tables
                 if t.in_plate and all(tr[t.site]["value"] is traces[0][t.site]["value"] for tr in traces)
             )
             per_k = [
-                self._component_stats(theta_c, name, k, data, mask, resp[:, k], skip=joint)
+                self._component_stats(theta_c, name, k, data, mask, weights[k], skip=joint)
                 for k in range(self.num_components)
             ]
             stats = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_k)
@@ -554,9 +556,9 @@ class Derived:
                 x, _ = self._site_values(traces[0][site])
                 family = next(t.family for t in self.tables if t.site == site)
                 fn = traces[0][site]["fn"]
-                stats[site] = jax.vmap(lambda w: _family_stats(family, fn, x, w), in_axes=1)(resp * mask[:, None])
-            stats["latent"] = jnp.sum(resp * mask[:, None], 0)
-            return stats, {"responsibilities": resp}
+                stats[site] = jax.vmap(lambda w: _family_stats(family, fn, x, w))(weights)
+            stats["latent"] = jnp.sum(weights, 1)
+            return stats, {"responsibilities": weights.T}
         if self.latent_mode == "gaussian":
             m, V = self.gaussian_posterior(theta_c, data, mask)
             return self._gaussian_expectation(lambda h: self.complete_stats(theta_c, h, data, mask), m, V, mask), {
@@ -577,12 +579,16 @@ class Derived:
             for k in range(self.num_components)
         ]
 
-    def component_log_probs(self, theta_c: Params, data, mask, traces: list[dict] | None = None) -> jax.Array:
-        """(N, K): sum over the data-plate sites of log p(x_j, z_j = k | theta) per row and component
-        (``traces``: :meth:`_component_traces`, traced here if not given)."""
+    def component_log_probs(self, theta_c: Params, data, mask) -> jax.Array:
+        """(N, K): sum over the data-plate sites of log p(x_j, z_j = k | theta) per row and component."""
+        return self._log_probs_by_component(theta_c, data, mask).T
+
+    def _log_probs_by_component(self, theta_c: Params, data, mask, traces: list[dict] | None = None) -> jax.Array:
+        """:meth:`component_log_probs` laid out (K, N), components first (``traces``: :meth:`_component_traces`,
+        traced here if not given)."""
         traces = self._component_traces(theta_c, data, mask) if traces is None else traces
         shared = {t.site for t in self.tables if t.family == "mvn" and t.in_plate}  # one covariance for all rows
-        joint = jnp.zeros(mask.shape + (self.num_components,))
+        joint = jnp.zeros((self.num_components,) + mask.shape)
         each = [jnp.zeros(mask.shape) for _ in traces]
         for n, site in traces[0].items():
             axis = self._rows(site)
@@ -596,7 +602,7 @@ class Derived:
                 fn = _shared_factor(tr[n]["fn"], axis) if n in shared else tr[n]["fn"]
                 lp = jnp.moveaxis(fn.log_prob(tr[n]["value"]), axis, 0)
                 each[k] = each[k] + jnp.reshape(lp, (mask.shape[0], -1)).sum(-1)
-        return joint + jnp.stack(each, -1)
+        return joint + jnp.stack(each)
 
     def responsibilities(self, theta_c: Params, data, mask) -> jax.Array:
         """r_jk = p(z_j = k | x_j, theta) by exact enumeration (zero rows for padding)."""
