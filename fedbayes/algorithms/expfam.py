@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from collections.abc import Callable, Mapping
 
 import jax
@@ -117,10 +117,15 @@ def _shared_factor(fn: dist.Distribution, axis: int) -> dist.Distribution:
     rows (see the section comment above). Sigma depends on theta alone in a mixture's E-step, so this
     is one factorisation per component and round. Unchanged when row 0 holds more than one matrix.
     """
+    factor = _row0_factor(fn, axis)
+    return fn if factor is None else _rebase(fn, _WhitenedMVN(_base(fn).loc, scale_tril=factor))
+
+
+def _row0_factor(fn: dist.Distribution, axis: int) -> jax.Array | None:
+    """The Cholesky factor of a MultivariateNormal site's covariance on row 0 (one matrix, so a single LAPACK
+    call); None when row 0 holds more than one matrix."""
     cov = _first(axis, _param(fn, "covariance_matrix", fn.event_shape))
-    if cov.ndim != 2:
-        return fn
-    return _rebase(fn, _WhitenedMVN(_base(fn).loc, scale_tril=jnp.linalg.cholesky(cov)))
+    return jnp.linalg.cholesky(cov) if cov.ndim == 2 else None
 
 
 class _WhitenedMVN(dist.MultivariateNormal):
@@ -170,10 +175,10 @@ def _components_mvn_log_probs(sites: list[dict], axis: int) -> jax.Array | None:
     if not plain or not same or values[0].ndim != 2:
         return None
     locs = jnp.stack([_first(axis, _param(fn, "loc")) for fn in fns])  # (K, D)
-    # one factorisation per component, each a single matrix (see the section comment above)
-    factors = jnp.stack(
-        [jnp.linalg.cholesky(_first(axis, _param(fn, "covariance_matrix", fn.event_shape))) for fn in fns]
-    )
+    each = [_row0_factor(fn, axis) for fn in fns]  # one factorisation per component
+    if any(f is None for f in each):
+        return None
+    factors = jnp.stack(cast(list[jax.Array], each))
     whiten = lapack_free_tril_inverse(factors)  # (K, D, D)
     x = jnp.moveaxis(values[0], axis, 0)
     shift = jnp.mean(locs, 0)
@@ -542,21 +547,21 @@ class Derived:
             name = self.latent_sites[0]
             # an in-plate table observing the same rows in every component: its K statistics at once (one
             # product of the rows with the K rows of weights, :func:`_family_stats` under vmap over them)
-            joint = frozenset(
-                t.site
+            joint = [
+                t
                 for t in self.tables
                 if t.in_plate and all(tr[t.site]["value"] is traces[0][t.site]["value"] for tr in traces)
-            )
+            ]
+            skip = frozenset(t.site for t in joint)
             per_k = [
-                self._component_stats(theta_c, name, k, data, mask, weights[k], skip=joint)
+                self._component_stats(theta_c, name, k, data, mask, weights[k], skip=skip)
                 for k in range(self.num_components)
             ]
             stats = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *per_k)
-            for site in joint:
-                x, _ = self._site_values(traces[0][site])
-                family = next(t.family for t in self.tables if t.site == site)
-                fn = traces[0][site]["fn"]
-                stats[site] = jax.vmap(lambda w: _family_stats(family, fn, x, w))(weights)
+            for t in joint:
+                site = traces[0][t.site]
+                x, _ = self._site_values(site)
+                stats[t.site] = jax.vmap(lambda w: _family_stats(t.family, site["fn"], x, w))(weights)
             stats["latent"] = jnp.sum(weights, 1)
             return stats, {"responsibilities": weights.T}
         if self.latent_mode == "gaussian":
