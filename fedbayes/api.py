@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from . import checkpoint as checkpoint_io
-from . import convergence
+from . import convergence, prng
 from .seeds import require_seed, seed_key
 from .algorithms import ALGORITHMS
 from .data import FederatedData
@@ -453,8 +453,9 @@ def _execute(
 ) -> Result:
     """A validated fit, its clients laid over ``devices`` (:func:`fedbayes.engine.sharded_clients`), its
     matrix products traced at ``precision`` (:func:`fedbayes.engine.matmul_precision`), its rounds' clients in
-    size ``buckets`` (:func:`fedbayes.engine.bucketed_clients`)."""
-    with sharded_clients(devices), matmul_precision(precision), bucketed_clients(buckets):
+    size ``buckets`` (:func:`fedbayes.engine.bucketed_clients`), and every computation it compiles, the eager
+    ones included, lowered with the unrolled hash (:func:`fedbayes.prng.unrolled_hash`)."""
+    with sharded_clients(devices), matmul_precision(precision), bucketed_clients(buckets), prng.unrolled_hash():
         return _execute_here(fit, **options)
 
 

@@ -72,23 +72,62 @@ from .protocol import (
     RoundInfo,
     dense_bits,
 )
+from . import prng
 from .wire import decode_tree
 
 _JITTED: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 
+FAST_COMPILE_CLIENTS = 20_000
+"""A computation a fit runs once (the set-up and final exchanges, the server's last steps) over at most this many
+clients compiles for compilation speed on a CPU (:func:`fit_jit`'s ``once``): XLA's backend optimisation at level 0.
+It compiles in about half the time and runs about twice as long (FedSOUL's final exchange on FedPop's model: 1.8 s
+-> 1.0 s to compile, 0.25 s -> 0.50 s to run at 10 000 clients; ``benchmarks/README.md``, the start-up profile),
+so beyond this many clients the longer run may cost more than the compilation saves, and it compiles as usual."""
 
-def run_jit(run: Any, key: Any, make: Callable[[], Callable]) -> Callable:
-    """``jax.jit(make())``, made once per run and ``key`` and kept with the run (weakly: it goes with it).
+
+class FitJitted:
+    """``jax.jit(fn)`` as every computation of a fit is compiled: traced and lowered within
+    :func:`fedbayes.prng.unrolled_hash` (the same random bits, a cheaper compilation on a CPU), optionally with
+    XLA options (``compiler_options``). Calls and ``lower`` go through the context; anything else is the jitted
+    function's."""
+
+    def __init__(self, fn: Callable, compiler_options: dict[str, Any] | None = None):
+        self._jitted = jax.jit(fn, compiler_options=compiler_options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with prng.unrolled_hash():
+            return self._jitted(*args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        with prng.unrolled_hash():
+            return self._jitted.lower(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._jitted, name)
+
+
+def fit_jit(fn: Callable, once: int | None = None) -> FitJitted:
+    """``fn`` compiled as a fit's computation (:class:`FitJitted`). ``once``: the computation runs once per fit,
+    over this many clients (0: the server's alone); up to :data:`FAST_COMPILE_CLIENTS` on a CPU it then compiles
+    for compilation speed (XLA's backend optimisation level 0), as a program run once spends more time compiling
+    than running. Untested on GPUs, where it compiles as usual."""
+    fast = once is not None and once <= FAST_COMPILE_CLIENTS and jax.default_backend() == "cpu"
+    return FitJitted(fn, {"xla_backend_optimization_level": 0} if fast else None)
+
+
+def run_jit(run: Any, key: Any, make: Callable[[], Callable], once: int | None = None) -> Callable:
+    """``fit_jit(make(), once)``, made once per run and ``key`` and kept with the run (weakly: it goes with it).
 
     ``jax.jit`` caches its traces and executables per function object, so a jitted closure built afresh
     in every call is traced and compiled afresh. Every computation of a fit that closes over the run
     (the set-up exchange, the chunk of rounds, the final exchange) is made here instead: a run is immutable
     after ``build``, so a second fit with the same built run (``fed_fit``'s cache of builds, a resumed
     or continued run) compiles nothing again. ``key`` names the computation and whatever else ``make``
-    closes over (a stage, the cohort size, ...)."""
+    closes over (a stage, the cohort size, ...); ``once``: see :func:`fit_jit` (a run's clients are fixed, so a
+    key's ``once`` is too)."""
     cache = _JITTED.setdefault(run, {})
     if key not in cache:
-        cache[key] = jax.jit(make())
+        cache[key] = fit_jit(make(), once)
     return cache[key]
 
 
@@ -113,7 +152,7 @@ def staged_setup(
     set-up's bits: every client's uploads, and the payloads and client settings sent to every client,
     as a network carries them."""
     k_server, k_clients = setup_keys(key)
-    state, payload = run_jit(run, "setup_server", lambda: run.setup_server)(k_server)
+    state, payload = run_jit(run, "setup_server", lambda: run.setup_server, once=0)(k_server)
     up, down, uploads = 0, 0, None
     for stage in range(run.setup_stages):
         uploads = exchange(stage, k_clients, payload)
@@ -123,7 +162,7 @@ def staged_setup(
         def make_step(s: int = stage) -> Callable:
             return lambda k, st, u: run.setup_server_step(s, k, st, u)
 
-        server_step = run_jit(run, ("setup_server_step", stage), make_step)
+        server_step = run_jit(run, ("setup_server_step", stage), make_step, once=0)
         state, payload = server_step(jax.random.fold_in(k_server, stage + 1), state, uploads)
     state = run.setup_done(state, uploads)
     down += num_clients * setting_bits(run.client_settings(state))
@@ -163,13 +202,15 @@ def final_exchange(
     """The final exchange (:class:`fedbayes.protocol.FederatedRun`) with every client at once (vectorised), local parts
     collected;
     the parts carry ``final_bits``."""
-    payload = run_jit(run, "final_message", lambda: run.final_message)(key, server_state)
+    payload = run_jit(run, "final_message", lambda: run.final_message, once=0)(key, server_state)
     clients = clients._replace(settings=run.client_settings(server_state))
     num_clients = clients.index.shape[0]
     if num_clients <= FINAL_BLOCK or _MESH.get() is not None:  # every client at once (over the devices)
-        step = run_jit(run, "final_clients", lambda: jax.vmap(run.final_client, in_axes=(None, None, 0, _CLIENT_AXES)))
+        step = run_jit(
+            run, "final_clients", lambda: jax.vmap(run.final_client, in_axes=(None, None, 0, _CLIENT_AXES)), num_clients
+        )
     else:
-        step = run_jit(run, "final_client_blocks", lambda: _in_blocks(run.final_client))
+        step = run_jit(run, "final_client_blocks", lambda: _in_blocks(run.final_client), num_clients)
     locals_, uploads = step(key, payload, client_states, clients)
     parts = run.final_server(key, server_state, payload, uploads, locals_)
     parts["final_bits"] = final_bits(payload, uploads, clients.index.shape[0])
@@ -211,7 +252,7 @@ def staged_init(
 
             return step
 
-        box["states"], uploads = run_jit(run, ("setup_clients", stage), make)(
+        box["states"], uploads = run_jit(run, ("setup_clients", stage), make, problem.data.num_clients)(
             k_clients, payload, box["states"], clients
         )
         return uploads

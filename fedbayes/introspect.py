@@ -55,6 +55,7 @@ from numpyro.distributions.transforms import IdentityTransform, Transform
 from numpyro.primitives import Messenger
 
 from .data import FederatedData
+from .engine import fit_jit
 from .errors import ModelError
 
 Params = dict[str, jax.Array]
@@ -816,12 +817,12 @@ class FedModel:
             return self._site_terms(tr, n), self._deterministic_rows(tr, n)
 
         try:
-            terms, values, recorded = jax.jit(base)(rows)
+            terms, values, recorded = fit_jit(base, once=1)(rows)
         except Exception as err:  # the model fails on client 0's own rows
             raise ModelError(
                 f"calling the model on client 0's data ({n} rows) failed with {type(err).__name__}: {err}"
             ) from err
-        terms_padded, recorded_padded = jax.jit(again)(padded, values)
+        terms_padded, recorded_padded = fit_jit(again, once=1)(padded, values)
         tol = 1e-4 if jnp.result_type(float) == jnp.float32 else 1e-9
         for name, value in terms.items():
             value, got = float(value), terms_padded.get(name)

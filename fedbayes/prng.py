@@ -9,7 +9,16 @@ sequence of elementwise integer operations, which XLA fuses into one vectorised 
 ``jax.random.bits`` (tested for every width, for typed and raw keys, under ``vmap``), about 5x faster
 for 1 000 clients drawing 50 uniforms each on two CPU cores (``benchmarks/README.md``, the samplers).
 
-It applies to JAX's default key implementation (``threefry2x32``) in its default layout
+The same hash also decides how long a fit takes to compile. :func:`unrolled_hash` is a context in which JAX's own
+Threefry primitive, wherever it is lowered (``jax.random.split``, ``fold_in``, ``normal``, NumPyro's ``seed``
+handler), lowers on a CPU as JAX lowers it on every other platform: unrolled, one fused sequence of integer
+operations, instead of the CPU's loop of five iterations. Every computation ``fedbayes`` compiles for a fit is
+lowered inside it (:func:`fedbayes.engine.fit_jit`). The bits are the same (the same hash; JAX's GPU and TPU
+lowering); what changes is XLA's work: a round of FedSOUL hashes keys a dozen times, each loop a while of its own
+with its own kernels, and XLA compiled FedSOUL's chunk of rounds in 1.3 s instead of 2.4 s with the unrolled hash
+(``benchmarks/README.md``, the start-up profile). Outside the context (a user's own JAX code) nothing changes.
+
+:func:`bits` applies to JAX's default key implementation (``threefry2x32``) in its default layout
 (``jax_threefry_partitionable``, where the i-th draw hashes the counter i); for any other implementation or
 layout it calls ``jax.random.bits``. The first call checks the layout against ``jax.random.bits`` on a few
 draws and falls back to it for good if they differ (a JAX version that changed it).
@@ -17,15 +26,18 @@ draws and falls back to it for good if they differ (a JAX version that changed i
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["bits", "threefry2x32", "uniform", "uniform_grid"]
+__all__ = ["bits", "threefry2x32", "uniform", "uniform_grid", "unrolled_hash"]
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 _PARITY = 0x1BD11BDA  # Threefry's key-schedule constant
@@ -120,3 +132,44 @@ def uniform(key: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
     exact in ``dtype`` (k has at most nmant bits). Only [0, 1): JAX computes another range with a scaling whose
     rounding the compiler may place differently."""
     return uniform_grid(key, shape, dtype).astype(dtype) * jnp.asarray(2.0 ** -int(jnp.finfo(dtype).nmant), dtype)
+
+
+# ------------------------------------------------------------------------------ the hash's lowering in a fit
+
+_UNROLLED: contextvars.ContextVar[bool] = contextvars.ContextVar("fedbayes_unrolled_hash", default=False)
+
+
+@functools.cache
+def _install_lowering() -> bool:
+    """Registers, once, a CPU lowering of JAX's Threefry primitive that is JAX's own CPU rule (the loop) outside
+    :func:`unrolled_hash` and JAX's own rule for the other platforms (unrolled) inside it. Returns whether it
+    could: the two rules are JAX internals, and a JAX without them keeps its own lowering (the same bits either
+    way, only the compilation's time differs)."""
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.random import threefry2x32 as threefry
+
+        rolled = threefry._threefry2x32_cpu_lowering_rule
+        unrolled = threefry._threefry2x32_lowering_rule
+        primitive = threefry.threefry2x32_p
+    except (ImportError, AttributeError):  # pragma: no cover - a JAX that moved them
+        return False
+
+    def lowering(ctx: Any, *args: Any, **params: Any) -> Any:
+        return (unrolled if _UNROLLED.get() else rolled)(ctx, *args, **params)
+
+    mlir.register_lowering(primitive, lowering, platform="cpu")
+    return True
+
+
+@contextlib.contextmanager
+def unrolled_hash() -> Iterator[None]:
+    """Within: JAX's Threefry hash lowers unrolled on a CPU too (the module docstring). Only the lowering changes,
+    so it matters where a computation is traced and compiled, and a computation compiled once keeps its lowering;
+    its bits are those of the loop."""
+    _install_lowering()
+    token = _UNROLLED.set(True)
+    try:
+        yield
+    finally:
+        _UNROLLED.reset(token)

@@ -59,3 +59,62 @@ def test_other_key_implementations_fall_back_to_jax() -> None:
     assert prng._threefry_words(key) is None
     np.testing.assert_array_equal(np.asarray(prng.bits(key, (6,))), np.asarray(jax.random.bits(key, (6,))))
 
+
+
+def _draws(key):
+    """Every use of the hash a fit makes: split, fold_in, bits, uniform and normal draws, for a batch of keys (vmap)."""
+    keys = jax.random.split(key, 5)
+    folded = jax.vmap(lambda k, i: jax.random.fold_in(k, i))(keys, jnp.arange(5))
+    normal = jax.vmap(lambda k: jax.random.normal(k, (7,)))(folded)
+    return keys, folded, jax.random.bits(key, (3, 4)), jax.random.uniform(key, (9,)), normal
+
+
+def test_unrolled_hash_lowers_the_same_bits_without_the_loop() -> None:
+    key = jax.random.PRNGKey(42)
+    rolled = jax.jit(_draws)  # two jitted functions: each keeps the lowering it was first compiled with
+    unrolled = jax.jit(lambda k: _draws(k))
+    want = rolled(key)
+    with prng.unrolled_hash():
+        got = unrolled(key)
+        text = jax.jit(lambda k: _draws(k)).lower(key).as_text()
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the context changes the lowering where it applies (a CPU: the loop is a while; elsewhere JAX unrolls anyway)
+    outside = jax.jit(lambda k: _draws(k)).lower(key).as_text()
+    if jax.default_backend() == "cpu":
+        assert "stablehlo.while" in outside
+    assert "stablehlo.while" not in text
+    assert not prng._UNROLLED.get()  # and it ends with its block
+
+
+@pytest.mark.slow  # two FedSOUL fits compiled from nothing, their final exchange with the Louis terms: 35 s
+def test_a_fit_is_the_same_without_the_fast_compilation(monkeypatch) -> None:
+    # fed_fit compiles with the unrolled hash and, for what runs once, XLA's optimisation level 0 on a CPU
+    # (fedbayes.engine.fit_jit). The random bits are the same (test above); the programs differ, and with them
+    # XLA's fusions and LLVM's instruction selection (a multiply-add fused or not), so a fit agrees with the plain
+    # compilation to float rounding, not bit for bit: in float64 the differences were 2e-15 (params), 5e-14
+    # (local draws) and 3e-10 on information entries of order 1e5, i.e. a few ulps carried through 20 rounds
+    # of chains. rtol 1e-10 is 5 orders above that and 6 below any change of the draws themselves.
+    import contextlib
+
+    import fedbayes as fb
+    from fedbayes import engine
+
+    if jnp.result_type(float) != jnp.float64:
+        pytest.skip("the tolerance is float64's")
+    data, _, _ = fb.models.make_fedpop_synthetic(30, test_size=1, seed=0)
+    algo = fb.FedSOUL(local_steps=3, num_samples=20, warmup=10)
+
+    def fit():
+        fb.clear_cache()  # a build of its own: nothing compiled before
+        return fb.fed_fit(fb.models.fedpop_synthetic, data, algo, num_rounds=20, seed=3, progress=False)
+
+    fast = fit()
+    monkeypatch.setattr(engine, "FAST_COMPILE_CLIENTS", -1)
+    monkeypatch.setattr(prng, "unrolled_hash", contextlib.nullcontext)
+    plain = fit()
+    pairs = [(fast.params[n], plain.params[n]) for n in fast.params]
+    pairs += [(v, plain.local_samples[n]) for n, v in fast.local_samples.items()]
+    pairs += [(fast.information, plain.information)]
+    for got, want in pairs:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-12)

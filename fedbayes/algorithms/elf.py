@@ -629,7 +629,7 @@ class LangevinRun(FederatedRun):
         raw = np.asarray(history["_sample"])[self.warmup :: self.cfg.thinning]  # (draws, chains, d)
         draws = np.swapaxes(raw, 0, 1)
         constrain = run_jit(
-            self, "constrain_draws", lambda: jax.vmap(jax.vmap(lambda v: self._fm.constrain(self._unravel(v))))
+            self, "constrain_draws", lambda: jax.vmap(jax.vmap(lambda v: self._fm.constrain(self._unravel(v)))), once=0
         )
         samples = {k: np.asarray(v) for k, v in constrain(jnp.asarray(draws)).items()}
         server = carry[0]

@@ -580,7 +580,7 @@ class FedMMRun(FederatedRun):
             statistic = self._unravel(jnp.tensordot(self._mu, s_i, 1) * self._N)  # E-step at theta-hat
             k_global = jax.random.split(jax.random.split(key)[1])[1]
             parts.update(louis.posterior_summary(self, k_global, theta, statistic, tris))
-            parts.update(run_jit(self, "gradient_parts", lambda: self._gradient_parts)(theta, statistic, tris))
+            parts.update(run_jit(self, "gradient_parts", lambda: self._gradient_parts, once=0)(theta, statistic, tris))
         if locals_ is not None:
             parts.update(louis.local_parts(locals_))
         return parts

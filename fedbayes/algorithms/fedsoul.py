@@ -56,7 +56,7 @@ from jax.flatten_util import ravel_pytree
 
 from .. import minibatch, optim
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import client_key, final_exchange, run_jit, stack_clients
+from ..engine import client_key, final_exchange, fit_jit, run_jit, stack_clients
 from ..privacy import SumPrivacy, check_dp, sums_only
 from ..convergence import ONE_STEP_MAX
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
@@ -588,12 +588,11 @@ class FedSOULRun(FederatedRun):
         flat, unravel = ravel_pytree(zeros)
         f = lambda x: ravel_pytree(fm.constrain(unravel(x)))[0]  # noqa: E731
 
-        @jax.jit
         def curved(points):
             second = jax.vmap(jax.jacfwd(jax.jacfwd(f)))(points)  # (2, D, d, d)
             return jnp.any(jnp.diagonal(second, axis1=2, axis2=3) != 0, axis=(0, 1))
 
-        return curved(jnp.stack([jnp.full(flat.shape, 0.3), jnp.full(flat.shape, -0.7)]))
+        return fit_jit(curved, once=0)(jnp.stack([jnp.full(flat.shape, 0.3), jnp.full(flat.shape, -0.7)]))
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -998,7 +997,7 @@ class FedSOULRun(FederatedRun):
         return parts
 
     def _uncertainty(self, key, theta: Params, grads, info_tris, cov_tris) -> dict[str, Any]:
-        arrays = run_jit(self, "uncertainty", lambda: self._uncertainty_arrays)
+        arrays = run_jit(self, "uncertainty", lambda: self._uncertainty_arrays, once=0)
         out = louis.finish_normal_approximation(arrays(key, theta, grads, info_tris, cov_tris))
         out["one_step"] = bool(out["one_step"])
         if not out.pop("positive_definite"):

@@ -119,7 +119,7 @@ def posterior_summary(run, key, theta_u: Params, statistic, covariance_tris: jax
     """Louis' information, standard errors and approximate global posterior draws (the server's part;
     one compiled computation). Where the information is not positive definite the standard errors are
     NaN, the draws are left out and a :class:`ConvergenceWarning` says so."""
-    summary = run_jit(run, "louis_summary", lambda: lambda *a: _summary(run, *a))
+    summary = run_jit(run, "louis_summary", lambda: lambda *a: _summary(run, *a), once=0)
     out = finish_normal_approximation(summary(key, theta_u, statistic, covariance_tris))
     if not out.pop("positive_definite"):
         warnings.warn(
