@@ -10,10 +10,17 @@ run; and, for 100 clients, the bits sent until the running posterior mean of 4 c
     python benchmarks/bench_langevin.py                # both tables
     python benchmarks/bench_langevin.py --throughput   # the speed table only
     python benchmarks/bench_langevin.py --unrolled-reference   # B-ELF nat/nat against a reference with the unrolled hash
+    python benchmarks/bench_langevin.py --throughput --same-hash   # every reference compiled with the unrolled hash
+
+fed_fit lowers every key hash of its computations unrolled (``fedbayes.prng.unrolled_hash``: JAX's own lowering on
+other platforms, the same bits); the hand-written references are compiled as one writes them, with JAX's CPU loop.
+``--same-hash`` compiles the references inside ``fedbayes.prng.unrolled_hash()`` too: what is left of a ratio then
+is fed_fit's own work, not the hash's lowering.
 """
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import time
 
@@ -26,6 +33,7 @@ import numpyro.distributions as dist
 import fedbayes as fb
 
 D, PER_CLIENT, WARM = 50, 20, 2
+SAME_HASH = False  # --same-hash: the references compiled with the unrolled hash too
 TIMED_ROUNDS = {100: 6000, 1000: 1000}  # about 0.2-2 s of rounds each: long enough to time (300 rounds of 30 us were not)
 LONG_CHUNK = 1000  # chunks this long leave the per-chunk host work (records, stop checks, progress) out of the rate
 RAMP = 2000  # the default timed chunks' first rounds (chunks of 1, 2, 4, 64, ... rounds), left out of the timed rate
@@ -189,7 +197,8 @@ def throughput(clients: int, repeats: int = 3) -> None:
     for name in algos:
         refs, shorts, longs = [], [], []
         for _ in range(repeats):  # interleaved, so that the machine's drift during a row hits every column alike
-            refs.append(references_one(name, data, gamma, timed, k))
+            with fb.prng.unrolled_hash() if SAME_HASH else contextlib.nullcontext():
+                refs.append(references_one(name, data, gamma, timed, k))
             shorts.append(rate(data, algos[name], gamma, None, timed)[0])
             longs.append(rate(data, algos[name], gamma, LONG_CHUNK, timed))
         ref, short, (long, per_it) = max(refs), max(shorts), max(longs)
@@ -249,6 +258,10 @@ def main() -> None:
         for clients in (100, 1000):
             unrolled_reference(clients)
         return
+    global SAME_HASH
+    SAME_HASH = "--same-hash" in sys.argv
+    if SAME_HASH:
+        print("\nthe hand-written references compiled with the unrolled hash (fedbayes.prng.unrolled_hash)")
     for clients in (100, 1000):
         throughput(clients)
     if "--throughput" not in sys.argv:

@@ -127,7 +127,9 @@ class _Runtime:
         self.clients = stack_clients(data)
         self.participation = float(run.participation)
         self._templates: dict[str, Any] = {}  # the round's message structures, traced when first needed
-        self.plan = jax.jit(lambda k: round_plan(self.k_rounds, k, data.num_clients, self.cohort, self.participation))
+        self.plan = engine.fit_jit(
+            lambda k: round_plan(self.k_rounds, k, data.num_clients, self.cohort, self.participation)
+        )
         self._setup_templates()
         if role == "server":
             policy = fit.fault_policy
@@ -157,28 +159,35 @@ class _Runtime:
                     k_shared,
                 )
 
-            self.serve = jax.jit(serve)
+            self.serve = engine.fit_jit(serve)
             if run.resyncs:
-                self.resync_message = jax.jit(run.resync_message)
+                self.resync_message = engine.fit_jit(run.resync_message)
             if run.final_exchange:
-                self.final_message = jax.jit(run.final_message)
+                self.final_message = engine.fit_jit(run.final_message, once=0)
             return
+        # compiled as fed_fit compiles them (fedbayes.engine.fit_jit: the unrolled hash; what runs once, as the
+        # simulation's set-up and final exchanges over a federation of n clients), so that a node's floats are
+        # the simulation's
+        n = data.num_clients
         self.setup_step = [
-            jax.jit(lambda key, payload, state, member, s=s: run.setup_client(s, key, payload, state, member))
+            engine.fit_jit(
+                lambda key, payload, state, member, s=s: run.setup_client(s, key, payload, state, member), once=n
+            )
             for s in range(run.setup_stages)
         ]
-        self.client_step = jax.jit(
+        self.client_step = engine.fit_jit(
             lambda key, payload, state, member: run.client_step(key, wire.decode_tree(payload), state, member)
         )
         if run.resyncs:
-            self.resync = jax.jit(lambda state, payload: run.resync(state, wire.decode_tree(payload)))
+            self.resync = engine.fit_jit(lambda state, payload: run.resync(state, wire.decode_tree(payload)))
         if run.final_exchange:
-            self.final_client = jax.jit(
-                lambda key, payload, state, member: run.final_client(key, wire.decode_tree(payload), state, member)
+            self.final_client = engine.fit_jit(
+                lambda key, payload, state, member: run.final_client(key, wire.decode_tree(payload), state, member),
+                once=n,
             )
         self.finish: Callable[..., Any] | None = None
         if run.replies:
-            self.finish = jax.jit(
+            self.finish = engine.fit_jit(
                 lambda reply, state, member, upload: run.client_finish(
                     wire.decode_tree(reply), state, member, wire.decode_tree(upload)
                 )
