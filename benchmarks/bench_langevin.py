@@ -33,7 +33,6 @@ import numpyro.distributions as dist
 import fedbayes as fb
 
 D, PER_CLIENT, WARM = 50, 20, 2
-SAME_HASH = False  # --same-hash: the references compiled with the unrolled hash too
 TIMED_ROUNDS = {100: 6000, 1000: 1000}  # about 0.2-2 s of rounds each: long enough to time (300 rounds of 30 us were not)
 LONG_CHUNK = 1000  # chunks this long leave the per-chunk host work (records, stop checks, progress) out of the rate
 RAMP = 2000  # the default timed chunks' first rounds (chunks of 1, 2, 4, 64, ... rounds), left out of the timed rate
@@ -182,9 +181,10 @@ def rate(data, algo, gamma: float, chunk: int | None, timed: int) -> tuple[float
     return len(seconds) / seconds.sum(), int(res.history["bits_up"][-1] + res.history["bits_down"][-1])
 
 
-def throughput(clients: int, repeats: int = 3) -> None:
+def throughput(clients: int, repeats: int = 3, same_hash: bool = False) -> None:
     """Each rate is the best of ``repeats`` runs (the reference's too), the runs of a row interleaved: on a
-    shared 2-core machine single runs of a few seconds vary by up to 30%."""
+    shared 2-core machine single runs of a few seconds vary by up to 30%. ``same_hash``: the references compiled
+    inside ``fedbayes.prng.unrolled_hash()``, as fed_fit's computations are."""
     data = make_data(clients)
     gamma = fb.elf.curvature_step_size(model, data, scale=0.1)
     timed = TIMED_ROUNDS[clients]
@@ -197,7 +197,7 @@ def throughput(clients: int, repeats: int = 3) -> None:
     for name in algos:
         refs, shorts, longs = [], [], []
         for _ in range(repeats):  # interleaved, so that the machine's drift during a row hits every column alike
-            with fb.prng.unrolled_hash() if SAME_HASH else contextlib.nullcontext():
+            with fb.prng.unrolled_hash() if same_hash else contextlib.nullcontext():
                 refs.append(references_one(name, data, gamma, timed, k))
             shorts.append(rate(data, algos[name], gamma, None, timed)[0])
             longs.append(rate(data, algos[name], gamma, LONG_CHUNK, timed))
@@ -258,12 +258,11 @@ def main() -> None:
         for clients in (100, 1000):
             unrolled_reference(clients)
         return
-    global SAME_HASH
-    SAME_HASH = "--same-hash" in sys.argv
-    if SAME_HASH:
+    same_hash = "--same-hash" in sys.argv
+    if same_hash:
         print("\nthe hand-written references compiled with the unrolled hash (fedbayes.prng.unrolled_hash)")
     for clients in (100, 1000):
-        throughput(clients)
+        throughput(clients, same_hash=same_hash)
     if "--throughput" not in sys.argv:
         bits_to_accuracy()
 

@@ -15,7 +15,7 @@ handler), lowers on a CPU as JAX lowers it on every other platform: unrolled, on
 operations, instead of the CPU's loop of five iterations. Every computation ``fedbayes`` compiles for a fit is
 lowered inside it (:func:`fedbayes.engine.fit_jit`). The bits are the same (the same hash; JAX's GPU and TPU
 lowering); what changes is XLA's work: a round of FedSOUL hashes keys a dozen times, each loop a while of its own
-with its own kernels, and XLA compiled FedSOUL's chunk of rounds in 1.3 s instead of 2.4 s with the unrolled hash
+with its own kernels, and XLA compiled FedSOUL's chunk of rounds in 1.4 s instead of 2.4 s with the unrolled hash
 (``benchmarks/README.md``, the start-up profile). Outside the context (a user's own JAX code) nothing changes.
 
 :func:`bits` applies to JAX's default key implementation (``threefry2x32``) in its default layout

@@ -60,7 +60,6 @@ def test_other_key_implementations_fall_back_to_jax() -> None:
     np.testing.assert_array_equal(np.asarray(prng.bits(key, (6,))), np.asarray(jax.random.bits(key, (6,))))
 
 
-
 def _draws(key):
     """Every use of the hash a fit makes: split, fold_in, bits, uniform and normal draws, for a batch of keys (vmap)."""
     keys = jax.random.split(key, 5)
