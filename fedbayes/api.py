@@ -538,6 +538,7 @@ def _execute_here(
                 policy=fit.fault_policy,
                 on_chunk=on_chunk,
                 stall_timeout=stall_timeout,
+                prepare=lambda c: run.finalize_ahead(k_final, c, problem),
             )
             history = concat_records(past + [history])
         else:

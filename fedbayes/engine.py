@@ -49,6 +49,7 @@ import threading
 import time
 import warnings
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 from collections.abc import Callable, Sequence
 
@@ -89,12 +90,28 @@ class FitJitted:
     """``jax.jit(fn)`` as every computation of a fit is compiled: traced and lowered within
     :func:`fedbayes.prng.unrolled_hash` (the same random bits, a cheaper compilation on a CPU), optionally with
     XLA options (``compiler_options``). Calls and ``lower`` go through the context; anything else is the jitted
-    function's."""
+    function's.
+
+    :meth:`ahead` compiles for given arguments before they exist: it traces and lowers at once, in the calling
+    thread, and leaves XLA's compilation to a worker thread (:func:`compile_worker`). A later call with arguments
+    of the same structure, shapes and dtypes runs that executable (waiting for it where it is not done), so a fit
+    compiles what comes after its rounds while the rounds compile and run."""
 
     def __init__(self, fn: Callable, compiler_options: dict[str, Any] | None = None):
         self._jitted = jax.jit(fn, compiler_options=compiler_options)
+        self._compiled: dict[Any, Any] = {}  # signature -> a Future of jax.stages.Compiled, then the Compiled
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiled:
+            signature = _signature(args, kwargs)
+            compiled = self._compiled.get(signature)
+            if isinstance(compiled, Future):
+                try:
+                    compiled = self._compiled[signature] = compiled.result()
+                except Exception:  # it failed ahead: the plain call below compiles and raises as usual
+                    compiled = self._compiled[signature] = None
+            if compiled is not None:
+                return compiled(*args, **kwargs)
         with prng.unrolled_hash():
             return self._jitted(*args, **kwargs)
 
@@ -102,8 +119,48 @@ class FitJitted:
         with prng.unrolled_hash():
             return self._jitted.lower(*args, **kwargs)
 
+    def ahead(self, *args: Any) -> Any:
+        """Trace and lower for ``args`` (arrays or ``jax.ShapeDtypeStruct``), start the compilation on a worker
+        thread, and return the outputs' shapes (``jax.ShapeDtypeStruct``); None where it cannot be lowered (the
+        call itself then compiles and says why). Arguments whose signature was compiled ahead before are not
+        compiled again."""
+        signature = _signature(args, {})
+        try:
+            shapes = self._jitted.eval_shape(*args)
+            if signature not in self._compiled:
+                self._compiled[signature] = compile_worker().submit(self.lower(*args).compile)
+        except Exception:
+            return None
+        return shapes
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._jitted, name)
+
+
+def _signature(args: Any, kwargs: Any) -> tuple[Any, tuple]:
+    """What a compiled program is specific to: the arguments' tree structure and each leaf's shape, dtype and weak
+    typing (``jax.ShapeDtypeStruct`` leaves as the arrays they stand for)."""
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    return tree, tuple(
+        (x.shape, x.dtype, x.weak_type) if isinstance(x, jax.ShapeDtypeStruct) else _aval_signature(jax.typeof(x))
+        for x in leaves
+    )
+
+
+def _aval_signature(aval: Any) -> tuple:
+    return aval.shape, aval.dtype, aval.weak_type
+
+
+_WORKER: list[ThreadPoolExecutor] = []
+
+
+def compile_worker() -> ThreadPoolExecutor:
+    """The threads that compile a fit's computations ahead (:meth:`FitJitted.ahead`) while the calling thread
+    traces the next ones and runs the rounds: XLA releases Python's lock while it compiles. Two: the round
+    chunk's and the final exchange's compilations at once."""
+    if not _WORKER:
+        _WORKER.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedbayes-compile"))
+    return _WORKER[0]
 
 
 def fit_jit(fn: Callable, once: int | None = None) -> FitJitted:
@@ -115,7 +172,7 @@ def fit_jit(fn: Callable, once: int | None = None) -> FitJitted:
     return FitJitted(fn, {"xla_backend_optimization_level": 0} if fast else None)
 
 
-def run_jit(run: Any, key: Any, make: Callable[[], Callable], once: int | None = None) -> Callable:
+def run_jit(run: Any, key: Any, make: Callable[[], Callable], once: int | None = None) -> FitJitted:
     """``fit_jit(make(), once)``, made once per run and ``key`` and kept with the run (weakly: it goes with it).
 
     ``jax.jit`` caches its traces and executables per function object, so a jitted closure built afresh
@@ -202,19 +259,41 @@ def final_exchange(
     """The final exchange (:class:`fedbayes.protocol.FederatedRun`) with every client at once (vectorised), local parts
     collected;
     the parts carry ``final_bits``."""
-    payload = run_jit(run, "final_message", lambda: run.final_message, once=0)(key, server_state)
+    payload = _final_message(run)(key, server_state)
     clients = clients._replace(settings=run.client_settings(server_state))
-    num_clients = clients.index.shape[0]
-    if num_clients <= FINAL_BLOCK or _MESH.get() is not None:  # every client at once (over the devices)
-        step = run_jit(
-            run, "final_clients", lambda: jax.vmap(run.final_client, in_axes=(None, None, 0, _CLIENT_AXES)), num_clients
-        )
-    else:
-        step = run_jit(run, "final_client_blocks", lambda: _in_blocks(run.final_client), num_clients)
-    locals_, uploads = step(key, payload, client_states, clients)
+    locals_, uploads = _final_clients(run, clients.index.shape[0])(key, payload, client_states, clients)
     parts = run.final_server(key, server_state, payload, uploads, locals_)
     parts["final_bits"] = final_bits(payload, uploads, clients.index.shape[0])
     return parts
+
+
+def final_exchange_ahead(
+    run: Any, key: jax.Array, carry: tuple[PyTree, PyTree, Message], problem: Problem
+) -> tuple[PyTree, PyTree] | None:
+    """Compile :func:`final_exchange`'s computations ahead (:meth:`FitJitted.ahead`) for server and client
+    states shaped like ``carry``'s (those of any round: the rounds keep their shapes), and return the shapes of
+    the payload and of the clients' uploads (``jax.ShapeDtypeStruct``; None where it could not be lowered)
+    for the server's own computations after it."""
+    server_state, client_states, _ = carry
+    payload = _final_message(run).ahead(key, server_state)
+    if payload is None:
+        return None
+    clients = stack_clients(problem.data)._replace(settings=run.client_settings(server_state))
+    out = _final_clients(run, clients.index.shape[0]).ahead(key, payload, client_states, clients)
+    return None if out is None else (payload, out[1])
+
+
+def _final_message(run: Any) -> FitJitted:
+    return run_jit(run, "final_message", lambda: run.final_message, once=0)
+
+
+def _final_clients(run: Any, num_clients: int) -> FitJitted:
+    """The final exchange's client steps, every client at once (over the devices where they are laid out) or in
+    blocks of :data:`FINAL_BLOCK`."""
+    if num_clients <= FINAL_BLOCK or _MESH.get() is not None:
+        make = lambda: jax.vmap(run.final_client, in_axes=(None, None, 0, _CLIENT_AXES))  # noqa: E731
+        return run_jit(run, "final_clients", make, num_clients)
+    return run_jit(run, "final_client_blocks", lambda: _in_blocks(run.final_client), num_clients)
 
 
 FINAL_BLOCK = 2048
@@ -1169,6 +1248,7 @@ def run_rounds(
     policy: FaultPolicy | None = None,
     on_chunk: Callable[[int, Any, list[dict[str, np.ndarray]]], None] | None = None,
     stall_timeout: float | None = STALL_TIMEOUT,
+    prepare: Callable[[tuple[PyTree, PyTree, Message]], None] | None = None,
 ) -> tuple[tuple[PyTree, PyTree, Message], dict[str, np.ndarray]]:
     """Run rounds ``start .. problem.num_rounds - 1`` and return the final carry and the history.
 
@@ -1183,6 +1263,11 @@ def run_rounds(
     same compiled program (:func:`_compiled_chunk`), so where chunks end changes no round. ``on_chunk(rounds_done,
     carry, records)`` is called after each chunk (``records``: this call's chunk records so far). A chunk idle
     for ``stall_timeout`` seconds raises :class:`fedbayes.errors.StalledError` (:func:`wait_ready`).
+
+    With ``prepare``, the chunk's program is compiled ahead on a worker thread (:meth:`FitJitted.ahead`) and
+    ``prepare(carry)`` is called meanwhile, before the first chunk runs: what the caller compiles ahead for
+    after the rounds (``fed_fit``: the run's :meth:`~fedbayes.protocol.FederatedRun.finalize_ahead`), so that
+    its tracing overlaps the chunk's compilation and its compilation the rounds.
 
     A round fails a stop check when faults leave fewer than ``policy.min_clients`` answers, or, with
     ``stop_on_divergence``, when the global state turns non-finite (``"diverged"``) or no member answered
@@ -1203,9 +1288,12 @@ def run_rounds(
     schedule = ChunkSchedule(start, num_rounds, chunk_size, chunk_capacity(num_rounds, cohort_size, carry[0]))
     records: list[dict[str, np.ndarray]] = []
 
-    def dispatch(state: Any, first: int, length: int) -> Any:
+    def arguments(state: Any, first: int, length: int) -> tuple:
         ks = np.arange(first, first + schedule.capacity, dtype=np.int32)
-        return run_chunk(state, ks, np.int32(length), clients, base_key, buckets)
+        return state, ks, np.int32(length), clients, base_key, buckets
+
+    def dispatch(state: Any, first: int, length: int) -> Any:
+        return run_chunk(*arguments(state, first, length))
 
     # Chunk i + 1 is dispatched (on chunk i's carry, still being computed) before the host reads chunk i's
     # records, so the device never waits for the host's work between chunks (copying the records, the stop
@@ -1213,6 +1301,9 @@ def run_rounds(
     # work is dropped unread: what the fit returns is as without it.
     t0 = time.perf_counter()
     chunk = schedule.next()
+    if chunk is not None and prepare is not None:  # the chunk compiles on a worker while ``prepare`` traces
+        run_chunk.ahead(*arguments(carry, *chunk))
+        prepare(carry)
     ahead = dispatch(carry, *chunk) if chunk is not None else None  # (compiles the chunk on a first call)
     while chunk is not None:
         first, length = chunk

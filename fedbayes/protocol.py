@@ -384,6 +384,16 @@ class FederatedRun(abc.ABC):
         the same in simulation."""
         return None
 
+    def finalize_ahead(self, key: jax.Array, carry: tuple[PyTree, PyTree, Message], problem: Problem) -> None:
+        """Compile ahead what :meth:`finalize` will compile (:meth:`fedbayes.engine.FitJitted.ahead`), for a
+        carry shaped like ``carry``, while the rounds compile and run (``fedbayes.engine.run_rounds``'s
+        ``prepare``); default: with a ``final_exchange``, its computations
+        (:func:`fedbayes.engine.final_exchange_ahead`). Nothing it does may change what :meth:`finalize` returns."""
+        if self.final_exchange:
+            from .engine import final_exchange_ahead  # (the engine imports this module)
+
+            final_exchange_ahead(self, key, carry, problem)
+
     @abc.abstractmethod
     def finalize(
         self,

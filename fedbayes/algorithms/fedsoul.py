@@ -56,7 +56,7 @@ from jax.flatten_util import ravel_pytree
 
 from .. import minibatch, optim
 from ..compress import Compressor, identity, require_unbiased
-from ..engine import client_key, final_exchange, fit_jit, run_jit, stack_clients
+from ..engine import FitJitted, client_key, final_exchange, final_exchange_ahead, fit_jit, run_jit, stack_clients
 from ..privacy import SumPrivacy, check_dp, sums_only
 from ..convergence import ONE_STEP_MAX
 from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, require_fraction, require_int
@@ -996,9 +996,11 @@ class FedSOULRun(FederatedRun):
             parts.privacy = self._dp.report()
         return parts
 
+    def _uncertainty_jit(self) -> FitJitted:
+        return run_jit(self, "uncertainty", lambda: self._uncertainty_arrays, once=0)
+
     def _uncertainty(self, key, theta: Params, grads, info_tris, cov_tris) -> dict[str, Any]:
-        arrays = run_jit(self, "uncertainty", lambda: self._uncertainty_arrays, once=0)
-        out = louis.finish_normal_approximation(arrays(key, theta, grads, info_tris, cov_tris))
+        out = louis.finish_normal_approximation(self._uncertainty_jit()(key, theta, grads, info_tris, cov_tris))
         out["one_step"] = bool(out["one_step"])
         if not out.pop("positive_definite"):
             warnings.warn(
@@ -1032,6 +1034,14 @@ class FedSOULRun(FederatedRun):
         out = louis.normal_approximation_arrays(fm, k_approx, stepped, information, shape)
         out.update(gradient=gradient, gradient_cov=_symmetric(jnp.sum(cov_tris, 0), d), theta=stepped, one_step=take)
         return out
+
+    def finalize_ahead(self, key, carry, problem: Problem) -> None:
+        """The final exchange's computations and, with ``uncertainty``, the server's Louis information compiled
+        ahead (:func:`fedbayes.engine.final_exchange_ahead`)."""
+        shapes = final_exchange_ahead(self, key, carry, problem)
+        if shapes is not None and self.uncertainty:
+            theta, uploads = shapes
+            self._uncertainty_jit().ahead(key, theta, *uploads)
 
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> FitParts:
         """The final exchange with every client (:func:`fedbayes.engine.final_exchange`)."""

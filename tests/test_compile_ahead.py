@@ -1,0 +1,74 @@
+"""Compilation ahead (fedbayes.engine.FitJitted.ahead): a fit's final exchange is traced while its round chunk
+compiles on a worker thread, and compiled there while the rounds run; the executable compiled ahead is the one
+that runs, and it is the plain compilation's program (the same bits)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedbayes import engine
+
+
+def _f(x, y):
+    return jnp.sin(x) @ y, jnp.sum(y)
+
+
+def test_a_call_runs_what_was_compiled_ahead() -> None:
+    x, y = jnp.linspace(0.0, 1.0, 12).reshape(3, 4), jnp.arange(8.0).reshape(4, 2)
+    fj = engine.fit_jit(_f)
+    shapes = fj.ahead(jax.ShapeDtypeStruct(x.shape, x.dtype), y)  # shapes alone stand for arrays
+    assert shapes == jax.eval_shape(_f, x, y)
+    got = fj(x, y)
+    assert fj._jitted._cache_size() == 0  # the plain jit compiled nothing: the call ran the executable from ahead
+    want = engine.fit_jit(lambda a, b: _f(a, b))(x, y)  # a function of its own (jit's caches go by function)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # arguments of another shape are not what was compiled: the plain jit compiles them
+    other = fj(x[:2], y)
+    assert fj._jitted._cache_size() == 1
+    np.testing.assert_array_equal(np.asarray(other[0]), np.asarray(want[0][:2]))
+    # the same signature again is not compiled twice
+    fj.ahead(x, y)
+    assert len(fj._compiled) == 1
+
+
+def test_what_fails_ahead_fails_at_the_call() -> None:
+    def bad(x):
+        raise ValueError("not traceable")
+
+    fj = engine.fit_jit(bad)
+    assert fj.ahead(jnp.ones(3)) is None  # nothing raised ahead: the call is where the user's error belongs
+    with pytest.raises(ValueError, match="not traceable"):
+        fj(jnp.ones(3))
+
+
+@pytest.mark.filterwarnings("ignore::fedbayes.errors.ConvergenceWarning")  # 12 rounds: not what is tested
+@pytest.mark.slow  # two FedSOUL fits with their final exchange (Louis terms) compiled: about 20 s
+def test_a_fit_runs_its_final_exchange_compiled_ahead_with_the_same_result(monkeypatch) -> None:
+    import fedbayes as fb
+    from fedbayes.algorithms.fedsoul import FedSOULRun
+
+    data, _, _ = fb.models.make_fedpop_synthetic(12, test_size=1, seed=0)
+    algo = fb.FedSOUL(local_steps=3, num_samples=20, warmup=10)
+
+    def fit():
+        fb.clear_cache()  # a build of its own: nothing compiled before
+        return fb.fed_fit(fb.models.fedpop_synthetic, data, algo, num_rounds=12, seed=3, progress=False)
+
+    ahead = fit()
+    jitted = engine._JITTED[ahead._run]
+    for name in ("chunk", "final_clients", "final_message", "uncertainty"):
+        [fj] = [v for k, v in jitted.items() if (k[0] if isinstance(k, tuple) else k) == name]
+        assert fj._compiled and fj._jitted._cache_size() == 0, name  # compiled ahead, and only ahead
+    monkeypatch.setattr(FedSOULRun, "finalize_ahead", lambda *args: None)
+    plain = fit()
+    assert not engine._JITTED[plain._run]["final_clients"]._compiled
+    # the same programs, compiled on another thread: the same bits
+    pairs = [(ahead.params[n], plain.params[n]) for n in ahead.params]
+    pairs += [(v, plain.local_samples[n]) for n, v in ahead.local_samples.items()]
+    pairs += [(ahead.information, plain.information)]
+    for got, want in pairs:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
