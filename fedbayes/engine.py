@@ -111,7 +111,10 @@ class FitJitted:
                 except Exception:  # it failed ahead: the plain call below compiles and raises as usual
                     compiled = self._compiled[signature] = None
             if compiled is not None:
-                return compiled(*args, **kwargs)
+                try:
+                    return compiled(*args, **kwargs)
+                except (TypeError, ValueError):  # laid out otherwise than foreseen (e.g. over devices): compiled below
+                    self._compiled[signature] = None
         with prng.unrolled_hash():
             return self._jitted(*args, **kwargs)
 

@@ -18,7 +18,7 @@ def _f(x, y):
 
 def test_a_call_runs_what_was_compiled_ahead() -> None:
     x, y = jnp.linspace(0.0, 1.0, 12).reshape(3, 4), jnp.arange(8.0).reshape(4, 2)
-    fj = engine.fit_jit(_f)
+    fj = engine.fit_jit(lambda a, b: _f(a, b))  # a function of its own (jit's caches go by function)
     shapes = fj.ahead(jax.ShapeDtypeStruct(x.shape, x.dtype), y)  # shapes alone stand for arrays
     assert shapes == jax.eval_shape(_f, x, y)
     got = fj(x, y)
@@ -33,6 +33,23 @@ def test_a_call_runs_what_was_compiled_ahead() -> None:
     # the same signature again is not compiled twice
     fj.ahead(x, y)
     assert len(fj._compiled) == 1
+
+
+def test_arguments_the_ahead_executable_refuses_are_compiled_as_usual() -> None:
+    # e.g. arrays laid out over several devices where the shapes ahead foresaw one: the executable refuses them
+    # (a ValueError) and the plain jit compiles for them
+    x, y = jnp.ones((3, 4)), jnp.ones((4, 2))
+    fj = engine.fit_jit(lambda a, b: _f(a, b))  # a function of its own (jit's caches go by function)
+    fj.ahead(x, y)
+    [signature] = fj._compiled
+
+    def refuses(*args):
+        raise ValueError("compiled for another layout")
+
+    fj._compiled[signature] = refuses
+    got = fj(x, y)
+    assert fj._jitted._cache_size() == 1 and fj._compiled[signature] is None
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(_f(x, y)[0]))
 
 
 def test_what_fails_ahead_fails_at_the_call() -> None:
