@@ -1305,7 +1305,8 @@ def run_rounds(
     t0 = time.perf_counter()
     chunk = schedule.next()
     if chunk is not None and prepare is not None:  # the chunk compiles on a worker while ``prepare`` traces
-        run_chunk.ahead(*arguments(carry, *chunk))
+        if isinstance(run_chunk, FitJitted):  # (not a stand-in wrapping it)
+            run_chunk.ahead(*arguments(carry, *chunk))
         prepare(carry)
     ahead = dispatch(carry, *chunk) if chunk is not None else None  # (compiles the chunk on a first call)
     while chunk is not None:

@@ -65,27 +65,17 @@ def test_what_fails_ahead_fails_at_the_call() -> None:
 @pytest.mark.filterwarnings("ignore::fedbayes.errors.ConvergenceWarning")  # 12 rounds: not what is tested
 @pytest.mark.slow  # two FedSOUL fits with their final exchange (Louis terms) compiled: about 20 s
 def test_a_fit_runs_its_final_exchange_compiled_ahead_with_the_same_result(monkeypatch) -> None:
-    import fedbayes as fb
     from fedbayes.algorithms.fedsoul import FedSOULRun
+    from fit_pairs import fedsoul_twice, paired_outputs
 
-    data, _, _ = fb.models.make_fedpop_synthetic(12, test_size=1, seed=0)
-    algo = fb.FedSOUL(local_steps=3, num_samples=20, warmup=10)
+    def check_and_switch_off(ahead):
+        jitted = engine._JITTED[ahead._run]
+        for name in ("chunk", "final_clients", "final_message", "uncertainty"):
+            [fj] = [v for k, v in jitted.items() if (k[0] if isinstance(k, tuple) else k) == name]
+            assert fj._compiled and fj._jitted._cache_size() == 0, name  # compiled ahead, and only ahead
+        monkeypatch.setattr(FedSOULRun, "finalize_ahead", lambda *args: None)
 
-    def fit():
-        fb.clear_cache()  # a build of its own: nothing compiled before
-        return fb.fed_fit(fb.models.fedpop_synthetic, data, algo, num_rounds=12, seed=3, progress=False)
-
-    ahead = fit()
-    jitted = engine._JITTED[ahead._run]
-    for name in ("chunk", "final_clients", "final_message", "uncertainty"):
-        [fj] = [v for k, v in jitted.items() if (k[0] if isinstance(k, tuple) else k) == name]
-        assert fj._compiled and fj._jitted._cache_size() == 0, name  # compiled ahead, and only ahead
-    monkeypatch.setattr(FedSOULRun, "finalize_ahead", lambda *args: None)
-    plain = fit()
+    ahead, plain = fedsoul_twice(12, 12, check_and_switch_off)
     assert not engine._JITTED[plain._run]["final_clients"]._compiled
-    # the same programs, compiled on another thread: the same bits
-    pairs = [(ahead.params[n], plain.params[n]) for n in ahead.params]
-    pairs += [(v, plain.local_samples[n]) for n, v in ahead.local_samples.items()]
-    pairs += [(ahead.information, plain.information)]
-    for got, want in pairs:
+    for got, want in paired_outputs(ahead, plain):  # the same programs, compiled on another thread: the same bits
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

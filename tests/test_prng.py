@@ -96,24 +96,16 @@ def test_a_fit_is_the_same_without_the_fast_compilation(monkeypatch) -> None:
     # of chains. rtol 1e-10 is 5 orders above that and 6 below any change of the draws themselves.
     import contextlib
 
-    import fedbayes as fb
     from fedbayes import engine
+    from fit_pairs import fedsoul_twice, paired_outputs
 
     if jnp.result_type(float) != jnp.float64:
         pytest.skip("the tolerance is float64's")
-    data, _, _ = fb.models.make_fedpop_synthetic(30, test_size=1, seed=0)
-    algo = fb.FedSOUL(local_steps=3, num_samples=20, warmup=10)
 
-    def fit():
-        fb.clear_cache()  # a build of its own: nothing compiled before
-        return fb.fed_fit(fb.models.fedpop_synthetic, data, algo, num_rounds=20, seed=3, progress=False)
+    def plainly(_):
+        monkeypatch.setattr(engine, "FAST_COMPILE_CLIENTS", -1)
+        monkeypatch.setattr(prng, "unrolled_hash", contextlib.nullcontext)
 
-    fast = fit()
-    monkeypatch.setattr(engine, "FAST_COMPILE_CLIENTS", -1)
-    monkeypatch.setattr(prng, "unrolled_hash", contextlib.nullcontext)
-    plain = fit()
-    pairs = [(fast.params[n], plain.params[n]) for n in fast.params]
-    pairs += [(v, plain.local_samples[n]) for n, v in fast.local_samples.items()]
-    pairs += [(fast.information, plain.information)]
-    for got, want in pairs:
+    fast, plain = fedsoul_twice(30, 20, plainly)
+    for got, want in paired_outputs(fast, plain):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-12)
