@@ -93,7 +93,7 @@ class FitJitted:
     function's.
 
     :meth:`ahead` compiles for given arguments before they exist: it traces and lowers at once, in the calling
-    thread, and leaves XLA's compilation to a worker thread (:func:`compile_worker`). A later call with arguments
+    thread, and leaves XLA's compilation to the worker thread (:func:`compile_worker`). A later call with arguments
     of the same structure, shapes and dtypes runs that executable (waiting for it where it is not done), so a fit
     compiles what comes after its rounds while the rounds compile and run."""
 
@@ -158,11 +158,13 @@ _WORKER: list[ThreadPoolExecutor] = []
 
 
 def compile_worker() -> ThreadPoolExecutor:
-    """The threads that compile a fit's computations ahead (:meth:`FitJitted.ahead`) while the calling thread
-    traces the next ones and runs the rounds: XLA releases Python's lock while it compiles. Two: the round
-    chunk's and the final exchange's compilations at once."""
+    """The thread that compiles a fit's computations ahead (:meth:`FitJitted.ahead`), one after another, while the
+    calling thread traces the next ones and runs the rounds: XLA releases Python's lock while it compiles. One:
+    XLA:CPU's compilation already uses several cores, and a second worker compiling the final exchange beside the
+    round chunk gave nothing on two cores (5.54-6.32 s against 5.95-6.02 s for FedSOUL's first call,
+    ``benchmarks/README.md``), while it would run two of XLA's compilations at once."""
     if not _WORKER:
-        _WORKER.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="fedbayes-compile"))
+        _WORKER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedbayes-compile"))
     return _WORKER[0]
 
 
