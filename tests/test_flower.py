@@ -253,7 +253,12 @@ def test_fedmm_on_flower_for_linear_gaussian_models(name):
     algo, model, data = EM_MODELS[name]()
     ref = fb.fed_fit(model, data, algo, num_rounds=3, seed=3, progress=False)
     res = flower.simulate(model, data, algo, num_rounds=3, seed=3, backend="local")
-    _same(ref, res, exact=False)
+    # float32 rounding carried through the rounds, as the other FedMM comparison: LME's covariance step amplifies
+    # it (measured: one ulp of the data moves fed_fit's scale_tril by 3.8e-5, and Flower's run differs by 3.8e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        nudged = fb.fed_fit(model, _nudged(data), algo, num_rounds=3, seed=3, progress=False)
+    _same(ref, res, exact=False, drift=nudged)
     _check_bytes(res)
     assert res.init_bits == ref.init_bits and res.init_bits[0] > 0
     if algo.uncertainty:
