@@ -34,6 +34,7 @@ from .engine import (
     sharded_clients,
     matmul_precision,
     check_matmul_precision,
+    compile_ahead,
     staged_init,
     wait_ready,
     with_init_bits,
@@ -538,7 +539,7 @@ def _execute_here(
                 policy=fit.fault_policy,
                 on_chunk=on_chunk,
                 stall_timeout=stall_timeout,
-                prepare=lambda c: run.finalize_ahead(k_final, c, problem),
+                prepare=(lambda c: run.finalize_ahead(k_final, c, problem)) if compile_ahead() else None,
             )
             history = concat_records(past + [history])
         else:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import numbers
+import os
 import sys
 import threading
 import time
@@ -155,6 +156,17 @@ def _aval_signature(aval: Any) -> tuple:
 
 
 _WORKER: list[ThreadPoolExecutor] = []
+
+COMPILE_AHEAD_ENV = "FEDBAYES_COMPILE_AHEAD"
+
+
+def compile_ahead() -> bool:
+    """Whether ``fed_fit`` compiles ahead (:meth:`FitJitted.ahead`, ``run_rounds(prepare=...)``): only where the
+    environment variable ``FEDBAYES_COMPILE_AHEAD`` is ``1``. Off by default: it compiles on a second thread
+    while the calling thread lowers other computations, which JAX does not promise to support (jax-ml/jax#32354:
+    lowered modules compiled on other threads), and the test runs that used it met XLA aborts and a
+    segmentation fault in lowering (``docs/checks.md``), for 0.5 s of a 6 s first call on two cores."""
+    return os.environ.get(COMPILE_AHEAD_ENV) == "1"
 
 
 def compile_worker() -> ThreadPoolExecutor:

@@ -68,6 +68,8 @@ def test_a_fit_runs_its_final_exchange_compiled_ahead_with_the_same_result(monke
     from fedbayes.algorithms.fedsoul import FedSOULRun
     from fit_pairs import fedsoul_twice, paired_outputs
 
+    monkeypatch.setenv(engine.COMPILE_AHEAD_ENV, "1")  # off by default (engine.compile_ahead)
+
     def check_and_switch_off(ahead):
         jitted = engine._JITTED[ahead._run]
         for name in ("chunk", "final_clients", "final_message", "uncertainty"):
