@@ -145,14 +145,8 @@ def _signature(args: Any, kwargs: Any) -> tuple[Any, tuple]:
     """What a compiled program is specific to: the arguments' tree structure and each leaf's shape, dtype and weak
     typing (``jax.ShapeDtypeStruct`` leaves as the arrays they stand for)."""
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-    return tree, tuple(
-        (x.shape, x.dtype, x.weak_type) if isinstance(x, jax.ShapeDtypeStruct) else _aval_signature(jax.typeof(x))
-        for x in leaves
-    )
-
-
-def _aval_signature(aval: Any) -> tuple:
-    return aval.shape, aval.dtype, aval.weak_type
+    avals = (x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x) for x in leaves)
+    return tree, tuple((a.shape, a.dtype, a.weak_type) for a in avals)
 
 
 _WORKER: list[ThreadPoolExecutor] = []
