@@ -32,6 +32,7 @@ from .engine import (
     check_size_buckets,
     run_rounds,
     sharded_clients,
+    split_key,
     matmul_precision,
     check_matmul_precision,
     compile_ahead,
@@ -468,7 +469,7 @@ def _execute_here(
     data_digest = _data_digest(data)
     fm, run = _build(fit, data, cohort, data_digest)
     problem = Problem(fm, data, fit.num_rounds, cohort)
-    k_init, k_rounds, k_final = jax.random.split(seed_key(fit.seed), 3)
+    k_init, k_rounds, k_final = split_key(seed_key(fit.seed), 3)
     carry, setup_bits = wait_ready(staged_init(run, k_init, problem), stall_timeout, f"{run.name}: the set-up exchange")
     plain = {
         "clients_per_round": fit.clients_per_round,

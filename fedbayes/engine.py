@@ -46,6 +46,7 @@ import contextvars
 import functools
 import numbers
 import os
+import re
 import sys
 import threading
 import time
@@ -155,13 +156,27 @@ _WORKER: list[ThreadPoolExecutor] = []
 COMPILE_AHEAD_ENV = "FEDBAYES_COMPILE_AHEAD"
 
 
+THREADED_COMPILE_JAX = (0, 10, 0)
+"""The first JAX whose lowering is safe to run beside a compilation on another thread: one MLIR context per Python
+thread (jax-ml/jax, July 2026) after the race on dialect registration fixed for jax-ml/jax#32354 (October 2025)."""
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
 def compile_ahead() -> bool:
-    """Whether ``fed_fit`` compiles ahead (:meth:`FitJitted.ahead`, ``run_rounds(prepare=...)``): only where the
-    environment variable ``FEDBAYES_COMPILE_AHEAD`` is ``1``. Off by default: it compiles on a second thread
-    while the calling thread lowers other computations, which JAX does not promise to support (jax-ml/jax#32354:
-    lowered modules compiled on other threads), and the test runs that used it met XLA aborts and a
-    segmentation fault in lowering (``docs/checks.md``), for 0.5 s of a 6 s first call on two cores."""
-    return os.environ.get(COMPILE_AHEAD_ENV) == "1"
+    """Whether ``fed_fit`` compiles ahead (:meth:`FitJitted.ahead`, ``run_rounds(prepare=...)``): XLA compiles a fit's
+    next computation on a worker thread (:func:`compile_worker`) while the calling thread traces and lowers the one
+    after it, or runs the rounds. The environment variable ``FEDBAYES_COMPILE_AHEAD`` decides where it is ``0``
+    (off) or ``1`` (on); by default it is on with a JAX from :data:`THREADED_COMPILE_JAX` on, where lowering and
+    compiling on two threads is supported, and off with an older one. On two CPU cores it takes 0.5-0.6 s off
+    FedSOUL's first call of 3.8 s (``benchmarks/README.md``, the start-up profile); the results are the same, bit
+    for bit (``tests/test_compile_ahead.py``)."""
+    value = os.environ.get(COMPILE_AHEAD_ENV)
+    if value in ("0", "1"):
+        return value == "1"
+    return _version(jax.__version__) >= THREADED_COMPILE_JAX
 
 
 def compile_worker() -> ThreadPoolExecutor:
@@ -229,10 +244,32 @@ def run_jit(run: Any, key: Any, make: Callable[[], Callable], once: int | None =
     return cache[key]
 
 
+@functools.cache
+def _split_jit(num: int) -> FitJitted:
+    return fit_jit(lambda key: tuple(jax.random.split(key, num)), once=0)
+
+
+@functools.cache
+def _fold_in_jit() -> FitJitted:
+    return fit_jit(jax.random.fold_in, once=0)
+
+
+def split_key(key: jax.Array, num: int = 2) -> tuple[jax.Array, ...]:
+    """``jax.random.split(key, num)`` as ``num`` keys, the same bits, computed as a fit's computation
+    (:func:`fit_jit`): outside ``jit`` JAX would compile the hash as a loop with its default options, 50 ms of a
+    fit's first call each time (``benchmarks/README.md``, the start-up profile); here once per process."""
+    return _split_jit(num)(key)
+
+
+def fold_in_key(key: jax.Array, data: int) -> jax.Array:
+    """``jax.random.fold_in(key, data)``, the same bits, compiled as :func:`split_key` is."""
+    return _fold_in_jit()(key, np.uint32(data))
+
+
 def setup_keys(key: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``(server key, clients' key)`` of the set-up: client ``i`` at stage ``s`` uses
     :func:`setup_client_key` (computable by the client alone)."""
-    k_server, k_clients = jax.random.split(key)
+    k_server, k_clients = split_key(key)
     return k_server, k_clients
 
 
@@ -261,7 +298,7 @@ def staged_setup(
             return lambda k, st, u: run.setup_server_step(s, k, st, u)
 
         server_step = run_jit(run, ("setup_server_step", stage), make_step, once=0)
-        state, payload = server_step(jax.random.fold_in(k_server, stage + 1), state, uploads)
+        state, payload = server_step(fold_in_key(k_server, stage + 1), state, uploads)
     state = run.setup_done(state, uploads)
     down += num_clients * setting_bits(run.client_settings(state))
     return state, payload, (int(up), int(down))
@@ -385,7 +422,7 @@ def stack_clients(data: FederatedData) -> ClientData:
     """All clients' padded data, stacked on a leading client axis (laid over the devices of
     :func:`sharded_clients` where it is active)."""
     return shard_clients(
-        ClientData(dict(data.padded), data.mask, jnp.asarray(data.sizes), jnp.arange(data.num_clients))
+        ClientData(dict(data.padded), data.mask, jnp.asarray(data.sizes), jnp.asarray(np.arange(data.num_clients)))
     )
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from ..engine import run_jit
@@ -124,7 +125,7 @@ def posterior_summary(run, key, theta_u: Params, statistic, covariance_tris: jax
     if not out.pop("positive_definite"):
         warnings.warn(
             f"{run.name}: Louis' observed information at the estimate is not positive definite (smallest "
-            f"eigenvalue {float(jnp.linalg.eigvalsh(out['information'])[0]):.3g}), so the globals have no "
+            f"eigenvalue {float(np.linalg.eigvalsh(np.asarray(out['information']))[0]):.3g}), so the globals have no "
             "standard errors or normal approximation: the estimate is not at a maximum of the likelihood "
             "(run more rounds) or the model is not identified there",
             ConvergenceWarning,
@@ -197,26 +198,25 @@ def draws_information(
     zflat = jax.vmap(lambda z: ravel_pytree(z)[0])(pooled)  # (n, q)
     _, unravel_z = ravel_pytree(jax.tree_util.tree_map(lambda a: a[0], pooled))
     ell = lambda x, h: fm.client_log_joint(unravel(x), unravel_z(h), client.data, client.mask)  # noqa: E731
-    score = jax.grad(ell, argnums=0)
-    g, u = jax.vmap(lambda h: jax.grad(ell, argnums=(0, 1))(flat, h))(zflat)  # (n, d), (n, q)
-    p = jax.vmap(lambda h: -jax.hessian(ell, argnums=1)(flat, h))(zflat)  # (n, q, q)
-    jac = jax.vmap(lambda h: jax.jacfwd(score, argnums=1)(flat, h))(zflat)  # (n, d, q)
+
+    def derivatives(h):  # one forward pass of q tangents over the reverse pass: (d g / dz, d u / dz), (g, u)
+        both = jax.grad(ell, argnums=(0, 1))(flat, h)
+        return both, both
+
+    (jac, hz), (g, u) = jax.vmap(jax.jacfwd(derivatives, has_aux=True))(zflat)  # (n, d, q), (n, q, q); (n, d), (n, q)
     zbar = jnp.mean(zflat, 0)
-    V = lapack_free_spd_inverse(0.5 * (jnp.mean(p, 0) + jnp.mean(p, 0).T))
+    P = -jnp.mean(hz, 0)
+    V = lapack_free_spd_inverse(0.5 * (P + P.T))
     J = jnp.mean(jac, 0)
     g = g + u @ (J @ V).T  # the control-variate scores g~
     centred = g - jnp.mean(g, 0)
     cov = J @ V @ J.T + centred.T @ centred / max(chains * S - 1, 1)
-    # E[-grad^2_theta ell] by the expansion: -grad^2_theta ell(z_bar) - 1/2 sum_r D^2_{v_r} grad^2_theta ell(z_bar),
-    # v_r the columns of chol(V) (second directional derivatives: q of them, each d x d)
-    neg_hess = lambda h: -jax.hessian(ell, argnums=0)(flat, h)  # noqa: E731
-
-    def curvature_along(v):
-        along = lambda t: neg_hess(zbar + t * v)  # noqa: E731
-        return jax.jvp(lambda t: jax.jvp(along, (t,), (jnp.ones_like(t),))[1], (jnp.zeros(()),), (jnp.ones(()),))[1]
-
-    root = lapack_free_cholesky(0.5 * (V + V.T))
-    expected = neg_hess(zbar) + 0.5 * jnp.sum(jax.vmap(curvature_along)(root.T), 0)
+    # E[-grad^2_theta ell] by the expansion -grad^2_theta [ell + 1/2 tr(V grad^2_z ell)] (theta, z_bar): the
+    # second-order term sum_jk V_jk d^2/dz_j dz_k of grad^2_theta ell, with the derivatives in theta taken last
+    # (they commute): one Hessian in theta of a scalar, not d x d matrices differentiated twice more along z
+    Vs = 0.5 * (V + V.T)
+    smoothed = lambda x: ell(x, zbar) + 0.5 * jnp.sum(Vs * jax.hessian(ell, argnums=1)(x, zbar))  # noqa: E731
+    expected = -jax.hessian(smoothed)(flat)
     info = expected - cov
     mean = jnp.mean(g, 0)
     nb = max(1, min(num_batches, S))
