@@ -431,10 +431,11 @@ def stack_clients(data: FederatedData) -> ClientData:
 MAX_BUCKETS = 4
 """At most this many size buckets by default (:func:`size_buckets`): each is a vmap of its own in the round."""
 
-BUCKET_ROW_ROUNDS = 5_000_000
+BUCKET_ROW_ROUNDS = 3_000_000
 """What one more size bucket costs, in padded rows times rounds (:func:`size_buckets`): each bucket is a trace and
-a compilation of the client step of its own, about 1 s on a 2-core CPU for FedMM's round on a 5-component,
-10-dimensional Gaussian mixture, where a padded row costs 0.13-0.27 microseconds a round (benchmarks/README.md,
+a compilation of the client step of its own, 0.4-0.6 s on a 2-core CPU for FedMM's round on a 5-component,
+10-dimensional Gaussian mixture, where a padded row costs 0.18-0.22 microseconds a round (2026-11-29, after fits
+began compiling with XLA's elemental fusion emitters, :data:`CPU_COMPILER_OPTIONS`; ``benchmarks/README.md``,
 FedMM)."""
 
 _BUCKETS: contextvars.ContextVar[str | int] = contextvars.ContextVar("fedbayes_size_buckets", default="auto")
