@@ -182,9 +182,9 @@ def compile_ahead() -> bool:
 def compile_worker() -> ThreadPoolExecutor:
     """The thread that compiles a fit's computations ahead (:meth:`FitJitted.ahead`), one after another, while the
     calling thread traces the next ones and runs the rounds: XLA releases Python's lock while it compiles. One:
-    XLA:CPU's compilation already uses several cores, and a second worker compiling the final exchange beside the
-    round chunk gave nothing on two cores (5.54-6.32 s against 5.95-6.02 s for FedSOUL's first call,
-    ``benchmarks/README.md``), while it would run two of XLA's compilations at once."""
+    a second worker compiling the final exchange beside the round chunk gave nothing on two cores (5.54-6.32 s
+    against 5.95-6.02 s for FedSOUL's first call, 2026-11-28, ``benchmarks/README.md``), and fedbayes then never
+    runs two of XLA's compilations at once."""
     if not _WORKER:
         _WORKER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedbayes-compile"))
     return _WORKER[0]
@@ -196,8 +196,10 @@ for fusions instead of its newer MLIR fusion emitters. The same programs compile
 as fast or faster (jaxlib 0.10, two cores: FedSOUL's final exchange on FedPop's model at 1 000 clients compiled in
 0.45 s instead of 0.86 s; its round ran at 465 instead of 366 rounds/s at 1 000 clients and 51 instead of 49 at
 10 000; FedMM's first chunk of a 5-component mixture at 1 000 clients compiled in 1.7 instead of 2.4 s for the
-same 18 ms rounds; ``benchmarks/README.md``, the start-up profile). Left out where this jaxlib does not know an
-option (:func:`cpu_compiler_options`)."""
+same 18 ms rounds; ``benchmarks/README.md``, the start-up profile). One round measured slower: B-ELF with natural
+compression both ways at 1 000 clients, 1 033 instead of 1 272 iterations/s on an Intel Xeon (P-ELF, LMC: the
+same). Left out where this jaxlib does not know an option (:func:`cpu_compiler_options`); clearing this dict
+before a process's first fit compiles with JAX's defaults."""
 
 
 @functools.cache
