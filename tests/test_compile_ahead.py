@@ -68,7 +68,7 @@ def test_a_fit_runs_its_final_exchange_compiled_ahead_with_the_same_result(monke
     from fedbayes.algorithms.fedsoul import FedSOULRun
     from fit_pairs import fedsoul_twice, paired_outputs
 
-    monkeypatch.setenv(engine.COMPILE_AHEAD_ENV, "1")  # off by default (engine.compile_ahead)
+    monkeypatch.setenv(engine.COMPILE_AHEAD_ENV, "1")  # on whatever the JAX (engine.compile_ahead)
 
     def check_and_switch_off(ahead):
         jitted = engine._JITTED[ahead._run]
@@ -81,3 +81,34 @@ def test_a_fit_runs_its_final_exchange_compiled_ahead_with_the_same_result(monke
     assert not engine._JITTED[plain._run]["final_clients"]._compiled
     for got, want in paired_outputs(ahead, plain):  # the same programs, compiled on another thread: the same bits
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_compiling_ahead_is_on_by_default_from_jax_0_10_and_the_environment_decides(monkeypatch) -> None:
+    monkeypatch.delenv(engine.COMPILE_AHEAD_ENV, raising=False)
+    for version, expected in (("0.10.2", True), ("0.11.0", True), ("1.0.0", True), ("0.9.9", False),
+                              ("0.4.30.dev20240101", False)):
+        monkeypatch.setattr(jax, "__version__", version)
+        assert engine.compile_ahead() is expected, version
+        monkeypatch.setenv(engine.COMPILE_AHEAD_ENV, "0")
+        assert engine.compile_ahead() is False
+        monkeypatch.setenv(engine.COMPILE_AHEAD_ENV, "1")
+        assert engine.compile_ahead() is True
+        monkeypatch.delenv(engine.COMPILE_AHEAD_ENV)
+    monkeypatch.setenv(engine.COMPILE_AHEAD_ENV, "yes")  # neither 0 nor 1: the default
+    monkeypatch.setattr(jax, "__version__", "0.10.2")
+    assert engine.compile_ahead() is True
+
+
+def test_cpu_compiler_options_leave_out_what_this_xla_does_not_know(monkeypatch) -> None:
+    monkeypatch.setattr(engine, "CPU_COMPILER_OPTIONS", {"xla_cpu_use_fusion_emitters": False,
+                                                          "xla_no_such_option_anywhere": True})
+    engine.cpu_compiler_options.cache_clear()
+    try:
+        kept = engine.cpu_compiler_options()
+        assert "xla_no_such_option_anywhere" not in kept
+        if jax.default_backend() == "cpu":  # the option fits compile with (jaxlib 0.10)
+            assert kept == {"xla_cpu_use_fusion_emitters": False}
+            fj = engine.fit_jit(lambda a: a * 2.0, once=3)
+            assert fj._jitted(jnp.ones(2)).tolist() == [2.0, 2.0]
+    finally:
+        engine.cpu_compiler_options.cache_clear()  # the module's own options again for the tests after

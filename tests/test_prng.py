@@ -109,3 +109,18 @@ def test_a_fit_is_the_same_without_the_fast_compilation(monkeypatch) -> None:
     fast, plain = fedsoul_twice(30, 20, plainly)
     for got, want in paired_outputs(fast, plain):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-12)
+
+
+def test_the_keys_a_fit_splits_on_the_host_are_jax_random_s() -> None:
+    from fedbayes import engine
+    from fedbayes.seeds import seed_key
+
+    for seed in (0, 1, 2**40 + 7):
+        key = seed_key(seed)
+        for num in (2, 3):
+            got = engine.split_key(key, num)
+            assert len(got) == num
+            np.testing.assert_array_equal(np.stack([np.asarray(k) for k in got]), np.asarray(jax.random.split(key, num)))
+        for data in (0, 1, 5, 2**31 + 3):
+            np.testing.assert_array_equal(np.asarray(engine.fold_in_key(key, data)),
+                                          np.asarray(jax.random.fold_in(key, data)))
