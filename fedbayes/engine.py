@@ -170,8 +170,8 @@ def compile_ahead() -> bool:
     next computation on a worker thread (:func:`compile_worker`) while the calling thread traces and lowers the one
     after it, or runs the rounds. The environment variable ``FEDBAYES_COMPILE_AHEAD`` decides where it is ``0``
     (off) or ``1`` (on); by default it is on with a JAX from :data:`THREADED_COMPILE_JAX` on, where lowering and
-    compiling on two threads is supported, and off with an older one. On two CPU cores it takes 0.5-0.6 s off
-    FedSOUL's first call of 3.8 s (``benchmarks/README.md``, the start-up profile); the results are the same, bit
+    compiling on two threads is supported, and off with an older one. On two CPU cores it takes 0.6-0.7 s off
+    FedSOUL's first call of 3.85 s (``benchmarks/README.md``, the start-up profile); the results are the same, bit
     for bit (``tests/test_compile_ahead.py``)."""
     value = os.environ.get(COMPILE_AHEAD_ENV)
     if value in ("0", "1"):
