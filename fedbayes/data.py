@@ -246,6 +246,13 @@ def _factorize(ids: object) -> tuple[np.ndarray, tuple]:
     return codes.astype(np.int64), tuple(uniques.tolist())
 
 
+def _edge_pad_into(out: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """``out`` (rows, ...) filled with ``a``'s rows, then ``a``'s last row repeated: a client padded the one way."""
+    out[: len(a)] = a
+    out[len(a) :] = a[-1]
+    return out
+
+
 class FederatedData:
     """Per-client data dictionaries, stored both ragged and padded with a mask.
 
@@ -356,8 +363,7 @@ class FederatedData:
         for key, arrays in self._data.items():
             out = np.empty((num_clients, max_size, *arrays[0].shape[1:]), dtype=arrays[0].dtype)
             for i, a in enumerate(arrays):
-                out[i, : len(a)] = a
-                out[i, len(a) :] = a[-1]
+                _edge_pad_into(out[i], a)
             padded[key] = jnp.asarray(out)
         self._padded = padded
         self._mask = jnp.asarray(np.arange(max_size)[None, :] < sizes[:, None])
@@ -641,6 +647,23 @@ class FederatedData:
         """
         i = _check_index(i, self.num_clients)
         return {key: arrays[i].copy() for key, arrays in self._data.items()}
+
+    def padded_client(self, i: int) -> dict[str, np.ndarray]:
+        """Client ``i``'s row of :attr:`padded` as host arrays (its last row repeated to :attr:`max_size`, in the
+        padded arrays' dtypes), read from the host copy: no device computation.
+
+        Raises
+        ------
+        ClientIndexError
+            As :meth:`client`.
+        """
+        i = _check_index(i, self.num_clients)
+        out = {}
+        for key, arrays in self._data.items():
+            a = arrays[i]
+            row = np.empty((self.max_size, *a.shape[1:]), dtype=self._padded[key].dtype)
+            out[key] = _edge_pad_into(row, a)
+        return out
 
     def pooled(self) -> dict[str, np.ndarray]:
         """Arrays of all clients concatenated in client order."""

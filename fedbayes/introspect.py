@@ -522,13 +522,7 @@ class FedModel:
         if clash:
             raise ModelError(f"model_kwargs {sorted(clash)} clash with data keys of the same names")
         self.data_keys = data.keys
-        # client 0 padded as in data.padded (its last row repeated), from the host copy: indexing the device arrays
-        # would compile a slice per array
-        first, dtypes = data.client(0), {k: v.dtype for k, v in data.padded.items()}
-        example = {
-            k: np.asarray(np.concatenate([a, np.repeat(a[-1:], data.max_size - len(a), axis=0)]), dtypes[k])
-            for k, a in first.items()
-        }
+        example = data.padded_client(0)  # from the host copy: indexing the device arrays would compile a slice each
         longer = {k: np.concatenate([v, v[-1:]], axis=0) for k, v in example.items()}
         try:
             # JAX arrays, as the model sees its data in a fit (NumPy arrays cannot be indexed by tracers)
@@ -1149,8 +1143,8 @@ class FedModel:
 
     def zeros_local(self) -> Params:
         """Unconstrained zero local latents (shapes of one client)."""
-        zero = np.zeros((), jnp.result_type(float))  # a host array: no computation compiled outside jit
-        return {n: jnp.asarray(np.broadcast_to(zero, self.sites[n].unconstrained_shape)) for n in self.local_names}
+        dtype = jnp.result_type(float)  # zeros made on the host: no computation compiled outside jit
+        return {n: jnp.asarray(np.zeros(self.sites[n].unconstrained_shape, dtype)) for n in self.local_names}
 
     def federated_log_density(self, theta_u: Params, z_u_stacked: Params, data: FederatedData) -> jax.Array:
         """log p(theta) + sum_i log p(D_i, z_i | theta): the federated target over all clients."""

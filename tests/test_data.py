@@ -444,3 +444,13 @@ def test_property_empty_client_raises(sizes, data):
         raw[key].insert(i, raw[key][0][:0])
     with pytest.raises(DataError, match=rf"client {i} has 0 rows"):
         FederatedData(raw)
+
+
+def test_a_padded_client_on_the_host_is_its_row_of_the_padded_arrays() -> None:
+    rng = np.random.default_rng(0)
+    data = FederatedData({"x": [rng.normal(size=(n, 3)) for n in (2, 5, 4)], "y": [rng.normal(size=n) for n in (2, 5, 4)]})
+    for i in range(3):
+        got = data.padded_client(i)
+        for key, value in data.padded.items():
+            assert got[key].dtype == value.dtype
+            np.testing.assert_array_equal(got[key], np.asarray(value[i]))

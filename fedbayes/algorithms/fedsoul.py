@@ -1003,10 +1003,9 @@ class FedSOULRun(FederatedRun):
         out = louis.finish_normal_approximation(self._uncertainty_jit()(key, theta, grads, info_tris, cov_tris))
         out["one_step"] = bool(out["one_step"])
         if not out.pop("positive_definite"):
-            smallest = float(np.linalg.eigvalsh(np.asarray(out["information"]))[0])  # on the host: nothing to compile
             warnings.warn(
                 f"FedSOUL: Louis' observed information at the estimate is not positive definite (smallest "
-                f"eigenvalue {smallest:.3g}), so the globals have no "
+                f"eigenvalue {louis.smallest_eigenvalue(out['information']):.3g}), so the globals have no "
                 "standard errors or normal approximation: the estimate is not at a maximum of the marginal "
                 "likelihood (run more rounds) or the model is not identified there (e.g. a rotation of a "
                 "latent subspace); the local posteriors are unaffected",

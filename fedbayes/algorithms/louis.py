@@ -125,7 +125,7 @@ def posterior_summary(run, key, theta_u: Params, statistic, covariance_tris: jax
     if not out.pop("positive_definite"):
         warnings.warn(
             f"{run.name}: Louis' observed information at the estimate is not positive definite (smallest "
-            f"eigenvalue {float(np.linalg.eigvalsh(np.asarray(out['information']))[0]):.3g}), so the globals have no "
+            f"eigenvalue {smallest_eigenvalue(out['information']):.3g}), so the globals have no "
             "standard errors or normal approximation: the estimate is not at a maximum of the likelihood "
             "(run more rounds) or the model is not identified there",
             ConvergenceWarning,
@@ -227,6 +227,12 @@ def draws_information(
     grad_cov = bc.T @ bc / max(k - 1, 1) / k
     rows, cols = jnp.triu_indices(d)
     return mean, info[rows, cols], grad_cov[rows, cols]
+
+
+def smallest_eigenvalue(information: Any) -> float:
+    """The smallest eigenvalue of a symmetric information matrix, on the host (NumPy: for a warning's message,
+    nothing compiled)."""
+    return float(np.linalg.eigvalsh(np.asarray(information))[0])
 
 
 def information_eigen(information: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
