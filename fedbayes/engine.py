@@ -371,9 +371,9 @@ def _final_clients(run: Any, num_clients: int) -> FitJitted:
     """The final exchange's client steps, every client at once (over the devices where they are laid out) or in
     blocks of :data:`FINAL_BLOCK`."""
     if num_clients <= FINAL_BLOCK or _MESH.get() is not None:
-        make = lambda: jax.vmap(run.final_client, in_axes=(None, None, 0, _CLIENT_AXES))  # noqa: E731
+        make = lambda: over_clients(run.final_client, common_fields(run), (None, None, 0, _CLIENT_AXES), 2)  # noqa: E731
         return run_jit(run, "final_clients", make, num_clients)
-    return run_jit(run, "final_client_blocks", lambda: _in_blocks(run.final_client), num_clients)
+    return run_jit(run, "final_client_blocks", lambda: _in_blocks(run.final_client, common_fields(run)), num_clients)
 
 
 FINAL_BLOCK = 2048
@@ -382,15 +382,17 @@ within a block, one block after another): their intermediates (FedSOUL's Louis t
 matrices per client and draw) then take the memory of one block, not of the whole federation."""
 
 
-def _in_blocks(final_client: Callable) -> Callable:
+def _in_blocks(final_client: Callable, common: tuple[str, ...] = ()) -> Callable:
     def blocks(key, payload, client_states, clients):
         settings = clients.settings  # the same for every client: not mapped over
+        states, shared = _split_common(client_states, common)  # so are the common fields of the states
 
         def one(args):
             state, client = args
+            state = state._replace(**shared) if shared else state
             return final_client(key, payload, state, client._replace(settings=settings))
 
-        return jax.lax.map(one, (client_states, clients._replace(settings=None)), batch_size=FINAL_BLOCK)
+        return jax.lax.map(one, (states, clients._replace(settings=None)), batch_size=FINAL_BLOCK)
 
     return blocks
 
@@ -407,7 +409,9 @@ def staged_init(
         def make():
             def step(k_clients, payload, states, clients):
                 one = lambda p, c, cl: run.setup_client(stage, setup_client_key(k_clients, cl.index, stage), p, c, cl)  # noqa: E731
-                return jax.vmap(one, in_axes=(None, 0, 0))(payload, states, clients)
+                return over_clients(one, common_fields(run), (None, 0, 0), state_arg=1, state_out=0)(
+                    payload, states, clients
+                )
 
             return step
 
@@ -705,6 +709,72 @@ def _put(tree: PyTree, idx: jax.Array, values: PyTree) -> PyTree:
     return jax.tree_util.tree_map(lambda a, v: a.at[idx].set(v), tree, values)
 
 
+# ------------------------------------------------------------------------------ state common to every client
+
+
+def common_fields(run: Any) -> tuple[str, ...]:
+    """The fields of ``run``'s client state (a NamedTuple) that every client holds alike
+    (``FederatedRun.common_client_fields``): stored once, without a client axis."""
+    return tuple(getattr(run, "common_client_fields", ()))
+
+
+def _split_common(states: Any, common: tuple[str, ...]) -> tuple[Any, dict[str, Any]]:
+    """(``states`` with the ``common`` fields emptied, those fields' values)."""
+    if not common or states is None:
+        return states, {}
+    return states._replace(**dict.fromkeys(common)), {f: getattr(states, f) for f in common}
+
+
+def over_clients(
+    fn: Callable,
+    common: tuple[str, ...],
+    in_axes: Any,
+    state_arg: int,
+    state_out: int | str | None = None,
+    axis_size: int | None = None,
+) -> Callable:
+    """``jax.vmap(fn, in_axes)`` over a cohort's clients, where argument ``state_arg`` holds their client states
+    and the fields ``common`` of those (:func:`common_fields`) carry no client axis: they enter every client's
+    call as they are. Where ``fn`` returns new states (``state_out``: their position in its tuple result, or
+    ``"all"`` where the result is the states), their ``common`` fields come out once: vmap's ``out_axes=None``,
+    so JAX refuses a new value that depends on the client (a field wrongly declared common) when it traces."""
+    if not common:
+        return jax.vmap(fn, in_axes=in_axes, axis_size=axis_size)
+
+    def mapped(*args: Any) -> Any:
+        args_ = list(args)
+        args_[state_arg], shared = _split_common(args_[state_arg], common)
+
+        def one(*a: Any) -> Any:
+            a_ = list(a)
+            if shared:
+                a_[state_arg] = a_[state_arg]._replace(**shared)
+            out = fn(*a_)
+            if state_out is None:
+                return out, ()
+            new = out if state_out == "all" else out[state_out]
+            new, same = _split_common(new, common)
+            if state_out == "all":
+                return new, same
+            return tuple(new if i == state_out else o for i, o in enumerate(out)), same
+
+        out, same = jax.vmap(one, in_axes=in_axes, out_axes=(0, None), axis_size=axis_size)(*args_)
+        if state_out is None:
+            return out
+        if state_out == "all":
+            return out._replace(**same)
+        return tuple(o._replace(**same) if i == state_out else o for i, o in enumerate(out))
+
+    return mapped
+
+
+def _take_clients(states: PyTree, idx: jax.Array, common: tuple[str, ...]) -> PyTree:
+    """The client states of clients ``idx`` (the common fields as they are)."""
+    rest, shared = _split_common(states, common)
+    taken = _take(rest, idx)
+    return taken._replace(**shared) if shared else taken
+
+
 _PARTICIPATION_STREAM = 0x5EED  # a key stream of its own: the other round keys are unchanged
 _SHARED_STREAM = 0x5A4ED  # the round's public key (cohort-wide randomness), also a stream of its own
 _FAULT_STREAM = 0xFA017  # simulated faults (fb.Faults): a stream of its own, so fault-free keys are unchanged
@@ -712,8 +782,17 @@ _FAULT_STREAM = 0xFA017  # simulated faults (fb.Faults): a stream of its own, so
 _CLIENT_AXES = ClientData._make((0, 0, 0, 0, 0, None, None))
 
 
-def _where_active(active: jax.Array, new: PyTree, old: PyTree) -> PyTree:
-    """Commit the new client states of active clients only (inactive ones keep theirs)."""
+def _where_active(
+    active: jax.Array, new: PyTree, old: PyTree, whole: tuple[str, ...] = (), whole_from: PyTree = None
+) -> PyTree:
+    """Commit the new client states of active clients only (inactive ones keep theirs); the fields ``whole`` (of a
+    NamedTuple state) taken whole from ``whole_from`` (default: ``new``)."""
+    if whole:
+        none = dict.fromkeys(whole)
+        source = new if whole_from is None else whole_from
+        return _where_active(active, new._replace(**none), old._replace(**none))._replace(
+            **{n: getattr(source, n) for n in whole}
+        )
     return jax.tree_util.tree_map(
         lambda n, o: jnp.where(jnp.reshape(active, (-1,) + (1,) * (n.ndim - 1)), n, o), new, old
     )
@@ -721,14 +800,10 @@ def _where_active(active: jax.Array, new: PyTree, old: PyTree) -> PyTree:
 
 def _roll_back(algorithm: FederatedRun, active: jax.Array, new: PyTree, old: PyTree) -> PyTree:
     """The cohort's states after a round: the new where ``active``, the old elsewhere, except the fields the
-    algorithm keeps from a faulty round (``kept_on_fault``), taken from the new states whole."""
-    names = algorithm.kept_on_fault
-    if not names:
-        return _where_active(active, new, old)
-    none = dict.fromkeys(names)
-    return _where_active(active, new._replace(**none), old._replace(**none))._replace(
-        **{n: getattr(new, n) for n in names}
-    )
+    algorithm keeps from a faulty round (``kept_on_fault``) and those common to every client
+    (``common_client_fields``: a faulty member's resync restores the same value), taken from the new states
+    whole."""
+    return _where_active(active, new, old, tuple(algorithm.kept_on_fault) + common_fields(algorithm))
 
 
 def _in_notebook() -> bool:
@@ -913,6 +988,12 @@ def make_round(
     """
 
     participation = float(algorithm.participation)
+    common = common_fields(algorithm)
+    if common and (cohort_size != num_clients or participation < 1.0):
+        raise ConfigError(
+            f"{algorithm.name} keeps client state common to every client ({', '.join(common)}): it needs every "
+            "client in every round (no cohort drawn, no Bernoulli participation)"
+        )
 
     def round_fn(carry, step):
         server_state, client_states, broadcast = carry
@@ -925,14 +1006,14 @@ def make_round(
         members = _take(clients, cohort)._replace(
             slot=jnp.arange(cohort_size), shared_key=k_shared, settings=algorithm.client_settings(server_state)
         )
-        step = jax.vmap(algorithm.client_step, in_axes=(0, None, 0, _CLIENT_AXES))
+        step = over_clients(algorithm.client_step, common, (0, None, 0, _CLIENT_AXES), state_arg=2, state_out=0)
         full = cohort_size == num_clients  # every client, in order: no gather or scatter of the client states
         old_states = client_states if full else _take(client_states, cohort)
         if buckets is None:
             new_states, uploads = step(keys, decode_tree(broadcast.payload), old_states, members)
         else:
             new_states, uploads = _bucketed_step(
-                step, buckets, keys, decode_tree(broadcast.payload), old_states, members
+                step, buckets, keys, decode_tree(broadcast.payload), old_states, members, common
             )
         payload = decode_tree(uploads.payload)  # what the server reconstructs from the messages
         injected = jnp.zeros((cohort_size,), jnp.int32)
@@ -962,16 +1043,18 @@ def make_round(
         active, faulty = record.pop("_active"), record.pop("_faulty")
         replied = resent = jnp.zeros((cohort_size,), jnp.int32)
         if algorithm.replies:  # the server's reply to this round's answering members
-            finish = jax.vmap(algorithm.client_finish, in_axes=(None, 0, _CLIENT_AXES, 0))
+            finish = over_clients(
+                algorithm.client_finish, common, (None, 0, _CLIENT_AXES, 0), state_arg=1, state_out=0
+            )
             new_states, reply_bits = finish(decode_tree(new_broadcast.payload), new_states, members, payload)
             replied = jnp.where(active, reply_bits, 0)
         kept = _roll_back(algorithm, active, new_states, old_states)
         if algorithm.resyncs:  # a faulty member's copy of server state is re-sent
             again = algorithm.resync_message(opening)
-            resynced = jax.vmap(algorithm.resync, in_axes=(0, None), axis_size=cohort_size)(
+            resynced = over_clients(algorithm.resync, common, (0, None), 0, "all", axis_size=cohort_size)(
                 old_states, decode_tree(again.payload)
-            )
-            kept = _where_active(faulty, resynced, kept)
+            )  # (a common field's resync restores what the members in step hold: theirs is kept)
+            kept = _where_active(faulty, resynced, kept, common, whole_from=kept)
             resent = jnp.where(faulty, again.bits, 0)
         client_states = kept if full else _put(client_states, cohort, kept)
         record["bits_down"] = downlink_bits(broadcast.bits, expected, replied, resent)
@@ -980,15 +1063,22 @@ def make_round(
     return round_fn
 
 
-def _bucketed_step(step: Callable, buckets: ClientBuckets, keys, payload, states, members: ClientData):
+def _bucketed_step(
+    step: Callable, buckets: ClientBuckets, keys, payload, states, members: ClientData, common: tuple[str, ...] = ()
+):
     """``step`` (the vmapped client step) on every client, one bucket at a time (:func:`round_buckets`): each
-    bucket's clients with their own keys, states and rows, then the results in client order."""
-    outs = []
+    bucket's clients with their own keys, states and rows, then the results in client order (the ``common``
+    fields of the new states, the same from every bucket, from the first)."""
+    outs, shared = [], {}
     for part in buckets.parts:
         idx = part.index
         own = part._replace(slot=idx, shared_key=members.shared_key, settings=members.settings)
-        outs.append(step(keys[idx], payload, _take(states, idx), own))
-    return jax.tree_util.tree_map(lambda *parts: jnp.concatenate(parts)[buckets.order], *outs)
+        new, upload = step(keys[idx], payload, _take_clients(states, idx, common), own)
+        new, same = _split_common(new, common)
+        shared = shared or same
+        outs.append((new, upload))
+    new, uploads = jax.tree_util.tree_map(lambda *parts: jnp.concatenate(parts)[buckets.order], *outs)
+    return (new._replace(**shared) if shared else new), uploads
 
 
 def downlink_bits(
@@ -1306,12 +1396,16 @@ def wait_ready(
 
 
 def placed(
-    carry: tuple[PyTree, PyTree, Message], base_key: jax.Array
+    carry: tuple[PyTree, PyTree, Message], base_key: jax.Array, common: tuple[str, ...] = ()
 ) -> tuple[tuple[PyTree, PyTree, Message], jax.Array]:
     """The carry and the round key laid out as the rounds use them: the client states over the active
-    mesh's devices (:func:`sharded_clients`), the server state, the broadcast and the key replicated."""
+    mesh's devices (:func:`sharded_clients`; their ``common`` fields replicated), the server state, the
+    broadcast and the key replicated."""
     server_state, client_states, broadcast = carry
-    return (replicate(server_state), shard_clients(client_states), replicate(broadcast)), replicate(base_key)
+    states, shared = _split_common(client_states, common)
+    states = shard_clients(states)
+    states = states._replace(**replicate(shared)) if shared else states
+    return (replicate(server_state), states, replicate(broadcast)), replicate(base_key)
 
 
 def run_rounds(
@@ -1362,7 +1456,7 @@ def run_rounds(
     num_rounds = problem.num_rounds
     clients = stack_clients(problem.data)
     buckets = round_buckets(algorithm, problem, cohort_size)
-    carry, base_key = placed(carry, base_key)
+    carry, base_key = placed(carry, base_key, common_fields(algorithm))
     min_clients = (FaultPolicy() if policy is None else policy).min_clients
     run_chunk = _compiled_chunk(algorithm, problem.data.num_clients, cohort_size, faults, policy)
     bar = Progress(num_rounds, algorithm.name, progress)

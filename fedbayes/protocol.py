@@ -265,6 +265,14 @@ class FederatedRun(abc.ABC):
       (the joint exact samplers' buffers of kept draws, which a select with the old state would copy whole every
       round).
 
+    * ``common_client_fields`` (()): fields of a client's state (a NamedTuple) that every client holds alike at
+      every round: each client's new value depends on the broadcast and its old value only, every client starts
+      from the same one, and a faulty member's :meth:`resync` restores the value the members in step hold
+      (P-/B-ELF's copies of w). The vectorised engine keeps one copy of them, without a client axis (no copy per
+      client to store, and a client step computes with the one value, as a hand-written loop would), and
+      refuses them where some clients could fall behind (a cohort drawn each round, ``participation`` < 1). On
+      a network each client keeps its own.
+
     Runs are built by their configuration's ``build(problem)``. All stage functions are pure; the
     client's ``client`` argument is its own data only, and ``key`` arguments follow the engine's key
     streams, so a fit is a function of its seed. A run is immutable once built: what the set-up resolves
@@ -278,6 +286,7 @@ class FederatedRun(abc.ABC):
     replies: bool = False
     resyncs: bool = False
     kept_on_fault: tuple[str, ...] = ()
+    common_client_fields: tuple[str, ...] = ()
     pads_freely: bool = False
     sums_uploads: bool | str = False
     divergence_hint: str = ""

@@ -60,6 +60,10 @@ def test_error_feedback_invariants_hold_every_round():
     server, states, broadcast = run.init(jax.random.PRNGKey(0), problem)
     np.testing.assert_allclose(server.up, states.up.sum(0), atol=1e-12)  # g_0 = sum_i grad U_i(x_0)
     C = data.num_clients
+    # the engine keeps one copy of w for all clients (common_client_fields); here each client keeps its own, as
+    # on a network, and the copies are checked to stay the server's w: what makes the one copy exact
+    assert run.common_client_fields == ("down",) and states.down.shape == server.down.shape
+    states = states._replace(down=jnp.broadcast_to(states.down, (C,) + states.down.shape))
     for k in range(30):
         keys = jax.random.split(jax.random.PRNGKey(k + 1), C)
         step = jax.vmap(run.client_step, in_axes=(0, None, 0, 0))

@@ -12,7 +12,8 @@ from hypothesis.extra import numpy as hnp
 
 import fedbayes as fb
 from fedbayes.wire import decode_tree
-from fedbayes.engine import Problem, run_rounds
+from fedbayes.algorithms.elf import LangevinRun
+from fedbayes.engine import Problem, over_clients, run_rounds
 from fedbayes.errors import ConfigError
 from fedbayes.faults import DROPPED, NONFINITE, OK, TOO_LARGE, Aggregation, _beyond_median, screen, upper_median
 from test_elf import gauss_model, gaussian_clients
@@ -281,6 +282,69 @@ def test_langevin_memories_and_copies_stay_in_step_under_faults(algo="BELF"):
         # the downlink pays a full copy of w (2 chains x d floats) per faulty member on top of v
         resync = hist["bits_down"] - (hist["bits_down"][faulty == 0].min() if (faulty == 0).any() else 0)
         assert np.all(resync[faulty > 0] >= faulty[faulty > 0] * 32 * 2 * 4 - 32 * 2 * 4 * 5)
+
+
+@pytest.mark.parametrize("algo", ["PELF", "BELF"])
+def test_one_copy_of_w_is_every_clients_copy_under_faults(algo, monkeypatch):
+    """The engine stores P-/B-ELF's copies of w once (``common_client_fields``). With drops and NaN uploads
+    (roll-backs and resyncs) the rounds equal those where each client keeps its own copy, as on a network: the
+    same faults and bits, every copy the one copy, and the chains to float64 rounding (the gradient at one w and
+    at five equal copies may sum in another order: 40 rounds of relative 1e-16 stay far below 1e-12)."""
+    data, P, _ = gaussian_clients()
+    kw = {"PELF": dict(downlink=fb.compress.top_k(2)),
+          "BELF": dict(uplink=fb.compress.top_k(2), downlink=fb.compress.natural(contractive=True))}[algo]
+
+    def rounds():
+        problem = Problem(fb.FedModel(gauss_model, data), data, 40)
+        run = getattr(fb, algo)(step_size=0.1 / np.linalg.eigvalsh(P).max(), num_chains=2, **kw).build(problem)
+        carry = run.init(jax.random.PRNGKey(0), problem)
+        return run_rounds(run, problem, carry, base_key=jax.random.PRNGKey(1), cohort_size=data.num_clients,
+                          chunk_size=20, faults=fb.Faults(drop=0.2, nan=0.2), progress=False)
+
+    (server, states, _), hist = rounds()
+    assert states.down.shape == server.down.shape  # one copy
+    monkeypatch.setattr(LangevinRun, "common_client_fields", ())
+    (server_each, states_each, _), hist_each = rounds()
+    assert states_each.down.shape == (data.num_clients,) + server.down.shape  # a copy per client
+    assert hist["dropped"].sum() > 5 and hist["nonfinite"].sum() > 5
+    for name in ("dropped", "nonfinite", "bits_up", "bits_down"):
+        np.testing.assert_array_equal(hist[name], hist_each[name])
+    for c in range(data.num_clients):
+        np.testing.assert_allclose(states_each.down[c], states.down, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(server_each.x, server.x, rtol=1e-12, atol=1e-12)
+
+
+def test_common_client_state_needs_every_client_every_round():
+    """A copy of w stored once is only right when every client receives every broadcast: the engine refuses a
+    drawn cohort for it (fed_fit refuses partial participation for P-/B-ELF before that)."""
+    data, P, _ = gaussian_clients()
+    problem = Problem(fb.FedModel(gauss_model, data), data, 4)
+    run = fb.PELF(step_size=0.01, num_chains=1, downlink=fb.compress.top_k(2)).build(problem)
+    carry = run.init(jax.random.PRNGKey(0), problem)
+    with pytest.raises(ConfigError, match="every client in every round"):
+        run_rounds(run, problem, carry, base_key=jax.random.PRNGKey(1), cohort_size=3, progress=False)
+
+
+def test_a_client_dependent_field_declared_common_is_refused():
+    """``over_clients`` maps the common fields out once (vmap's out_axes=None): a new value that depends on the
+    client, a field wrongly declared common, is refused when the step is traced, not averaged or dropped."""
+    from typing import NamedTuple
+
+    class State(NamedTuple):
+        mine: jax.Array
+        shared: jax.Array
+
+    def step(x, payload, state):
+        return State(state.mine + x, state.shared + payload), x
+
+    states = State(jnp.zeros((3, 2)), jnp.zeros(2))
+    new, out = over_clients(step, ("shared",), (0, None, 0), state_arg=2, state_out=0)(
+        jnp.ones((3, 2)), jnp.ones(2), states)
+    np.testing.assert_array_equal(new.shared, jnp.ones(2))  # the one copy, moved by the payload
+    np.testing.assert_array_equal(new.mine, jnp.ones((3, 2)))
+    wrong = lambda x, payload, state: (State(state.mine, state.shared + x), x)  # noqa: E731
+    with pytest.raises(ValueError, match="out_axes"):
+        over_clients(wrong, ("shared",), (0, None, 0), state_arg=2, state_out=0)(jnp.ones((3, 2)), jnp.ones(2), states)
 
 
 def test_delf_with_faults_keeps_the_exact_stationary_mean():

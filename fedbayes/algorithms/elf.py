@@ -433,6 +433,12 @@ class LangevinRun(FederatedRun):
             )
         return True
 
+    @property
+    def common_client_fields(self) -> tuple[str, ...]:  # type: ignore[override]  # FederatedRun's plain attribute
+        """EF21-P's copies of w (``"down"``): every client starts from x_0, adds the same broadcasts, and a faulty
+        one is re-sent the server's w, so all copies are one (:class:`fedbayes.protocol.FederatedRun`)."""
+        return ("down",) if isinstance(self.down, EF21PDownlink) else ()
+
     def _start_at_mode(self, problem: Problem, fallback: jax.Array) -> jax.Array:
         """The mode of the target by federated Newton (its bits kept in ``map_bits``) and the Cholesky
         factor of H^-1 there for the dispersed starts; the deterministic start if no finite mode is found."""
