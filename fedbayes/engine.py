@@ -1043,9 +1043,7 @@ def make_round(
         active, faulty = record.pop("_active"), record.pop("_faulty")
         replied = resent = jnp.zeros((cohort_size,), jnp.int32)
         if algorithm.replies:  # the server's reply to this round's answering members
-            finish = over_clients(
-                algorithm.client_finish, common, (None, 0, _CLIENT_AXES, 0), state_arg=1, state_out=0
-            )
+            finish = over_clients(algorithm.client_finish, common, (None, 0, _CLIENT_AXES, 0), state_arg=1, state_out=0)
             new_states, reply_bits = finish(decode_tree(new_broadcast.payload), new_states, members, payload)
             replied = jnp.where(active, reply_bits, 0)
         kept = _roll_back(algorithm, active, new_states, old_states)
@@ -1069,7 +1067,8 @@ def _bucketed_step(
     """``step`` (the vmapped client step) on every client, one bucket at a time (:func:`round_buckets`): each
     bucket's clients with their own keys, states and rows, then the results in client order (the ``common``
     fields of the new states, the same from every bucket, from the first)."""
-    outs, shared = [], {}
+    outs: list[Any] = []
+    shared: dict[str, Any] = {}
     for part in buckets.parts:
         idx = part.index
         own = part._replace(slot=idx, shared_key=members.shared_key, settings=members.settings)
