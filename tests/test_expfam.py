@@ -122,6 +122,28 @@ def test_map_m_step_maximises_surrogate_plus_prior(gmm_data):
     assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(grad)) < 1e-6
 
 
+def test_psd_projection_is_eigenvalue_clipping_on_both_branches():
+    """``_psd`` skips the eigendecompositions where every matrix of the batch is already inside {M >= eps I} (its
+    Cholesky test): then it returns M itself, otherwise each matrix with its eigenvalues clipped at eps, both
+    checked against NumPy's eigendecomposition (float64)."""
+    from fedbayes.algorithms.expfam import _EPS, _psd
+
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(3, 4, 4))
+    inside = a @ np.swapaxes(a, 1, 2) + 0.1 * np.eye(4)  # positive definite
+    outside = inside.copy()
+    outside[1] = 0.5 * (a[1] + a[1].T)  # indefinite: this batch takes the clipping branch
+
+    def clipped(m):
+        vals, vecs = np.linalg.eigh(0.5 * (m + np.swapaxes(m, -1, -2)))
+        return (vecs * np.maximum(vals, _EPS)[..., None, :]) @ np.swapaxes(vecs, -1, -2)
+
+    np.testing.assert_array_equal(np.asarray(jax.jit(_psd)(inside)), 0.5 * (inside + np.swapaxes(inside, 1, 2)))
+    np.testing.assert_allclose(np.asarray(_psd(inside)), clipped(inside), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(jax.jit(_psd)(outside)), clipped(outside), rtol=1e-12, atol=1e-12)
+    assert np.linalg.eigvalsh(outside[1]).min() < 0 and np.linalg.eigvalsh(np.asarray(_psd(outside))[1]).min() > 0
+
+
 def test_projection_valid_idempotent(gmm_data):
     fm = FedModel(fb.models.gaussian_mixture(3, 2), gmm_data)
     d = derive(fm)

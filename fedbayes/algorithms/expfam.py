@@ -254,10 +254,20 @@ _EPS = 1e-10
 
 
 def _psd(m: jax.Array) -> jax.Array:
-    """Euclidean projection of a symmetric matrix onto {M >= eps I} (eigenvalue clipping)."""
+    """Euclidean projection of a symmetric matrix onto {M >= eps I} (eigenvalue clipping).
+
+    Where every M - eps I of the batch has a Cholesky factor (all its eigenvalues exceed eps) the projection is M
+    itself and the eigendecompositions are skipped (``lax.cond``: a statistic averaged from valid ones, FedMM's
+    usual round, pays a Cholesky factorisation instead of an eigendecomposition; under ``jax.vmap`` over a batch of
+    statistics, where ``lax.cond`` becomes a select, both run)."""
     m = 0.5 * (m + jnp.swapaxes(m, -1, -2))
-    vals, vecs = jnp.linalg.eigh(m)
-    return (vecs * jnp.maximum(vals, _EPS)[..., None, :]) @ jnp.swapaxes(vecs, -1, -2)
+
+    def clip(m: jax.Array) -> jax.Array:
+        vals, vecs = jnp.linalg.eigh(m)
+        return (vecs * jnp.maximum(vals, _EPS)[..., None, :]) @ jnp.swapaxes(vecs, -1, -2)
+
+    inside = jnp.all(jnp.isfinite(jnp.linalg.cholesky(m - _EPS * jnp.eye(m.shape[-1], dtype=m.dtype))))
+    return jax.lax.cond(inside, lambda m: m, clip, m)
 
 
 def _normal_ml(s, fixed):
