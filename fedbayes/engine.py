@@ -196,10 +196,10 @@ for fusions instead of its newer MLIR fusion emitters. The same programs compile
 as fast or faster (jaxlib 0.10, two cores: FedSOUL's final exchange on FedPop's model at 1 000 clients compiled in
 0.45 s instead of 0.86 s; its round ran at 465 instead of 366 rounds/s at 1 000 clients and 51 instead of 49 at
 10 000; FedMM's first chunk of a 5-component mixture at 1 000 clients compiled in 1.7 instead of 2.4 s for the
-same 18 ms rounds; ``benchmarks/README.md``, the start-up profile). Rounds measured slower: P-ELF at 1 000 clients by
-about 4% (2 828 against 2 936 iterations/s on an Intel Xeon; B-ELF with natural compression both ways and LMC
-the same either way). Left out where this jaxlib does not know an option (:func:`cpu_compiler_options`); clearing this dict
-before a process's first fit compiles with JAX's defaults."""
+same 18 ms rounds; ``benchmarks/README.md``, the start-up profile). Rounds measured slower: P-ELF at 1 000
+clients by about 4% (2 828 against 2 936 iterations/s on an Intel Xeon; B-ELF with natural compression both ways
+and LMC the same either way). Left out where this jaxlib does not know an option (:func:`cpu_compiler_options`);
+clearing this dict before a process's first fit compiles with JAX's defaults."""
 
 
 @functools.cache
