@@ -122,6 +122,28 @@ def test_map_m_step_maximises_surrogate_plus_prior(gmm_data):
     assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(grad)) < 1e-6
 
 
+@pytest.mark.parametrize("dim", [3, 20])  # the outer-product branch (D <= OUTER_FEATURES_DIM) and the other
+@pytest.mark.parametrize("w_axes", [1, 2])  # weights per row, or per row and inner axis
+def test_weighted_outer_sum_is_numpys(dim, w_axes):
+    """A multivariate normal's second moment sum_n w_n x_n x_n' on both contraction orders, for weights over a prefix
+    of the rows' axes, and under a vmap over several weightings (a mixture's components), against NumPy (float64)."""
+    from fedbayes.algorithms.expfam import OUTER_FEATURES_DIM, _weighted_outer_sum
+
+    assert (dim <= OUTER_FEATURES_DIM) == (dim == 3)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(7, 4, dim))
+    w = rng.uniform(size=(7, 4)[:w_axes])
+    wf = w.reshape(w.shape + (1,) * (2 - w_axes))
+    want = np.einsum("nm,nmi,nmj->mij", np.broadcast_to(wf, (7, 4)), x, x)
+    np.testing.assert_allclose(np.asarray(_weighted_outer_sum(x, w)), want, rtol=1e-12, atol=1e-12)
+    ws = rng.uniform(size=(5,) + w.shape)
+    got = jax.vmap(lambda v: _weighted_outer_sum(x, v))(ws)
+    for k in range(5):
+        vk = ws[k].reshape(w.shape + (1,) * (2 - w_axes))
+        want_k = np.einsum("nm,nmi,nmj->mij", np.broadcast_to(vk, (7, 4)), x, x)
+        np.testing.assert_allclose(np.asarray(got[k]), want_k, rtol=1e-12, atol=1e-12)
+
+
 def test_psd_projection_is_eigenvalue_clipping_on_both_branches():
     """``_psd`` skips the eigendecompositions where every matrix of the batch is already inside {M >= eps I} (its
     Cholesky test): then it returns M itself, otherwise each matrix with its eigenvalues clipped at eps, both

