@@ -38,6 +38,7 @@ import sys
 import threading
 import types
 import warnings
+import zlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -389,6 +390,24 @@ def _trace(model: Callable, kwargs: Mapping[str, Any], substitutions=None, subst
     if substitutions is not None or substitute_fn is not None:
         fn = handlers.substitute(fn, data=substitutions, substitute_fn=substitute_fn)
     return handlers.trace(fn).get_trace(**kwargs)
+
+
+def _spread_value(site: dict) -> jax.Array | None:
+    """A value in the support of a continuous latent sample site, ``biject_to(support)(u)`` with ``u`` uniform on
+    (-2, 2) in the unconstrained space (numpyro's ``init_to_uniform``), drawn with NumPy from a seed of the site's
+    name: spread like a random draw, so that no term of a model vanishes by coincidence, yet compiled as a constant
+    (a compiled draw from the prior hashes keys: most of the padding check's compilation on a CPU). None (the
+    model's own draw) for observed and discrete sites and supports without a bijection."""
+    if site["type"] != "sample" or site.get("is_observed") or site["fn"].support.is_discrete:
+        return None
+    fn = site["fn"]
+    try:
+        transform = biject_to(fn.support)
+        shape = transform.inverse_shape(fn.shape())
+    except NotImplementedError:
+        return None
+    u = np.random.default_rng(zlib.crc32(site["name"].encode())).uniform(-2.0, 2.0, shape)
+    return transform(jnp.asarray(u, jnp.result_type(float)))
 
 
 def _abstract_trace(model: Callable, kwargs: Mapping[str, Any]):
@@ -782,9 +801,10 @@ class FedModel:
         whose parameters reduce over the rows) would silently count the padding. The model is
         evaluated on client 0's real rows and on the same rows padded to about twice their length, at
         the same latent values (per-observation latents padded like the data); every site's
-        log-density over the real rows must agree up to rounding. Each evaluation is one compiled
-        program (two compilations in all, instead of one per eager operation). ``tr`` is the model's
-        trace on client 0 (for the sites' plates).
+        log-density over the real rows must agree up to rounding. The continuous latents take spread
+        values fixed on the host (:func:`_spread_value`), the discrete ones a draw from the model. Each
+        evaluation is one compiled program (two compilations in all, instead of one per eager operation).
+        ``tr`` is the model's trace on client 0 (for the sites' plates).
         """
         n = len(next(iter(rows.values())))
         extra = max(n, 3)
@@ -798,7 +818,7 @@ class FedModel:
             }
 
         def base(data):
-            tr = _trace(self.model, {**data, **self.model_kwargs})
+            tr = _trace(self.model, {**data, **self.model_kwargs}, substitute_fn=_spread_value)
             return self._site_terms(tr, n), latents(tr), self._deterministic_rows(tr, n)
 
         def again(data, values):

@@ -121,3 +121,30 @@ def test_a_plate_whose_subsample_is_the_whole_client_is_accepted(ragged):
 
     fm = fb.FedModel(full, ragged)
     assert fm.data_plates == frozenset({"obs"})
+
+
+def slope_times_sum(x, y):
+    """A padding-dependent term that vanishes where its latent is 0 (the mean of its prior)."""
+    w = numpyro.sample("w", dist.Normal(0.0, 1.0))
+    with numpyro.plate("obs", x.shape[0]):
+        numpyro.sample("y", dist.Normal(x, 1.0), obs=y)
+    numpyro.factor("drift", w * jnp.sum(y))
+
+
+def test_the_check_takes_spread_latent_values_not_a_centre(ragged):
+    """The padding check evaluates the model at spread latent values (``_spread_value``: uniform on (-2, 2) in the
+    unconstrained space, fixed per site name), not at a prior's centre where a term like w * sum(y) would vanish
+    and hide the padding; discrete and observed sites keep the model's own draw."""
+    from fedbayes.introspect import _spread_value
+
+    with pytest.raises(fb.ModelError, match="drift"):
+        fb.FedModel(slope_times_sum, ragged)
+    site = {"type": "sample", "name": "s", "fn": dist.HalfNormal(1.0).expand([3]), "is_observed": False}
+    first, again = np.asarray(_spread_value(site)), np.asarray(_spread_value(dict(site)))
+    np.testing.assert_array_equal(first, again)  # the same values for the same site name
+    assert first.shape == (3,) and np.all(first > 0) and np.ptp(first) > 0  # in the support, spread
+    u = np.log(first)  # HalfNormal's support (0, inf): exp of the unconstrained value
+    assert np.all(np.abs(u) < 2)
+    assert _spread_value({**site, "fn": dist.Bernoulli(0.5)}) is None
+    assert _spread_value({**site, "is_observed": True}) is None
+    assert _spread_value({"type": "deterministic", "name": "d"}) is None
