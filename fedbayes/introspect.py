@@ -396,7 +396,7 @@ def _spread_value(site: dict) -> jax.Array | None:
     """A value in the support of a continuous latent sample site, ``biject_to(support)(u)`` with ``u`` uniform on
     (-2, 2) in the unconstrained space (numpyro's ``init_to_uniform``), drawn with NumPy from a seed of the site's
     name: spread like a random draw, so that no term of a model vanishes by coincidence, yet compiled as a constant
-    (a compiled draw from the prior hashes keys: most of the padding check's compilation on a CPU). None (the
+    (compiling a draw from the prior was most of the padding check's compilation on a CPU). None (the
     model's own draw) for observed and discrete sites and supports without a bijection."""
     if site["type"] != "sample" or site.get("is_observed") or site["fn"].support.is_discrete:
         return None
