@@ -783,17 +783,12 @@ _FAULT_STREAM = 0xFA017  # simulated faults (fb.Faults): a stream of its own, so
 _CLIENT_AXES = ClientData._make((0, 0, 0, 0, 0, None, None))
 
 
-def _where_active(
-    active: jax.Array, new: PyTree, old: PyTree, whole: tuple[str, ...] = (), whole_from: PyTree = None
-) -> PyTree:
+def _where_active(active: jax.Array, new: PyTree, old: PyTree, whole: tuple[str, ...] = ()) -> PyTree:
     """Commit the new client states of active clients only (inactive ones keep theirs); the fields ``whole`` (of a
-    NamedTuple state) taken whole from ``whole_from`` (default: ``new``)."""
+    NamedTuple state) taken from ``new`` whole."""
     if whole:
-        none = dict.fromkeys(whole)
-        source = new if whole_from is None else whole_from
-        return _where_active(active, new._replace(**none), old._replace(**none))._replace(
-            **{n: getattr(source, n) for n in whole}
-        )
+        rest, taken = _split_common(new, whole)
+        return _where_active(active, rest, _split_common(old, whole)[0])._replace(**taken)
     return jax.tree_util.tree_map(
         lambda n, o: jnp.where(jnp.reshape(active, (-1,) + (1,) * (n.ndim - 1)), n, o), new, old
     )
@@ -1053,7 +1048,7 @@ def make_round(
             resynced = over_clients(algorithm.resync, common, (0, None), 0, "all", axis_size=cohort_size)(
                 old_states, decode_tree(again.payload)
             )  # (a common field's resync restores what the members in step hold: theirs is kept)
-            kept = _where_active(faulty, resynced, kept, common, whole_from=kept)
+            kept = _where_active(~faulty, kept, resynced, common)
             resent = jnp.where(faulty, again.bits, 0)
         client_states = kept if full else _put(client_states, cohort, kept)
         record["bits_down"] = downlink_bits(broadcast.bits, expected, replied, resent)
