@@ -63,6 +63,8 @@ def _pandas_type(value: object, *names: str) -> bool:
 def _as_array(value: ArrayLike, where: str) -> np.ndarray:
     """``value`` as a NumPy array, refusing what would silently become wrong data: masked entries of
     a masked array, and missing values (``pd.NA``, ``NaN``, ``None``) of a pandas object."""
+    if type(value) is np.ndarray:  # the common case, neither masked nor pandas: nothing to check
+        return value
     if isinstance(value, np.ma.MaskedArray):
         masked = int(np.count_nonzero(np.ma.getmaskarray(value)))
         if masked:
@@ -176,6 +178,29 @@ def _cast(array: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
             raise DataError(
                 f"{where}: {bad} NaN/inf entries (as {dtype}); remove or impute them before building federated data."
             )
+    return out
+
+
+def _cast_pooled(arrays: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray | None:
+    """The clients' ``arrays`` of one key (one trailing shape) cast to ``dtype`` and concatenated, checked at once:
+    None where :func:`_cast` would refuse or warn about a value of some client (or where the clients' dtypes
+    differ), so that the caller casts client by client and its messages name the client."""
+    if len({a.dtype for a in arrays}) != 1:
+        return None
+    pooled = np.concatenate(arrays)
+    if pooled.dtype.kind in "iu" and pooled.size:
+        if dtype.kind == "i":
+            info = np.iinfo(dtype)
+            if int(pooled.min()) < info.min or int(pooled.max()) > info.max:
+                return None
+        elif dtype.kind == "f":
+            limit = 2 ** (np.finfo(dtype).nmant + 1)  # every integer up to this is exact (_warn_if_rounded)
+            if int(pooled.min()) < -limit or int(pooled.max()) > limit:
+                return None
+    with np.errstate(over="ignore"):
+        out = pooled.astype(dtype, copy=pooled.dtype != dtype)
+    if dtype.kind == "f" and not np.isfinite(out).all():
+        return None
     return out
 
 
@@ -330,19 +355,21 @@ class FederatedData:
             for key, value in clients.items()
         }
         keys = tuple(raw)
-        sizes = np.array([len(raw[keys[0]][i]) for i in range(num_clients)], dtype=np.int64)
-        for i, n in enumerate(sizes):
-            for key in keys[1:]:
-                if len(raw[key][i]) != n:
-                    raise DataError(
-                        f"client {i}: {keys[0]!r} has {n} rows but {key!r} has "
-                        f"{len(raw[key][i])}; all arrays of a client must share the leading "
-                        "observation axis."
-                    )
-            if n == 0:
+        sizes = np.fromiter((len(a) for a in raw[keys[0]]), dtype=np.int64, count=num_clients)
+        for key in keys[1:]:
+            other = np.fromiter((len(a) for a in raw[key]), dtype=np.int64, count=num_clients)
+            if np.any(other != sizes):
+                i = int(np.flatnonzero(other != sizes)[0])
                 raise DataError(
-                    f"client {i} has 0 rows (keys {list(keys)}); drop the client or give it at least one observation."
+                    f"client {i}: {keys[0]!r} has {sizes[i]} rows but {key!r} has "
+                    f"{other[i]}; all arrays of a client must share the leading "
+                    "observation axis."
                 )
+        if np.any(sizes == 0):
+            i = int(np.flatnonzero(sizes == 0)[0])
+            raise DataError(
+                f"client {i} has 0 rows (keys {list(keys)}); drop the client or give it at least one observation."
+            )
         for key in keys:
             trailing = raw[key][0].shape[1:]
             for i, a in enumerate(raw[key]):
@@ -354,17 +381,24 @@ class FederatedData:
                     )
 
         self._data: dict[str, list[np.ndarray]] = {}
-        for key in keys:
-            dtype = _target_dtype(raw[key])
-            self._data[key] = [_cast(a, dtype, f"key {key!r}, client {i}") for i, a in enumerate(raw[key])]
         self._sizes = sizes
         max_size = int(sizes.max())
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        # row r of client i in the pooled rows; past the client's size, its last row (edge padding)
+        index = np.int32 if int(sizes.sum()) < 2**31 else np.int64  # half the memory of int64 where it fits
+        last = (sizes - 1).astype(index)[:, None]
+        gather = starts.astype(index)[:, None] + np.minimum(np.arange(max_size, dtype=index)[None, :], last)
         padded = {}
-        for key, arrays in self._data.items():
-            out = np.empty((num_clients, max_size, *arrays[0].shape[1:]), dtype=arrays[0].dtype)
-            for i, a in enumerate(arrays):
-                _edge_pad_into(out[i], a)
-            padded[key] = jnp.asarray(out)
+        for key in keys:
+            dtype = _target_dtype(raw[key])
+            pooled = _cast_pooled(raw[key], dtype)
+            if pooled is None:  # a value to refuse or warn about: client by client, for the messages
+                self._data[key] = [_cast(a, dtype, f"key {key!r}, client {i}") for i, a in enumerate(raw[key])]
+                pooled = np.concatenate(self._data[key])
+            else:
+                ends = (starts + sizes).tolist()
+                self._data[key] = [pooled[a:b] for a, b in zip(starts.tolist(), ends)]  # views of one cast array
+            padded[key] = jnp.asarray(pooled[gather])
         self._padded = padded
         self._mask = jnp.asarray(np.arange(max_size)[None, :] < sizes[:, None])
 

@@ -454,3 +454,26 @@ def test_a_padded_client_on_the_host_is_its_row_of_the_padded_arrays() -> None:
         for key, value in data.padded.items():
             assert got[key].dtype == value.dtype
             np.testing.assert_array_equal(got[key], np.asarray(value[i]))
+
+
+def test_one_cast_of_every_client_equals_the_cast_client_by_client() -> None:
+    """Clients of one dtype per key are cast and checked as one pooled array (``data._cast_pooled``); clients of
+    mixed dtypes, or a value to refuse or warn about, are cast client by client. Both give the same arrays, and
+    neither keeps a view of the caller's arrays."""
+    rng = np.random.default_rng(3)
+    sizes = (3, 1, 5, 2)
+    xs = [rng.normal(size=(n, 2)).astype(np.float32).astype(np.float64) for n in sizes]  # exact in float32
+    ys = [rng.integers(-9, 9, size=n) for n in sizes]
+    pooled = FederatedData({"x": xs, "y": ys})
+    # one client's floats as float32 and one's integers as int16: the dtypes differ, so client by client
+    mixed = FederatedData({"x": [xs[0].astype(np.float32), *xs[1:]], "y": [ys[0].astype(np.int16), *ys[1:]]})
+    for key in ("x", "y"):
+        np.testing.assert_array_equal(np.asarray(pooled.padded[key]), np.asarray(mixed.padded[key]))
+        assert pooled.padded[key].dtype == mixed.padded[key].dtype
+        for i in range(len(sizes)):
+            np.testing.assert_array_equal(pooled.client(i)[key], mixed.client(i)[key])
+    np.testing.assert_array_equal(pooled.pooled()["x"], np.concatenate(xs).astype(pooled.padded["x"].dtype))
+    before = np.asarray(pooled.padded["x"]).copy()
+    xs[2][:] = 99.0  # the caller's arrays change afterwards: the data do not
+    np.testing.assert_array_equal(np.asarray(pooled.padded["x"]), before)
+    assert not (pooled.client(2)["x"] == 99.0).any()
