@@ -2,8 +2,8 @@
 
 Gaussian mixture with K = 5 components in D = 10, full covariances (``fb.models.gaussian_mixture``),
 heterogeneous clients from ``fb.models.make_gaussian_mixture`` (50-150 points each, Dirichlet(0.5)
-mixing weights), 100 and 1 000 clients. FedMM with step_size = 1, every client in every round and no
-compression (exact federated EM), ``uncertainty=False``, JAX's default float32.
+mixing weights), 100 and 1 000 clients (``--clients`` for others). FedMM with step_size = 1, every client
+in every round and no compression (exact federated EM), ``uncertainty=False``, JAX's default float32.
 
 * FedMM: seconds per round of the compiled round loop, compilation excluded: the chunks after the
   first two (compilation and first execution) from ``res.history["seconds"]``, in a fit of 500 rounds
@@ -33,9 +33,10 @@ twice the cores, which avoided the deadlock in our runs. More threads than that 
 cores and slow FedMM's round a lot (on 2 cores at 1 000 clients: 0.07 s/round with the default pool
 when it did not hang, 0.10 with 4 threads, 0.24 with 8, 2.2 with 16). The table says which pool
 each row ran with; the hand-written EM is timed in the same process, under the same pool.
-``--nproc N`` fixes NPROC for every attempt (0: always jaxlib's default).
+``--nproc N`` fixes NPROC for every attempt (0: always jaxlib's default). The watch for a stalled child is
+on a CPU only: on a GPU the host may sit idle while a long kernel runs.
 
-    python benchmarks/bench_fedmm.py [--nproc N]
+    python benchmarks/bench_fedmm.py [--nproc N] [--clients 100 1000 ...]
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ import numpy as np
 import fedbayes as fb
 
 K, D, SIZES = 5, 10, (50, 150)
-CHUNKS = {100: 25, 1000: 10}  # rounds per scan chunk
+CHUNKS = {100: 25, 1000: 10}  # rounds per scan chunk (10 for other numbers of clients)
 ROUNDS = 500  # fed_fit's default number of rounds (what the default size buckets weigh their compilation against)
 WARM = 2  # chunks left out (compilation, first execution); the others are timed
 BUCKETS = 4  # the forced size buckets of the second FedMM column (fedbayes.engine.MAX_BUCKETS)
@@ -186,11 +187,16 @@ def _cpu_ticks(pid: int) -> int | None:
         return None
 
 
+def chunk_for(clients: int) -> int:
+    return CHUNKS.get(clients, 10)
+
+
 def run_child(clients: int, nproc: int | None) -> dict | None:
     """bench(clients) in a fresh process, retried when it hangs; None if every attempt did.
 
     nproc None: jaxlib's default pool first, then NPROC = 2 x cores; 0: always the default; N: NPROC=N.
     """
+    watch_cpu = jax.default_backend() == "cpu"  # the deadlock is XLA:CPU's; a GPU run's host may idle for long
     for attempt in range(1, ATTEMPTS + 1):
         threads = nproc if nproc is not None else (0 if attempt == 1 else 2 * (os.cpu_count() or 1))
         env = dict(os.environ, **({"NPROC": str(threads)} if threads > 0 else {}))
@@ -204,7 +210,7 @@ def run_child(clients: int, nproc: int | None) -> dict | None:
                 ticks, now = _cpu_ticks(proc.pid), time.perf_counter()
                 if ticks != last or ticks is None:
                     last, since = ticks, now
-                if now - since > STALL:
+                if watch_cpu and now - since > STALL:
                     why = f"no CPU used for {STALL} s (the jaxlib deadlock described in the docstring)"
                 elif now - t0 > TIME_LIMIT:
                     why = f"past the {TIME_LIMIT} s limit"
@@ -226,16 +232,17 @@ def run_child(clients: int, nproc: int | None) -> dict | None:
     return None
 
 
-def main(nproc: int | None) -> None:
+def main(nproc: int | None, sizes: tuple[int, ...] = (100, 1000)) -> None:
     dev = jax.devices()[0]
+    chunks = {c: chunk_for(c) for c in sizes}
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}, {platform.platform()}, {platform.machine()}, "
           f"{os.cpu_count()} CPU cores, {dev.platform} ({dev.device_kind}), jax {jax.__version__}, "
           f"Python {platform.python_version()}")
     print(f"# Gaussian mixture K = {K}, D = {D}, full covariances, {SIZES[0]}-{SIZES[1]} points per client; "
           f"FedMM step 1, full participation, no compression, float32, {ROUNDS} rounds; timed: the scan chunks after "
-          f"the first {WARM} ({CHUNKS} rounds per chunk by clients), {EM_ITERS} centralised iterations\n", flush=True)
+          f"the first {WARM} ({chunks} rounds per chunk by clients), {EM_ITERS} centralised iterations\n", flush=True)
     rows = []
-    for clients in (100, 1000):
+    for clients in sizes:
         r = run_child(clients, nproc)
         if r is None:
             rows.append(dict(clients=clients))
@@ -272,7 +279,7 @@ def _rounds_s(fit: dict, r: dict) -> float:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         n = int(sys.argv[2])
-        print(json.dumps(bench(n, CHUNKS[n])))
+        print(json.dumps(bench(n, chunk_for(n))))
     else:
         import argparse
 
@@ -280,4 +287,6 @@ if __name__ == "__main__":
         parser.add_argument("--nproc", type=int, default=None,
                             help="XLA intra-op threads (NPROC) for every attempt; 0: jaxlib's default "
                                  "(without it: the default first, then 2 x cores after a hang)")
-        main(parser.parse_args().nproc)
+        parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
+        args = parser.parse_args()
+        main(args.nproc, tuple(args.clients))

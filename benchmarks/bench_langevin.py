@@ -11,6 +11,7 @@ run; and, for 100 clients, the bits sent until the running posterior mean of 4 c
     python benchmarks/bench_langevin.py --throughput   # the speed table only
     python benchmarks/bench_langevin.py --unrolled-reference   # B-ELF nat/nat against a reference with the unrolled hash
     python benchmarks/bench_langevin.py --throughput --same-hash   # every reference compiled with the unrolled hash
+    python benchmarks/bench_langevin.py --throughput --clients 1000 10000 100000 --repeats 1   # other sizes
 
 fed_fit lowers every key hash of its computations unrolled (``fedbayes.prng.unrolled_hash``: JAX's own lowering on
 other platforms, the same bits); the hand-written references are compiled as one writes them, with JAX's CPU loop.
@@ -34,8 +35,25 @@ import fedbayes as fb
 
 D, PER_CLIENT, WARM = 50, 20, 2
 TIMED_ROUNDS = {100: 6000, 1000: 1000}  # about 0.2-2 s of rounds each: long enough to time (300 rounds of 30 us were not)
+# other numbers of clients: timed_rounds()
 LONG_CHUNK = 1000  # chunks this long leave the per-chunk host work (records, stop checks, progress) out of the rate
 RAMP = 2000  # the default timed chunks' first rounds (chunks of 1, 2, 4, 64, ... rounds), left out of the timed rate
+
+
+def timed_rounds(clients: int) -> int:
+    """Rounds timed per rate: :data:`TIMED_ROUNDS`, else about 10^6 client iterations (at least 100 rounds)."""
+    return TIMED_ROUNDS.get(clients, max(100, 1_000_000 // clients))
+
+
+def ramp_rounds(clients: int) -> int:
+    """The default timed chunks' first rounds left out of the timed rate: :data:`RAMP`, or as many as are timed
+    where that is fewer (a large federation's rounds are long enough to time from the start)."""
+    return min(RAMP, timed_rounds(clients))
+
+
+def long_chunk(clients: int) -> int:
+    """The long chunks' rounds: :data:`LONG_CHUNK`, or the timed rounds where those are fewer."""
+    return min(LONG_CHUNK, timed_rounds(clients))
 
 
 def model(x, y=None):
@@ -108,7 +126,7 @@ def unrolled_reference(clients: int, repeats: int = 3) -> None:
     of fed_fit's rate is the unrolled hash alone."""
     data = make_data(clients)
     gamma = fb.elf.curvature_step_size(model, data, scale=0.1)
-    timed = TIMED_ROUNDS[clients]
+    timed = timed_rounds(clients)
     nat = fb.compress.natural(contractive=True)
     refs, feds = [], []
     for _ in range(repeats):
@@ -173,8 +191,8 @@ def with_options(algo, **kw):
 
 def rate(data, algo, gamma: float, chunk: int | None, timed: int) -> tuple[float, int]:
     """(iterations per second over the last ``timed`` rounds, bits per iteration): after two warm-up chunks of
-    ``chunk`` rounds, or with the default timed chunks (``chunk=None``) after their first ``RAMP`` rounds."""
-    warm = RAMP if chunk is None else WARM * chunk
+    ``chunk`` rounds, or with the default timed chunks (``chunk=None``) after their first :func:`ramp_rounds`."""
+    warm = ramp_rounds(data.num_clients) if chunk is None else WARM * chunk
     res = fb.fed_fit(model, data, with_options(algo, step_size=gamma, num_chains=1), num_rounds=warm + timed,
                      chunk_size=chunk, seed=0, progress=False)
     seconds = res.history["seconds"][warm:]
@@ -187,11 +205,11 @@ def throughput(clients: int, repeats: int = 3, same_hash: bool = False) -> None:
     inside ``fedbayes.prng.unrolled_hash()``, as fed_fit's computations are."""
     data = make_data(clients)
     gamma = fb.elf.curvature_step_size(model, data, scale=0.1)
-    timed = TIMED_ROUNDS[clients]
+    timed = timed_rounds(clients)
     k = max(1, D // 10)
     print(f"\n{clients} clients, d = {D}, step {gamma:.2e}, {timed} timed rounds, best of {repeats} runs\n")
     print(f"| sampler | hand-written it/s | fed_fit it/s (timed chunks, the default) | time ratio | fed_fit it/s "
-          f"(chunks of {LONG_CHUNK}) | time ratio | bits/iteration (up + down) |")
+          f"(chunks of {long_chunk(clients)}) | time ratio | bits/iteration (up + down) |")
     print("|---|---|---|---|---|---|---|")
     algos = samplers(k)
     for name in algos:
@@ -200,7 +218,7 @@ def throughput(clients: int, repeats: int = 3, same_hash: bool = False) -> None:
             with fb.prng.unrolled_hash() if same_hash else contextlib.nullcontext():
                 refs.append(references_one(name, data, gamma, timed, k))
             shorts.append(rate(data, algos[name], gamma, None, timed)[0])
-            longs.append(rate(data, algos[name], gamma, LONG_CHUNK, timed))
+            longs.append(rate(data, algos[name], gamma, long_chunk(clients), timed))
         ref, short, (long, per_it) = max(refs), max(shorts), max(longs)
         print(f"| {name} | {ref:.1f} | {short:.1f} | {ref / short:.2f} | {long:.1f} | {ref / long:.2f} | {per_it:,} |",
               flush=True)
@@ -246,24 +264,32 @@ def bits_to_accuracy(clients: int = 100, max_rounds: int = 20000) -> None:
 
 
 def main() -> None:
-    import sys
+    import argparse
     import warnings
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--throughput", action="store_true", help="the speed table only")
+    parser.add_argument("--same-hash", action="store_true", help="the references compiled with the unrolled hash")
+    parser.add_argument("--unrolled-reference", action="store_true",
+                        help="B-ELF nat/nat against a reference drawing its uniforms with the unrolled hash")
+    parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000], help="federation sizes timed")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per rate (the best is kept)")
+    args = parser.parse_args()
     warnings.simplefilter("ignore")  # the timed fits are short chains: their convergence warnings are expected
     print(f"# {time.strftime('%Y-%m-%d')}, {platform.machine()}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
-    if "--unrolled-reference" in sys.argv:
-        print("\nB-ELF nat/nat, the hand-written reference drawing its uniforms with fedbayes.prng.bits (best of 3)\n")
+    if args.unrolled_reference:
+        print(f"\nB-ELF nat/nat, the hand-written reference drawing its uniforms with fedbayes.prng.bits (best of "
+              f"{args.repeats})\n")
         print("| clients | hand-written (unrolled hash) it/s | fed_fit it/s (timed chunks) | time ratio |")
         print("|---|---|---|---|")
-        for clients in (100, 1000):
-            unrolled_reference(clients)
+        for clients in args.clients:
+            unrolled_reference(clients, args.repeats)
         return
-    same_hash = "--same-hash" in sys.argv
-    if same_hash:
+    if args.same_hash:
         print("\nthe hand-written references compiled with the unrolled hash (fedbayes.prng.unrolled_hash)")
-    for clients in (100, 1000):
-        throughput(clients, same_hash=same_hash)
-    if "--throughput" not in sys.argv:
+    for clients in args.clients:
+        throughput(clients, repeats=args.repeats, same_hash=args.same_hash)
+    if not args.throughput:
         bits_to_accuracy()
 
 
