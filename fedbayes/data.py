@@ -183,25 +183,48 @@ def _cast(array: np.ndarray, dtype: np.dtype, where: str) -> np.ndarray:
 
 def _cast_pooled(arrays: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray | None:
     """The clients' ``arrays`` of one key (one trailing shape) cast to ``dtype`` and concatenated, checked at once:
-    None where :func:`_cast` would refuse or warn about a value of some client (or where the clients' dtypes
-    differ), so that the caller casts client by client and its messages name the client."""
+    None where :func:`_cast` would refuse a value of some client, or where the clients' arrays are of several
+    kinds or integer dtypes (then integers may meet a float ``dtype``, whose rounding :func:`_cast` warns about),
+    so that the caller casts client by client and its messages name the client.
+
+    Floats are cast as they are concatenated (no copy at their own precision first); integers and booleans
+    (whose ``dtype`` is then of their kind) are concatenated, their range checked, then cast."""
+    kinds = {a.dtype.kind for a in arrays}
+    if kinds == {"f"}:
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow becomes inf, refused below
+            out = np.concatenate(arrays, dtype=dtype, casting="same_kind")
+        return out if np.isfinite(out).all() else None
     if len({a.dtype for a in arrays}) != 1:
         return None
     pooled = np.concatenate(arrays)
-    if pooled.dtype.kind in "iu" and pooled.size:
-        if dtype.kind == "i":
-            info = np.iinfo(dtype)
-            if int(pooled.min()) < info.min or int(pooled.max()) > info.max:
-                return None
-        elif dtype.kind == "f":
-            limit = 2 ** (np.finfo(dtype).nmant + 1)  # every integer up to this is exact (_warn_if_rounded)
-            if int(pooled.min()) < -limit or int(pooled.max()) > limit:
-                return None
-    with np.errstate(over="ignore"):
-        out = pooled.astype(dtype, copy=pooled.dtype != dtype)
-    if dtype.kind == "f" and not np.isfinite(out).all():
-        return None
+    if dtype.kind == "i" and pooled.dtype.kind in "iu" and pooled.size:
+        info = np.iinfo(dtype)
+        if int(pooled.min()) < info.min or int(pooled.max()) > info.max:
+            return None
+    return pooled.astype(dtype, copy=False)
+
+
+def _padded(pooled: np.ndarray | None, arrays: Sequence[np.ndarray], sizes: np.ndarray, max_size: int) -> np.ndarray:
+    """The clients' rows as ``(C, max_size, ...)``, each client's padded with its last row: gathered from
+    ``pooled`` (their rows one after another) a block of clients at a time (each block's index within
+    :data:`GATHER_ENTRIES`), or, without it, copied client by client from ``arrays``."""
+    out = np.empty((len(sizes), max_size, *arrays[0].shape[1:]), dtype=arrays[0].dtype)
+    if pooled is None:
+        for row, a in zip(out, arrays):
+            _edge_pad_into(row, a)
+        return out
+    index = np.int32 if len(pooled) < 2**31 else np.int64
+    columns = np.arange(max_size, dtype=index)[None, :]
+    starts, last = (np.cumsum(sizes) - sizes).astype(index), (sizes - 1).astype(index)
+    block = max(1, GATHER_ENTRIES // max_size)
+    for lo in range(0, len(sizes), block):
+        rows = starts[lo : lo + block, None] + np.minimum(columns, last[lo : lo + block, None])
+        out[lo : lo + block] = pooled[rows]
     return out
+
+
+GATHER_ENTRIES = 2**22
+"""The most entries of the row index :func:`_padded` gathers a block of clients with (16 MB as int32)."""
 
 
 def _check_index(value: object, size: int) -> int:
@@ -355,18 +378,18 @@ class FederatedData:
             for key, value in clients.items()
         }
         keys = tuple(raw)
-        sizes = np.fromiter((len(a) for a in raw[keys[0]]), dtype=np.int64, count=num_clients)
-        for key in keys[1:]:
-            other = np.fromiter((len(a) for a in raw[key]), dtype=np.int64, count=num_clients)
-            if np.any(other != sizes):
-                i = int(np.flatnonzero(other != sizes)[0])
-                raise DataError(
-                    f"client {i}: {keys[0]!r} has {sizes[i]} rows but {key!r} has "
-                    f"{other[i]}; all arrays of a client must share the leading "
-                    "observation axis."
-                )
-        if np.any(sizes == 0):
-            i = int(np.flatnonzero(sizes == 0)[0])
+        lengths = np.stack([np.fromiter((len(a) for a in raw[key]), np.int64, count=num_clients) for key in keys])
+        sizes = lengths[0]
+        bad = np.flatnonzero((lengths != sizes).any(axis=0) | (sizes == 0))
+        if bad.size:  # the first client with a problem, its keys in order (as a client-by-client check finds it)
+            i = int(bad[0])
+            for key, n in zip(keys[1:], lengths[1:, i]):
+                if n != sizes[i]:
+                    raise DataError(
+                        f"client {i}: {keys[0]!r} has {sizes[i]} rows but {key!r} has "
+                        f"{n}; all arrays of a client must share the leading "
+                        "observation axis."
+                    )
             raise DataError(
                 f"client {i} has 0 rows (keys {list(keys)}); drop the client or give it at least one observation."
             )
@@ -380,26 +403,21 @@ class FederatedData:
                         "clients."
                     )
 
+        # every key cast and checked before anything is padded
         self._data: dict[str, list[np.ndarray]] = {}
-        self._sizes = sizes
-        max_size = int(sizes.max())
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        # row r of client i in the pooled rows; past the client's size, its last row (edge padding)
-        index = np.int32 if int(sizes.sum()) < 2**31 else np.int64  # half the memory of int64 where it fits
-        last = (sizes - 1).astype(index)[:, None]
-        gather = starts.astype(index)[:, None] + np.minimum(np.arange(max_size, dtype=index)[None, :], last)
-        padded = {}
+        pooled: dict[str, np.ndarray] = {}
+        starts, ends = (np.cumsum(sizes) - sizes).tolist(), np.cumsum(sizes).tolist()
         for key in keys:
             dtype = _target_dtype(raw[key])
-            pooled = _cast_pooled(raw[key], dtype)
-            if pooled is None:  # a value to refuse or warn about: client by client, for the messages
+            one = _cast_pooled(raw[key], dtype)
+            if one is None:  # a value to refuse or warn about, or dtypes of several kinds: client by client
                 self._data[key] = [_cast(a, dtype, f"key {key!r}, client {i}") for i, a in enumerate(raw[key])]
-                pooled = np.concatenate(self._data[key])
             else:
-                ends = (starts + sizes).tolist()
-                self._data[key] = [pooled[a:b] for a, b in zip(starts.tolist(), ends)]  # views of one cast array
-            padded[key] = jnp.asarray(pooled[gather])
-        self._padded = padded
+                pooled[key] = one
+                self._data[key] = [one[a:b] for a, b in zip(starts, ends)]  # views of the one cast array
+        self._sizes = sizes
+        max_size = int(sizes.max())
+        self._padded = {key: jnp.asarray(_padded(pooled.get(key), self._data[key], sizes, max_size)) for key in keys}
         self._mask = jnp.asarray(np.arange(max_size)[None, :] < sizes[:, None])
 
     @classmethod

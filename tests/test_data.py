@@ -477,3 +477,28 @@ def test_one_cast_of_every_client_equals_the_cast_client_by_client() -> None:
     xs[2][:] = 99.0  # the caller's arrays change afterwards: the data do not
     np.testing.assert_array_equal(np.asarray(pooled.padded["x"]), before)
     assert not (pooled.client(2)["x"] == 99.0).any()
+
+
+def test_row_count_errors_name_the_first_client_with_a_problem_and_its_first_key() -> None:
+    """Row counts are checked for every client at once; the message is the one a check client by client, key by
+    key, finds first (a mismatch of a later key of an earlier client before one of an earlier key of a later
+    client; a client with 0 rows before a later mismatch)."""
+    one = [np.ones(1)] * 3
+    with pytest.raises(DataError, match=r"^client 1: 'x' has 1 rows but 'z' has 2"):
+        FederatedData({"x": one, "y": [np.ones(1), np.ones(1), np.ones(2)], "z": [np.ones(1), np.ones(2), np.ones(1)]})
+    with pytest.raises(DataError, match=r"^client 0 has 0 rows"):
+        FederatedData({"x": [np.ones(0), np.ones(2)], "y": [np.ones(0), np.ones(3)]})
+
+
+def test_padding_in_blocks_of_clients_equals_one_block(monkeypatch) -> None:
+    """The padded arrays are gathered a block of clients at a time (``data.GATHER_ENTRIES`` index entries):
+    blocks of one or two clients give the arrays of one block."""
+    import fedbayes.data as data_module
+
+    raw = _ragged([4, 1, 6, 2, 3, 5, 1])
+    whole = FederatedData(raw)
+    monkeypatch.setattr(data_module, "GATHER_ENTRIES", 7)  # max_size 6: one client per block
+    small = FederatedData(raw)
+    for key in raw:
+        np.testing.assert_array_equal(np.asarray(small.padded[key]), np.asarray(whole.padded[key]))
+    np.testing.assert_array_equal(np.asarray(small.mask), np.asarray(whole.mask))
