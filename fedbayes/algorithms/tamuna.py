@@ -711,7 +711,9 @@ class TAMUNARun(FederatedRun):
             up[:, rows, cols] = np.asarray(uploads, np.float64)
             hess = up + np.transpose(np.triu(up, 1), (0, 2, 1))
             S, shift = preconditioner(hess.sum(0))
-            ev = np.linalg.eigvalsh(np.einsum("ji,njk,kl->nil", S, hess, S))
+            # S^T H_i S for every client as two batched matrix products (2 n d^3 flops; a three-operand einsum
+            # without a contraction order summed over both indices at once, n d^4: 15 min at d = 300, n = 100)
+            ev = np.linalg.eigvalsh(S.T @ hess @ S)
             factor = jnp.asarray(S, self._x0.dtype)
             mu_min, L_max = float(ev[:, 0].min()), float(ev[:, -1].max())
             mu_mean = float(np.linalg.eigvalsh(S.T @ hess.sum(0) @ S)[0]) / self.n
