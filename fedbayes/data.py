@@ -204,21 +204,17 @@ def _cast_pooled(arrays: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray | 
     return pooled.astype(dtype, copy=False)
 
 
-def _padded(pooled: np.ndarray | None, arrays: Sequence[np.ndarray], sizes: np.ndarray, max_size: int) -> np.ndarray:
-    """The clients' rows as ``(C, max_size, ...)``, each client's padded with its last row: gathered from
-    ``pooled`` (their rows one after another) a block of clients at a time (each block's index within
-    :data:`GATHER_ENTRIES`), or, without it, copied client by client from ``arrays``."""
-    out = np.empty((len(sizes), max_size, *arrays[0].shape[1:]), dtype=arrays[0].dtype)
-    if pooled is None:
-        for row, a in zip(out, arrays):
-            _edge_pad_into(row, a)
-        return out
+def _padded(pooled: np.ndarray, starts: np.ndarray, sizes: np.ndarray, max_size: int) -> np.ndarray:
+    """The clients' rows as ``(C, max_size, ...)``, each client's padded with its last row, gathered from ``pooled``
+    (client i's rows at ``starts[i] : starts[i] + sizes[i]``) a block of clients at a time (each block's index
+    within :data:`GATHER_ENTRIES` entries)."""
+    out = np.empty((len(sizes), max_size, *pooled.shape[1:]), dtype=pooled.dtype)
     index = np.int32 if len(pooled) < 2**31 else np.int64
     columns = np.arange(max_size, dtype=index)[None, :]
-    starts, last = (np.cumsum(sizes) - sizes).astype(index), (sizes - 1).astype(index)
+    first, last = starts.astype(index), (sizes - 1).astype(index)
     block = max(1, GATHER_ENTRIES // max_size)
     for lo in range(0, len(sizes), block):
-        rows = starts[lo : lo + block, None] + np.minimum(columns, last[lo : lo + block, None])
+        rows = first[lo : lo + block, None] + np.minimum(columns, last[lo : lo + block, None])
         out[lo : lo + block] = pooled[rows]
     return out
 
@@ -406,18 +402,20 @@ class FederatedData:
         # every key cast and checked before anything is padded
         self._data: dict[str, list[np.ndarray]] = {}
         pooled: dict[str, np.ndarray] = {}
-        starts, ends = (np.cumsum(sizes) - sizes).tolist(), np.cumsum(sizes).tolist()
+        ends = np.cumsum(sizes)
+        starts = ends - sizes
         for key in keys:
             dtype = _target_dtype(raw[key])
             one = _cast_pooled(raw[key], dtype)
             if one is None:  # a value to refuse or warn about, or dtypes of several kinds: client by client
                 self._data[key] = [_cast(a, dtype, f"key {key!r}, client {i}") for i, a in enumerate(raw[key])]
+                pooled[key] = np.concatenate(self._data[key])
             else:
                 pooled[key] = one
-                self._data[key] = [one[a:b] for a, b in zip(starts, ends)]  # views of the one cast array
+                self._data[key] = [one[a:b] for a, b in zip(starts.tolist(), ends.tolist())]  # views of one array
         self._sizes = sizes
         max_size = int(sizes.max())
-        self._padded = {key: jnp.asarray(_padded(pooled.get(key), self._data[key], sizes, max_size)) for key in keys}
+        self._padded = {key: jnp.asarray(_padded(pooled[key], starts, sizes, max_size)) for key in keys}
         self._mask = jnp.asarray(np.arange(max_size)[None, :] < sizes[:, None])
 
     @classmethod
