@@ -111,6 +111,14 @@ def move_keys(keys: jax.Array) -> MoveKeys:
     return MoveKeys(halves[:, 0], halves[:, 1])
 
 
+def apply_root(root: jax.Array, u: jax.Array, transpose: bool = False) -> jax.Array:
+    """R u (R^T u with ``transpose``) for a metric's root R given as a (q, q) matrix or as the (q,) diagonal
+    of a diagonal one."""
+    if root.ndim == 1:
+        return root * u
+    return root.T @ u if transpose else root @ u
+
+
 def langevin_move(
     key: jax.Array | MoveKeys,
     point: LangevinPoint,
@@ -124,7 +132,8 @@ def langevin_move(
 ) -> tuple[LangevinPoint, jax.Array]:
     """One Langevin move from ``point``, Metropolis-adjusted (MALA) or not (ULA).
 
-    The proposal is, in the coordinates u with x = x_0 + R u (R = ``root``, the identity when None),
+    The proposal is, in the coordinates u with x = x_0 + R u (R = ``root``: a (q, q) matrix, a (q,) vector
+    standing for the diagonal matrix diag(root), or the identity when None),
 
         u' = u + D(x) + sqrt(2 gamma) xi,     D(x) = gamma R^T grad log pi(x),     xi ~ N(0, I_q),
 
@@ -148,12 +157,12 @@ def langevin_move(
 
     def drift(grad):
         g = ravel_pytree(grad)[0]
-        d = step_size * (g if root is None else root.T @ g)
+        d = step_size * (g if root is None else apply_root(root, g, transpose=True))
         return d * _tame_factor(d, step_size, TAME) if tame else d
 
     xi = jax.random.normal(k_noise, flat.shape, flat.dtype)
     du = drift(point.grad) + jnp.sqrt(2.0 * step_size) * xi if noise else drift(point.grad)
-    x_new = unravel(flat + (du if root is None else root @ du))
+    x_new = unravel(flat + (du if root is None else apply_root(root, du)))
     new = LangevinPoint(x_new, *evaluate(x_new))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in jax.tree_util.tree_leaves(new)]))
     if adjusted:

@@ -63,7 +63,16 @@ from ..errors import ConfigError, ConvergenceWarning, is_real, require_choice, r
 from ..faults import as_aggregation
 from ..wire import decode_tree
 from ..minibatch import check_batch_size
-from ..kernels import LangevinPoint, backtrack, curvature, langevin_move, move_keys, newton_mode, newton_root
+from ..kernels import (
+    LangevinPoint,
+    apply_root,
+    backtrack,
+    curvature,
+    langevin_move,
+    move_keys,
+    newton_mode,
+    newton_root,
+)
 from ..introspect import FedModel, Params
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from . import louis
@@ -84,6 +93,8 @@ class ClientState(NamedTuple):
     v: jax.Array  # the power iteration's vector (automatic step)
     step: jax.Array  # the round's Langevin step
     anchor: Params  # where the kernel's metric and step are taken (FedSOULRun._adapt)
+    metric: jax.Array = ()  # the diagonal metric's running mean V of the curvature's diagonal (q,); () otherwise
+    visits: jax.Array = ()  # the rounds the client took part in (the diagonal metric's average weights)
 
 
 class Upload(NamedTuple):
@@ -94,7 +105,19 @@ class Upload(NamedTuple):
 
 LOCAL_DENSE_MAX = 10
 """``local_metric="auto"`` preconditions a client's Langevin moves by its local Hessian (dense) when it
-has at most this many local coordinates."""
+has at most this many local coordinates, and by the diagonal metric above that."""
+
+METRIC_WINDOW = 20
+"""The diagonal metric's running mean V of curvature estimates forgets at rate 1 / METRIC_WINDOW once the
+client has taken part in that many rounds (before, every estimate weighs the same: rho_k = 1 / (k + 2))."""
+
+METRIC_FLOOR = 1e-3
+"""The diagonal metric uses max(V, METRIC_FLOOR * mean|V|): no coordinate's step exceeds that of a curvature
+a thousandth of the average one (a coordinate whose running estimate happens to be near zero or negative)."""
+
+METRIC_BATCH = 64
+"""The set-up's exact Hessian diagonal (one Hessian-vector product per local coordinate) is taken this many
+coordinates at a time (``jax.lax.map``'s batch): its memory stays that of 64 products whatever q is."""
 
 
 @dataclass(frozen=True)
@@ -152,7 +175,26 @@ class FedSOUL:
         model's ``numpyro.plate(..., subsample_size=B)`` sets B the same way. B at least every client's
         row count is the full batch, and the fit the full-batch fit bit for bit.
     local_metric:
-        The clients' Langevin preconditioner. "dense": each round (and for the final draws) the client
+        The clients' Langevin preconditioner. "diagonal": M_i = diag(1 / V_i), V_i a running mean over
+        the client's rounds of unbiased estimates of the diagonal of H_i = -grad^2_z log p(D_i, z | theta)
+        at the client's anchor (below): Hutchinson's u * (H_i R u) / r with a Rademacher u and R = diag(r)
+        the current metric's root (probed in the whitened coordinates, the estimate's relative noise is
+        that of the correlations of H_i, not of its scales: a plain u * (H_i u) is swamped where a
+        coordinate of curvature 1 is correlated with one of curvature 1e4), one Hessian-vector product
+        (about two gradients) a round, started at the set-up from H_i's exact diagonal (q products,
+        once). Each coordinate moves on the scale of its own spread, as preconditioned SGLD (Li et al.
+        2016) and a diagonal Laplace metric do, at the cost of a gradient where "dense" costs q of them
+        and a q x q factorisation. Only V's relative sizes matter: the step is gamma_i =
+        step_scale / the largest curvature of the whitened target at the anchor. V is updated at the
+        start of a round (rho_k = max(1 / (k + 2), 1 / ``METRIC_WINDOW``) on the k-th visit) from the
+        anchor, never from the chain's state, and is constant during the round's moves: each round's
+        kernel is MALA (or ULA) with a fixed preconditioner, so the drift correction sum_j d_j M_ij(z) of
+        a position-dependent metric is zero, and a round's moves leave the local posterior invariant
+        (MALA) or have ULA's law for that metric (``tests/test_fedsoul_metric.py`` checks both against
+        the closed forms on a Gaussian target). (A running mean of the chain's squared scores, RMSprop's
+        statistic, is cheaper still and equals E[diag H] at stationarity, but from a chain started far
+        out its transient inflates the stiff coordinates' V by orders of magnitude for many rounds.)
+        "dense": each round (and for the final draws) the client
         computes the Hessian H_i of -log p(D_i, z | theta) in z at its anchor (:meth:`FedSOULRun._adapt`,
         a point that follows the local mode, not the chain's state) and moves with
         M_i = H_i^{-1} (gamma_i = step_scale / the largest curvature of the whitened target, about
@@ -167,8 +209,9 @@ class FedSOUL:
         benchmarks/README.md), and the fit's local R-hat check says so. "auto"
         (default): "dense" when a client has at most ``LOCAL_DENSE_MAX`` (10) local coordinates (a
         q x q Hessian per round, at most as many gradients as the round's 10 moves) and the step is
-        automatic, else "identity" (a given ``step_size`` is the identity metric's; with "dense" it is
-        the step in the whitened coordinates).
+        automatic; "diagonal" above that for FedSOUL's Langevin chains (FedRep and its relatives, whose
+        local moves are gradient steps, keep "identity"); "identity" when a ``step_size`` is given (the
+        identity metric's; with "dense" or "diagonal" it is the step in the whitened coordinates).
     server_lr:
         eta_k: a float or a schedule ``k -> eta_k``; None (default): 1.0 for Fisher scoring, 0.05 for
         "adam" / "sgd" / an optax optimiser.
@@ -304,7 +347,7 @@ class FedSOUL:
         if self.burn_in >= self.local_steps:
             raise ConfigError(f"FedSOUL burn_in={self.burn_in} must be smaller than local_steps={self.local_steps}")
         require_int(self.power_iters, "FedSOUL power_iters")
-        require_choice(self.local_metric, "FedSOUL local_metric", ("auto", "identity", "dense"))
+        require_choice(self.local_metric, "FedSOUL local_metric", ("auto", "identity", "dense", "diagonal"))
         require_choice(self.local_kernel, "FedSOUL local_kernel", (None, "mala", "ula"))
         check_batch_size(self.batch_size, self.name)
         require_int(self.num_samples, "FedSOUL num_samples")
@@ -567,10 +610,10 @@ class FedSOULRun(FederatedRun):
         self._one_step = bool(cfg.one_step and cfg.local_prior and cfg.local_noise)
         self._nonlinear = self._nonlinear_coordinates(fm) if self._fisher else None
         q = ravel_pytree(fm.zeros_local())[0].size
-        self._dense = cfg.local_metric == "dense" or (
-            cfg.local_metric == "auto" and cfg.step_size is None and 0 < q <= LOCAL_DENSE_MAX
-        )
-        self.local_metric = "dense" if self._dense else "identity"
+        auto = cfg.local_metric == "auto" and cfg.step_size is None
+        self._dense = cfg.local_metric == "dense" or (auto and 0 < q <= LOCAL_DENSE_MAX)
+        self._diagonal = cfg.local_metric == "diagonal" or (auto and q > LOCAL_DENSE_MAX and cfg.local_noise)
+        self.local_metric = "dense" if self._dense else ("diagonal" if self._diagonal else "identity")
         self.local_kernel = cfg.local_kernel or ("ula" if batches.active else "mala")
         mala = self.local_kernel == "mala"
         self.step_scale = cfg.step_scale if cfg.step_scale is not None else (1.0 if mala else 0.1)
@@ -617,6 +660,11 @@ class FedSOULRun(FederatedRun):
 
     def _log_joint_fn(self, fm: FedModel, theta: Params, client: ClientData):
         return lambda z: self._client_log_joint(theta, z, client.data, client.mask)
+
+    def _flat_log_joint(self, theta: Params, like: Params, client: ClientData) -> Callable[[jax.Array], jax.Array]:
+        """The local chain's log-density as a function of flat local latents shaped like ``like``."""
+        unravel = ravel_pytree(like)[1]
+        return lambda x: self._client_log_joint(theta, unravel(x), client.data, client.mask)
 
     def _run_chain(
         self,
@@ -690,8 +738,9 @@ class FedSOULRun(FederatedRun):
         adjusted = self._adjusted if adjusted is None else adjusted
         return langevin_move(key, point, evaluate, step, root, adjusted=adjusted, tame=True, noise=self.cfg.local_noise)
 
-    def _adapt(self, theta: Params, anchor: Params, v, step, client: ClientData, iters: int):
-        """The round's kernel at theta_k: ``(anchor', v, gamma, R)``, R the metric's root (None: identity).
+    def _adapt(self, theta: Params, anchor: Params, v, step, client: ClientData, iters: int, metric=()):
+        """The round's kernel at theta_k: ``(anchor', v, gamma, R)``, R the metric's root (None: identity; a
+        vector: the diagonal of a diagonal root).
 
         The metric and the step are taken at the client's anchor a, a point that follows the local mode
         of p(z | D_i, theta) from round to round, never at the chain's state: a kernel whose step depends
@@ -705,7 +754,10 @@ class FedSOULRun(FederatedRun):
         positive definite), gamma = step_scale / the largest curvature of the whitened target at a (1
         for a positive-definite H), and a' = a + a damped Newton step. "identity": R = None, gamma =
         step_scale / L_i with L_i the largest curvature at a (power iteration from ``v``), a' = a + a
-        damped gradient step of length 1 / L_i. A given ``step_size`` is kept."""
+        damped gradient step of length 1 / L_i. "diagonal": R = diag(V, floored)^{-1/2} from the client's
+        running mean ``metric`` of the curvature's diagonal (:data:`METRIC_FLOOR`), gamma = step_scale / the
+        largest curvature of the whitened target at a, a' = a + a damped whitened gradient step of length
+        1 / that curvature. A given ``step_size`` is kept."""
         fm = self._fm
         log_joint = self._log_joint_fn(fm, theta, client)
         flat, unravel = ravel_pytree(anchor)
@@ -717,6 +769,15 @@ class FedSOULRun(FederatedRun):
                 lam, v = curvature(lambda u: f(flat + root @ u), jnp.zeros_like(flat), v, iters)
                 step = self.step_scale / jnp.maximum(lam, 1e-12)
             return unravel(moved), v, step, root
+        if self._diagonal:
+            root = diagonal_root(metric)
+            if not self._auto_step:
+                return anchor, v, step, root
+            lam, v = curvature(lambda u: f(flat + root * u), jnp.zeros_like(flat), v, iters)
+            lam = jnp.maximum(lam, 1e-12)
+            fa, g = jax.value_and_grad(f)(flat)
+            moved = backtrack(f, flat, root * root * g / lam, fa, num=3)
+            return unravel(moved), v, self.step_scale / lam, root
         if not self._auto_step:
             return anchor, v, step, None
         lam, v = curvature(log_joint, anchor, v, iters)
@@ -735,16 +796,26 @@ class FedSOULRun(FederatedRun):
         return theta, theta
 
     def setup_client(self, stage: int, key: jax.Array, theta: Params, state: Any, client: ClientData):
-        """The chain's start z_0 and first anchor (:meth:`_start`), and the Langevin step (50 power
-        iterations from a random start)."""
-        fm = self._fm
+        """The client's first state (:meth:`_initial_state`)."""
+        steps = jnp.asarray(0.0 if self._auto_step else self.cfg.step_size, dtype=jnp.result_type(float))
         k_z, k_v = jax.random.split(key)
+        return self._initial_state(k_z, k_v, theta, client, steps[client.index] if steps.ndim else steps), ()
+
+    def _initial_state(self, k_z, k_v, theta: Params, client: ClientData, step) -> ClientState:
+        """The chain's start z_0 and first anchor (:meth:`_start`), the diagonal metric's first V (the exact
+        diagonal of -grad^2_z log p(D_i, z | theta) at the anchor) and the Langevin step (50 power iterations
+        from a random start)."""
+        fm = self._fm
         z0, anchor = self._start(k_z, theta, client)
         v0 = jax.random.normal(k_v, (ravel_pytree(fm.zeros_local())[0].size,))
-        steps = jnp.asarray(0.0 if self._auto_step else self.cfg.step_size, dtype=jnp.result_type(float))
-        step = steps[client.index] if steps.ndim else steps
-        _, v0, step, _ = self._adapt(theta, anchor, v0, step, client, 50)
-        return ClientState(z0, v0, step, anchor), ()
+        metric, visits = (), ()
+        if self._diagonal:
+            f, flat = self._flat_log_joint(theta, anchor, client), ravel_pytree(anchor)[0]
+            basis = jnp.eye(flat.size, dtype=flat.dtype)
+            metric = jax.lax.map(lambda e: e @ _hvp(f, flat, e), basis, batch_size=METRIC_BATCH)
+            visits = jnp.zeros((), jnp.int32)
+        _, v0, step, _ = self._adapt(theta, anchor, v0, step, client, 50, metric)
+        return ClientState(z0, v0, step, anchor, metric, visits)
 
     def _start(self, key, theta: Params, client: ClientData) -> tuple[Params, Params]:
         """A client's chain start, a draw from p(z | theta) (FedPop's), and its first anchor: with the
@@ -783,20 +854,20 @@ class FedSOULRun(FederatedRun):
         state, (sent, objective, tri), bits = self._local_round(key, theta, state, client)
         return state, Message(Upload(sent, objective, tri), bits)
 
+    def _warm_rounds(self, key, theta: Params, state: ClientState, client: ClientData, num: int) -> ClientState:
+        """``num`` rounds of the client's local chain at a fixed theta (:meth:`_local_chain`), nothing sent: the
+        kernel's adaptation (anchor, step, diagonal metric) for a client outside the training rounds."""
+
+        def body(st, k):
+            return self._local_chain(k, theta, st, client)[0], None
+
+        return jax.lax.scan(body, state, jax.random.split(key, num))[0]
+
     def _local_round(self, key, theta: Params, state: ClientState, client: ClientData):
-        """A client's round: the kernel adapted, M local moves, and what it would upload with its bits:
-        ``(state, (compressed gradient, objective, information triangle), bits)``."""
-        fm: FedModel = self._fm
-        k_init, k_chain, k_comp = jax.random.split(key, 3)
-        z0 = state.z if self.cfg.stateful else fm.sample_local_prior(k_init, theta, client.data, client.mask)
-        order = self._batches.order(key, client) if self._batches.active else None
-        # the kernel is adapted on the round's batch 0 (the curvature of an unbiased estimate of the client's
-        # log-density; the whole client without minibatches), which none of the moves' drifts uses
-        adapt_on = self._batches.take(order, client, 0) if order is not None else client
-        anchor, v, step, root = self._adapt(theta, state.anchor, state.v, state.step, adapt_on, self.cfg.power_iters)
-        z, grad, objective, info = self._run_chain(
-            fm, k_chain, theta, z0, step, client, self.cfg.local_steps, self.cfg.burn_in, self._fisher, root, order
-        )
+        """A client's round: the kernel adapted, M local moves (:meth:`_local_chain`), and what it would upload
+        with its bits: ``(state, (compressed gradient, objective, information triangle), bits)``."""
+        k_comp = jax.random.split(key, 3)[2]
+        state, grad, objective, info = self._local_chain(key, theta, state, client)
         if self._dp is not None and self._dp.distributed:  # the gradient clipped and noised here; no objective sent
             grad = self._dp.share(k_comp, grad)
             objective = jnp.zeros_like(objective)
@@ -805,7 +876,35 @@ class FedSOULRun(FederatedRun):
         if self._fisher:  # the complete-data information as its upper triangle, uncompressed
             tri = info[jnp.triu_indices(self.dim)]
             bits = bits + FLOAT_BITS * tri.size
-        return ClientState(z, v, step, anchor), (sent, objective, tri), bits + FLOAT_BITS
+        return state, (sent, objective, tri), bits + FLOAT_BITS
+
+    def _local_chain(self, key, theta: Params, state: ClientState, client: ClientData):
+        """The kernel adapted at theta_k (:meth:`_adapt`), M local moves (:meth:`_run_chain`) and the diagonal
+        metric's running mean updated: ``(state, Fisher gradient, objective, information)``."""
+        fm: FedModel = self._fm
+        k_init, k_chain, _ = jax.random.split(key, 3)
+        z0 = state.z if self.cfg.stateful else fm.sample_local_prior(k_init, theta, client.data, client.mask)
+        order = self._batches.order(key, client) if self._batches.active else None
+        # the kernel is adapted on the round's batch 0 (the curvature of an unbiased estimate of the client's
+        # log-density; the whole client without minibatches), which none of the moves' drifts uses
+        adapt_on = self._batches.take(order, client, 0) if order is not None else client
+        metric, visits = state.metric, state.visits
+        if self._diagonal:  # one more estimate of the curvature's diagonal at the anchor into its running mean
+            f = self._flat_log_joint(theta, state.anchor, adapt_on)
+            flat = ravel_pytree(state.anchor)[0]
+            u = jax.random.rademacher(jax.random.fold_in(key, 7), flat.shape, flat.dtype)
+            r = diagonal_root(metric)  # probed in the current metric's coordinates: see local_metric
+            estimate = u * _hvp(f, flat, r * u) / r
+            rho = jnp.maximum(1.0 / (visits + 2.0), 1.0 / METRIC_WINDOW)
+            metric = jnp.where(jnp.all(jnp.isfinite(estimate)), metric + rho * (estimate - metric), metric)
+            visits = visits + 1
+        anchor, v, step, root = self._adapt(
+            theta, state.anchor, state.v, state.step, adapt_on, self.cfg.power_iters, metric
+        )
+        z, grad, objective, info = self._run_chain(
+            fm, k_chain, theta, z0, step, client, self.cfg.local_steps, self.cfg.burn_in, self._fisher, root, order
+        )
+        return ClientState(z, v, step, anchor, metric, visits), grad, objective, info
 
     def _compress(self, key, grad: Params) -> tuple[tuple[Params, Any], jax.Array]:
         """(exact sites, the other sites compressed as one vector) as sent, and the bits."""
@@ -895,8 +994,8 @@ class FedSOULRun(FederatedRun):
 
     def _sample_one(self, key, theta: Params, state: ClientState, client: ClientData, num_samples: int, warmup: int):
         """One client's local posterior samples at ``theta``: ``num_chains`` chains of the local kernel (the
-        client's own chain state, and fresh starts: with the dense metric the anchor plus twice the metric's
-        root times N(0, I) draws, overdispersed about the bulk; otherwise draws from p(z | theta)),
+        client's own chain state, and fresh starts: with the dense or diagonal metric the anchor plus twice the
+        metric's root times N(0, I) draws, overdispersed about the bulk; otherwise draws from p(z | theta)),
         ``({site: (chains, S, ...)}, step size, mean acceptance probability after warm-up)``. The kernel is
         :meth:`_adapt`'s at the anchor, moved to the mode at ``theta`` first (5 Newton steps) when dense."""
         fm, cfg = self._fm, self.cfg
@@ -905,11 +1004,11 @@ class FedSOULRun(FederatedRun):
         anchor = state.anchor
         if self._dense:
             anchor = newton_mode(self._log_joint_fn(fm, theta, client), anchor, 5)
-        anchor, _, step, root = self._adapt(theta, anchor, state.v, state.step, client, 20)
-        if self._dense:
+        anchor, _, step, root = self._adapt(theta, anchor, state.v, state.step, client, 20, state.metric)
+        if self._dense or self._diagonal:
             flat, unravel = ravel_pytree(anchor)
             noise = jax.random.normal(k_starts, (cfg.num_chains - 1, flat.size), flat.dtype)
-            fresh = jax.vmap(lambda e: unravel(flat + 2.0 * root @ e))(noise)
+            fresh = jax.vmap(lambda e: unravel(flat + 2.0 * apply_root(root, e)))(noise)
         else:
             fresh = jax.vmap(fm.sample_local_prior, in_axes=(0, None, None, None))(
                 jax.random.split(k_starts, cfg.num_chains - 1), theta, client.data, client.mask
@@ -1064,16 +1163,19 @@ class FedSOULRun(FederatedRun):
         )
 
     def sample_new_client(self, key, theta: Params, client: ClientData, num_samples: int, warmup: int) -> Params:
-        """Local posterior samples for a client unseen in training, from :meth:`_start` (no server round trip)."""
+        """Local posterior samples for a client unseen in training, from :meth:`_initial_state` (no server round
+        trip). With the diagonal metric the client first adapts its kernel as a training client does, in
+        ``warmup // local_steps`` rounds of its own (V, the anchor and the step; no upload), so that its
+        metric is its posterior's and not the pilot draws' from the prior."""
         k_z, k_v, k_run = jax.random.split(key, 3)
-        z0, anchor = self._start(k_z, theta, client)
-        v0 = jax.random.normal(k_v, ravel_pytree(z0)[0].shape)
         step = jnp.asarray(np.mean(self.cfg.step_size) if self.cfg.step_size is not None else 0.0)
-        _, v0, step, _ = self._adapt(theta, anchor, v0, step, client, 50)
+        state = self._initial_state(k_z, k_v, theta, client, step)
+        if self._diagonal and warmup >= self.cfg.local_steps:
+            rounds = warmup // self.cfg.local_steps
+            warm = jax.jit(self._warm_rounds, static_argnums=4)
+            state = warm(jax.random.fold_in(k_run, 3), theta, state, client, rounds)
         batch = lambda t: jax.tree_util.tree_map(lambda a: a[None], t)  # noqa: E731
-        zs, _, _ = self.sample_locals(
-            k_run, theta, batch(ClientState(z0, v0, step, anchor)), batch(client), num_samples, warmup
-        )
+        zs, _, _ = self.sample_locals(k_run, theta, batch(state), batch(client), num_samples, warmup)
         return jax.tree_util.tree_map(lambda a: a[0].reshape((-1,) + a.shape[3:]), zs)
 
 
@@ -1172,3 +1274,13 @@ class LocalOnlyRun(FedSOULRun):
             "LocalOnly fits each client alone: a client unseen in training has no model (fit it on "
             "its own data, e.g. fb.fed_fit on a FederatedData of that one client)"
         )
+
+
+def diagonal_root(metric: jax.Array) -> jax.Array:
+    """The diagonal metric's root R = diag(V)^{-1/2}, V floored at ``METRIC_FLOOR`` times its mean size."""
+    return jax.lax.rsqrt(jnp.maximum(metric, METRIC_FLOOR * jnp.mean(jnp.abs(metric)) + 1e-30))
+
+
+def _hvp(f: Callable[[jax.Array], jax.Array], x: jax.Array, u: jax.Array) -> jax.Array:
+    """H u for H = -grad^2 f(x) (flat x), by forward-over-reverse differentiation."""
+    return -jax.jvp(jax.grad(f), (x,), (u,))[1]

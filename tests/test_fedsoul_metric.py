@@ -1,0 +1,127 @@
+"""FedSOUL's diagonal local metric (``local_metric="diagonal"``, the default for Langevin chains on more than
+``LOCAL_DENSE_MAX`` local coordinates): its stationary law against the closed form on a Gaussian local posterior.
+
+The client's local latents z in R^12 have the prior N(m 1, I) and the likelihood y_j ~ N(x_j^T z, 1) over 30
+rows whose columns have scales from 0.05 to 20, so the posterior N(P^-1 X^T y, P^-1), P = I + X^T X, has spreads
+over more than two orders of magnitude (the identity metric's step is set by the narrowest one). The client's
+own round (``FedSOULRun._local_chain``: one Hutchinson estimate of the curvature's diagonal at the anchor into
+the running mean V, the kernel adapted there, 10 moves) is run at the fixed global m = 0, in 2 000 independent
+copies of the client (vmapped keys).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from scipy import linalg
+
+import fedbayes as fb
+from fedbayes.algorithms import fedsoul
+from fedbayes.engine import stack_clients
+from fedbayes.introspect import FedModel
+from fedbayes.protocol import Problem
+
+Q, ROWS, CHAINS = 12, 30, 2000
+
+
+def gaussian_head(x, y=None):
+    m = numpyro.param("m", jnp.zeros(()))
+    with fb.local():
+        z = numpyro.sample("z", dist.Normal(m, 1.0).expand([Q]).to_event(1))
+    with numpyro.plate("rows", x.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ z, 1.0), obs=y)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    rng = np.random.default_rng(3)
+    scales = np.geomspace(0.05, 20.0, Q)
+    x = rng.normal(size=(ROWS, Q)) * scales
+    y = x @ rng.normal(size=Q) + rng.normal(size=ROWS)
+    data = fb.FederatedData({"x": [x], "y": [y]})
+    precision = np.eye(Q) + x.T @ x
+    cov = np.linalg.inv(precision)
+    return data, precision, cov @ (x.T @ y), cov
+
+
+def chains(data, num_rounds: int, **options):
+    """Every copy's state after ``num_rounds`` rounds of the client's own chain at m = 0, and its run."""
+    run = fb.FedSOUL(**options).build(Problem(FedModel(gaussian_head, data), data, num_rounds))
+    client = jax.tree_util.tree_map(lambda a: a[0], stack_clients(data))
+    theta = {"m": jnp.zeros(())}
+
+    def one(key):
+        k_setup, k_rounds = jax.random.split(key)
+        state, _ = run.setup_client(0, k_setup, theta, None, client)
+
+        def body(st, k):
+            return run._local_chain(k, theta, st, client)[0], None
+
+        return jax.lax.scan(body, state, jax.random.split(k_rounds, num_rounds))[0]
+
+    states = jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(0), CHAINS))
+    return run, states
+
+
+def test_the_default_metric_for_many_local_coordinates_is_diagonal(problem):
+    data = problem[0]
+    run = fb.FedSOUL().build(Problem(FedModel(gaussian_head, data), data, 10))
+    assert run.local_metric == "diagonal"
+    assert fb.FedRep().build(Problem(FedModel(gaussian_head, data), data, 10)).local_metric == "identity"
+    assert fb.FedSOUL(step_size=0.01).build(Problem(FedModel(gaussian_head, data), data, 10)).local_metric == "identity"
+
+
+def test_mala_with_the_adapted_diagonal_metric_samples_the_posterior_exactly(problem):
+    """MALA (full batch, FedSOUL's default kernel) with the metric adapted between rounds: the copies' states
+    after 60 rounds are independent draws of the chain's law, which must be the posterior N(mean, cov); and
+    V, the running mean of Hutchinson's u * (P u), must estimate diag(P) without bias."""
+    data, precision, mean, cov = problem
+    run, states = chains(data, 60)
+    z = np.asarray(states.z["z"], np.float64)
+    sd = np.sqrt(np.diag(cov))
+    # 2 000 independent draws: each coordinate's mean has standard error sd / sqrt(2000); 4.5 standard errors
+    # leave a chance of about 1e-4 over the 12 coordinates for a chain whose law is exact
+    np.testing.assert_array_less(np.abs(z.mean(0) - mean) / (sd / np.sqrt(CHAINS)), 4.5)
+    # a variance estimated from n = 2000 normal draws has relative sd sqrt(2 / (n - 1)) = 0.032: 4.5 of them
+    np.testing.assert_array_less(np.abs(z.var(0, ddof=1) / sd**2 - 1.0), 4.5 * np.sqrt(2.0 / (CHAINS - 1)))
+    # the correlations too (each one's sd is at most 1 / sqrt(n) = 0.022)
+    corr = np.corrcoef(z.T)
+    exact = cov / np.outer(sd, sd)
+    assert np.max(np.abs(corr - exact)) < 4.5 / np.sqrt(CHAINS)
+    # V: its mean over the copies against diag(P), within 4.5 of its standard errors over the copies; and it spans
+    # the curvatures' range, so that the whitened target is well conditioned
+    V = np.asarray(states.metric, np.float64)
+    se = V.std(0, ddof=1) / np.sqrt(CHAINS)
+    np.testing.assert_array_less(np.abs(V.mean(0) - np.diag(precision)) / se, 4.5)
+    assert np.diag(precision).max() / np.diag(precision).min() > 5e3
+
+
+def test_ula_with_the_diagonal_metric_has_ula_s_closed_form_law(problem):
+    """ULA with the diagonal metric R R^T = diag(V)^-1: for the Gaussian target, its moves are the linear recursion
+    z' - m = A (z - m) + sqrt(2 gamma) R xi with A = I - gamma R R^T P, whose stationary covariance S solves
+    S = A S A^T + 2 gamma R R^T (discrete Lyapunov). At step_scale 1 that law's variances are 1.2-1.26 times the
+    posterior's, so the test tells the two apart."""
+    data, precision, mean, cov = problem
+    run, states = chains(data, 80, local_kernel="ula", step_scale=1.0)
+    z = np.asarray(states.z["z"], np.float64)
+    root = np.asarray(jax.vmap(fedsoul.diagonal_root)(states.metric), np.float64)  # each copy's metric's root
+    gamma = np.asarray(states.step, np.float64)
+    # the copies' metrics and steps differ a little (V is a running mean over 20 rounds): the law of a copy's
+    # state is the mixture of the closed forms at each copy's own metric and step
+    laws = []
+    for r, g in zip(root, gamma):
+        M = np.diag(r * r)
+        A = np.eye(Q) - g * M @ precision
+        laws.append(linalg.solve_discrete_lyapunov(A, 2.0 * g * M))
+    S = np.mean(laws, 0)
+    var = z.var(0, ddof=1)
+    # the mixture's variance, within 4.5 relative sds of a 2 000-draw variance (0.032 each)
+    bound = 4.5 * np.sqrt(2.0 / (CHAINS - 1))
+    np.testing.assert_array_less(np.abs(var / np.diag(S) - 1.0), bound)
+    # ULA's inflation is there, and the same bound would reject the posterior's own variances
+    assert np.max(np.diag(S) / np.diag(cov)) > 1.2 and np.max(np.abs(var / np.diag(cov) - 1.0)) > bound
+    np.testing.assert_array_less(np.abs(z.mean(0) - mean) / np.sqrt(np.diag(S) / CHAINS), 4.5)  # ULA's mean is exact
