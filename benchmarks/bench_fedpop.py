@@ -8,6 +8,7 @@ per round, M = 10 local steps on minibatches of 50 rows, seeds 0-2. Algorithms, 
 * FedSOUL (SGLD heads, Adam on the shared sites, the library's defaults otherwise);
 * FedSOUL as FedPop's released configurations run it (:data:`PAPER`: the heads' prior scale fixed at 1,
   a dense local metric);
+* FedSOUL with the diagonal local metric (:data:`DIAGONAL`: heads that mix at the cost of a gradient a round);
 * FedAvg (one shared classifier: every head at the population mean, ``local_latents="population-mean"``);
 * FedAvg + fine-tuning (``fb.FineTune`` from the FedAvg fit);
 * FedRep (``fb.FedRep``: personal heads by local gradient steps, no prior, no noise);
@@ -52,12 +53,18 @@ coordinate (``prior_scale=1``; mu still learned here), and a preconditioned loca
 chains do not mix)."""
 
 
+DIAGONAL = "FedSOUL (diagonal)"
+"""FedSOUL with ``local_metric="diagonal"`` (the running diagonal of the heads' curvature as the Langevin metric),
+the library's defaults otherwise."""
+
+
 def algorithms(avg: fb.Result) -> dict[str, tuple[object, object]]:
     model = fb.models.fedpop_classifier
     fixed = functools.partial(fb.models.fedpop_classifier, prior_scale=1.0)
     return {
         "FedSOUL": (fb.FedSOUL(**COMMON, **FINAL), model),
         PAPER: (fb.FedSOUL(**COMMON, **FINAL, local_metric="dense"), fixed),
+        DIAGONAL: (fb.FedSOUL(**COMMON, **FINAL, local_metric="diagonal"), model),
         "FedAvg + FT": (fb.FineTune(init=avg, **COMMON, num_samples=5, warmup=20), model),
         "FedRep": (fb.FedRep(**COMMON, num_samples=5, warmup=20), model),
         "Local": (fb.LocalOnly(**COMMON, num_samples=5, warmup=20), model),
@@ -89,6 +96,7 @@ def run_setting(S: int, seed: int, rounds: int, small_fraction: float = 0.0, nam
         row = scores.mean().to_dict()
         if small.any():
             row["small_accuracy"] = float(scores["accuracy"][small].mean())
+            row["small_ece"] = float(scores["ece"][small].mean())
         row["seconds"] = seconds
         out[name] = row
     out["_source"] = info["source"]
@@ -131,7 +139,7 @@ def main() -> None:
     args = parser.parse_args()
     seeds = [0] if args.quick else [0, 1, 2]
     rounds = args.rounds or (150 if args.quick else 400)
-    small_names = tuple(n for n in ("FedSOUL", PAPER, "FedRep") if args.only is None or n in args.only)
+    small_names = tuple(args.only) if args.only is not None else ("FedSOUL", PAPER, DIAGONAL, "FedRep")
     settings = [(S, s, rounds, 0.0, args.only) for S in (args.S or ([2] if args.quick else [2, 5])) for s in seeds]
     fractions = tuple(args.fractions if args.fractions is not None else (() if args.quick else (0.1, 0.5, 0.9)))
     settings += [(5, s, rounds, f, small_names) for f in fractions for s in seeds]
@@ -151,15 +159,15 @@ def main() -> None:
                                               for k in results[0] if not k.startswith("_")), flush=True)
     if not fractions:
         return
-    print("\nSmall-data variant (S = 5; a fraction of the clients hold 5 training images): accuracy of the small "
-          "clients, mean (sd) over seeds\n")
-    print("| fraction with 5 images | " + " | ".join(small_names) + " |\n|---|" + "---|" * len(small_names))
-    for frac in fractions:
-        res = [found[(5, s, frac)] for s in seeds]
-        cells = []
-        for name in small_names:
-            cells.append(_mean_sd(np.array([r[name]["small_accuracy"] for r in res])))
-        print(f"| {frac:.0%} | " + " | ".join(cells) + " |", flush=True)
+    for metric in ("small_accuracy", "small_ece"):
+        print(f"\nSmall-data variant (S = 5; a fraction of the clients hold 5 training images): {metric[6:]} of the "
+              "small clients, mean (sd) over seeds\n")
+        names = [n for n in found[(5, seeds[0], fractions[0])] if not n.startswith("_")]
+        print("| fraction with 5 images | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+        for frac in fractions:
+            res = [found[(5, s, frac)] for s in seeds]
+            cells = [_mean_sd(np.array([r[name][metric] for r in res])) for name in names]
+            print(f"| {frac:.0%} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -692,8 +692,9 @@ def _fix(algorithm: str, check: str) -> str:
         return (
             "longer local chains after the last round: more num_samples, warmup or thinning (e.g. "
             "fb.FedSOUL(num_samples=1000, warmup=500)), or more num_chains to see it; with many local "
-            "coordinates (a network's head) on the identity metric, local_metric='dense' (chains whose "
-            "directions have very different spreads mix at the pace of the narrowest)"
+            "coordinates (a network's head) on the identity metric, local_metric='diagonal' (one gradient a "
+            "round) or local_metric='dense' (chains whose directions have very different spreads mix at the "
+            "pace of the narrowest)"
         )
     if algorithm in _SAMPLERS:
         return (

@@ -1,5 +1,5 @@
-"""FedSOUL's diagonal local metric (``local_metric="diagonal"``, the default for Langevin chains on more than
-``LOCAL_DENSE_MAX`` local coordinates): its stationary law against the closed form on a Gaussian local posterior.
+"""FedSOUL's diagonal local metric (``local_metric="diagonal"``): its stationary law against the closed form on a
+Gaussian local posterior.
 
 The client's local latents z in R^12 have the prior N(m 1, I) and the likelihood y_j ~ N(x_j^T z, 1) over 30
 rows whose columns have scales from 0.05 to 20, so the posterior N(P^-1 X^T y, P^-1), P = I + X^T X, has spreads
@@ -67,12 +67,13 @@ def chains(data, num_rounds: int, **options):
     return run, states
 
 
-def test_the_default_metric_for_many_local_coordinates_is_diagonal(problem):
+def test_the_metric_is_chosen_as_documented(problem):
     data = problem[0]
-    run = fb.FedSOUL().build(Problem(FedModel(gaussian_head, data), data, 10))
-    assert run.local_metric == "diagonal"
-    assert fb.FedRep().build(Problem(FedModel(gaussian_head, data), data, 10)).local_metric == "identity"
-    assert fb.FedSOUL(step_size=0.01).build(Problem(FedModel(gaussian_head, data), data, 10)).local_metric == "identity"
+    build = lambda algo: algo.build(Problem(FedModel(gaussian_head, data), data, 10)).local_metric  # noqa: E731
+    assert build(fb.FedSOUL(local_metric="diagonal")) == "diagonal"
+    assert build(fb.FedSOUL()) == "identity"  # q = 12 > LOCAL_DENSE_MAX: see FedSOUL's local_metric
+    with pytest.raises(fb.ConfigError, match="local_metric"):
+        fb.FedSOUL(local_metric="adam")
 
 
 def test_mala_with_the_adapted_diagonal_metric_samples_the_posterior_exactly(problem):
@@ -80,7 +81,7 @@ def test_mala_with_the_adapted_diagonal_metric_samples_the_posterior_exactly(pro
     after 60 rounds are independent draws of the chain's law, which must be the posterior N(mean, cov); and
     V, the running mean of Hutchinson's u * (P u), must estimate diag(P) without bias."""
     data, precision, mean, cov = problem
-    run, states = chains(data, 60)
+    run, states = chains(data, 60, local_metric="diagonal")
     z = np.asarray(states.z["z"], np.float64)
     sd = np.sqrt(np.diag(cov))
     # 2 000 independent draws: each coordinate's mean has standard error sd / sqrt(2000); 4.5 standard errors
@@ -106,7 +107,7 @@ def test_ula_with_the_diagonal_metric_has_ula_s_closed_form_law(problem):
     S = A S A^T + 2 gamma R R^T (discrete Lyapunov). At step_scale 1 that law's variances are 1.2-1.26 times the
     posterior's, so the test tells the two apart."""
     data, precision, mean, cov = problem
-    run, states = chains(data, 80, local_kernel="ula", step_scale=1.0)
+    run, states = chains(data, 80, local_metric="diagonal", local_kernel="ula", step_scale=1.0)
     z = np.asarray(states.z["z"], np.float64)
     root = np.asarray(jax.vmap(fedsoul.diagonal_root)(states.metric), np.float64)  # each copy's metric's root
     gamma = np.asarray(states.step, np.float64)

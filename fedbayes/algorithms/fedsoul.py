@@ -93,8 +93,8 @@ class ClientState(NamedTuple):
     v: jax.Array  # the power iteration's vector (automatic step)
     step: jax.Array  # the round's Langevin step
     anchor: Params  # where the kernel's metric and step are taken (FedSOULRun._adapt)
-    metric: jax.Array = ()  # the diagonal metric's running mean V of the curvature's diagonal (q,); () otherwise
-    visits: jax.Array = ()  # the rounds the client took part in (the diagonal metric's average weights)
+    metric: Any = ()  # the diagonal metric's running mean V of the curvature's diagonal (q,); () otherwise
+    visits: Any = ()  # the rounds the client took part in (the diagonal metric's average weights)
 
 
 class Upload(NamedTuple):
@@ -105,7 +105,7 @@ class Upload(NamedTuple):
 
 LOCAL_DENSE_MAX = 10
 """``local_metric="auto"`` preconditions a client's Langevin moves by its local Hessian (dense) when it
-has at most this many local coordinates, and by the diagonal metric above that."""
+has at most this many local coordinates."""
 
 METRIC_WINDOW = 20
 """The diagonal metric's running mean V of curvature estimates forgets at rate 1 / METRIC_WINDOW once the
@@ -209,9 +209,11 @@ class FedSOUL:
         benchmarks/README.md), and the fit's local R-hat check says so. "auto"
         (default): "dense" when a client has at most ``LOCAL_DENSE_MAX`` (10) local coordinates (a
         q x q Hessian per round, at most as many gradients as the round's 10 moves) and the step is
-        automatic; "diagonal" above that for FedSOUL's Langevin chains (FedRep and its relatives, whose
-        local moves are gradient steps, keep "identity"); "identity" when a ``step_size`` is given (the
-        identity metric's; with "dense" or "diagonal" it is the step in the whitened coordinates).
+        automatic, else "identity" (a given ``step_size`` is the identity metric's; with "dense" or
+        "diagonal" it is the step in the whitened coordinates). "diagonal" is not the default above
+        ``LOCAL_DENSE_MAX``: on FedPop's image model its heads mix, and the fit's predictions are worse at
+        the protocol's budget than with the identity metric's heads, which stay near where their chains
+        began (benchmarks/README.md, "FedPop's image experiment").
     server_lr:
         eta_k: a float or a schedule ``k -> eta_k``; None (default): 1.0 for Fisher scoring, 0.05 for
         "adam" / "sgd" / an optax optimiser.
@@ -612,7 +614,7 @@ class FedSOULRun(FederatedRun):
         q = ravel_pytree(fm.zeros_local())[0].size
         auto = cfg.local_metric == "auto" and cfg.step_size is None
         self._dense = cfg.local_metric == "dense" or (auto and 0 < q <= LOCAL_DENSE_MAX)
-        self._diagonal = cfg.local_metric == "diagonal" or (auto and q > LOCAL_DENSE_MAX and cfg.local_noise)
+        self._diagonal = cfg.local_metric == "diagonal"
         self.local_metric = "dense" if self._dense else ("diagonal" if self._diagonal else "identity")
         self.local_kernel = cfg.local_kernel or ("ula" if batches.active else "mala")
         mala = self.local_kernel == "mala"
@@ -808,7 +810,8 @@ class FedSOULRun(FederatedRun):
         fm = self._fm
         z0, anchor = self._start(k_z, theta, client)
         v0 = jax.random.normal(k_v, (ravel_pytree(fm.zeros_local())[0].size,))
-        metric, visits = (), ()
+        metric: Any = ()
+        visits: Any = ()
         if self._diagonal:
             f, flat = self._flat_log_joint(theta, anchor, client), ravel_pytree(anchor)[0]
             basis = jnp.eye(flat.size, dtype=flat.dtype)
