@@ -126,3 +126,27 @@ def test_ula_with_the_diagonal_metric_has_ula_s_closed_form_law(problem):
     # ULA's inflation is there, and the same bound would reject the posterior's own variances
     assert np.max(np.diag(S) / np.diag(cov)) > 1.2 and np.max(np.abs(var / np.diag(cov) - 1.0)) > bound
     np.testing.assert_array_less(np.abs(z.mean(0) - mean) / np.sqrt(np.diag(S) / CHAINS), 4.5)  # ULA's mean is exact
+
+
+@pytest.mark.slow  # 30 s: a fit's compilation and a new client's
+def test_a_new_client_adapts_the_diagonal_metric_before_its_draws(problem):
+    """``res.sample_client`` with the diagonal metric: the new client adapts V in rounds of its own (no upload), then
+    draws; its draws are the closed-form posterior at the fitted m, to within their Monte Carlo error (ESS)."""
+    import arviz as az
+
+    data, precision, _, _ = problem
+    algo = fb.FedSOUL(local_metric="diagonal", num_samples=50, warmup=50)
+    res = fb.fed_fit(gaussian_head, data, algo, num_rounds=100, seed=0, progress=False)
+    m = float(res.params["m"])
+    client = data.client(0)
+    x, y = np.asarray(client["x"], np.float64), np.asarray(client["y"], np.float64)
+    cov = np.linalg.inv(precision)
+    mean = cov @ (x.T @ y + m)
+    draws = np.asarray(res.sample_client(client, num_samples=1000, warmup=500, seed=1)["z"], np.float64)
+    chains_ = draws.reshape(algo.num_chains, 1000, Q)
+    ess = np.asarray(az.ess(az.convert_to_dataset(chains_))["x"])
+    assert ess.min() > 100  # the adapted metric mixes every coordinate (their spreads differ by a factor 90)
+    sd = np.sqrt(np.diag(cov))
+    # 5 Monte Carlo standard errors (sd / sqrt(ESS)) for the means, and 5 of a variance's (sd^2 sqrt(2 / ESS))
+    np.testing.assert_array_less(np.abs(draws.mean(0) - mean) / (sd / np.sqrt(ess)), 5.0)
+    np.testing.assert_array_less(np.abs(draws.var(0) / sd**2 - 1.0), 5.0 * np.sqrt(2.0 / ess))
