@@ -2,8 +2,8 @@
 Gaussian local posterior.
 
 The client's local latents z in R^12 have the prior N(m 1, I) and the likelihood y_j ~ N(x_j^T z, 1) over 30
-rows whose columns have scales from 0.05 to 20, so the posterior N(P^-1 X^T y, P^-1), P = I + X^T X, has spreads
-over more than two orders of magnitude (the identity metric's step is set by the narrowest one). The client's
+rows whose columns have scales from 0.05 to 20, so the posterior N(P^-1 X^T y, P^-1), P = I + X^T X, has sds
+that differ by a factor 80 (the identity metric's step is set by the narrowest one). The client's
 own round (``FedSOULRun._local_chain``: one Hutchinson estimate of the curvature's diagonal at the anchor into
 the running mean V, the kernel adapted there, 10 moves) is run at the fixed global m = 0, in 2 000 independent
 copies of the client (vmapped keys).
@@ -145,7 +145,7 @@ def test_a_new_client_adapts_the_diagonal_metric_before_its_draws(problem):
     draws = np.asarray(res.sample_client(client, num_samples=1000, warmup=500, seed=1)["z"], np.float64)
     chains_ = draws.reshape(algo.num_chains, 1000, Q)
     ess = np.asarray(az.ess(az.convert_to_dataset(chains_))["x"])
-    assert ess.min() > 100  # the adapted metric mixes every coordinate (their spreads differ by a factor 90)
+    assert ess.min() > 100  # the adapted metric mixes every coordinate (sds differing by a factor 80)
     sd = np.sqrt(np.diag(cov))
     # 5 Monte Carlo standard errors (sd / sqrt(ESS)) for the means, and 5 of a variance's (sd^2 sqrt(2 / ESS))
     np.testing.assert_array_less(np.abs(draws.mean(0) - mean) / (sd / np.sqrt(ess)), 5.0)
