@@ -56,6 +56,16 @@ from .protocol import FederatedRun, FitParts
 from .result import Result
 
 
+MAX_ROUNDS = 2**31 - 1
+"""The most rounds a fit may plan (``num_rounds``): the device counts rounds in 32-bit integers."""
+
+
+def check_progress(progress: object) -> None:
+    """ConfigError unless ``progress`` is None, True or False (a string such as "no" is not read as a flag)."""
+    if progress is not None and not isinstance(progress, (bool, np.bool_)):
+        raise ConfigError(f"progress must be None, True or False, got {progress!r}")
+
+
 def _resolve_algorithm(algorithm: Any) -> Any:
     if isinstance(algorithm, str):
         key = algorithm.lower().replace("_", "-")
@@ -64,6 +74,11 @@ def _resolve_algorithm(algorithm: Any) -> Any:
                 f"unknown algorithm '{algorithm}'; choose one of {sorted(ALGORITHMS)} or pass an instance"
             )
         return ALGORITHMS[key]()
+    if isinstance(algorithm, type) and hasattr(algorithm, "build"):
+        raise ConfigError(
+            f"algorithm must be an instance, not the class: pass fb.{algorithm.__name__}() (with its options), "
+            f"not fb.{algorithm.__name__}"
+        )
     if not hasattr(algorithm, "build"):
         raise ConfigError(f"algorithm must be a name or an algorithm instance such as fb.FedSOUL(), got {algorithm!r}")
     return algorithm
@@ -180,6 +195,11 @@ def validate_fit(
         else:
             raise DataError(f"data must be fb.FederatedData or a dict of per-client lists, got {type(data).__name__}")
     require_int(num_rounds, "num_rounds", 1)
+    if num_rounds > MAX_ROUNDS:
+        raise ConfigError(
+            f"num_rounds must be at most {MAX_ROUNDS:,} (2^31 - 1: the rounds are counted in 32-bit integers on the "
+            f"device), got {num_rounds:,}"
+        )
     if chunk_size is not None:
         require_int(chunk_size, "chunk_size", 1)
     require_seed(seed)
@@ -242,7 +262,7 @@ def fed_fit(
         An instance such as ``fb.FedSOUL(local_steps=10)`` or ``fb.DELF(uplink=fb.compress.top_k(5))``,
         or a name (``"fedsoul"``, ``"lmc"``, ``"d-elf"``, ``"p-elf"``, ``"b-elf"``) for the defaults.
     num_rounds:
-        Communication rounds.
+        Communication rounds, at most ``MAX_ROUNDS`` (2^31 - 1).
     clients_per_round:
         Cohort size per round: an int, a fraction in (0, 1], or None for all clients.
     seed:
@@ -319,6 +339,7 @@ def fed_fit(
     )
     _check_run_options(checkpoint, checkpoint_every, callback)
     _check_stall_timeout(stall_timeout)
+    check_progress(progress)
     check_matmul_precision(matmul_precision)
     check_size_buckets(size_buckets)
     chosen = resolve_devices(devices, fit.data.num_clients)
@@ -653,6 +674,7 @@ def resume(
     target = path if checkpoint is True else (None if checkpoint is False else checkpoint)
     _check_run_options(target, checkpoint_every, callback)
     _check_stall_timeout(stall_timeout)
+    check_progress(progress)
     check_matmul_precision(matmul_precision)
     check_size_buckets(size_buckets)
     chosen = resolve_devices(devices, fit.data.num_clients)

@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import ConfigError, require_int
+from .errors import ConfigError, is_real, require_int
+from .seeds import require_seed, seed_key
 
 ACCOUNTANTS = ("rdp", "pld")
 RELATIONS = ("add-remove", "replace")
@@ -85,7 +86,7 @@ def secret_key(seed: int | None) -> jax.Array:
     from ``seed`` (reproducible, for tests and audits; the noise is then only as secret as the seed).
     The fit's own ``seed`` is public (it is in ``res.seed`` and every Flower node holds it), so noise
     drawn from it could be recomputed and subtracted."""
-    return jax.random.PRNGKey(secrets.randbits(63) if seed is None else int(seed))
+    return seed_key(secrets.randbits(64) if seed is None else seed, "noise_seed")
 
 
 def folded(secret: jax.Array, public: jax.Array) -> jax.Array:
@@ -307,8 +308,12 @@ class DP:
     noise_seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.clip, (int, float)) and math.isfinite(self.clip) and self.clip > 0):
+        if not (is_real(self.clip) and math.isfinite(self.clip) and self.clip > 0):
             raise ConfigError(f"DP needs a finite clip > 0 (the L2 bound of an upload), got {self.clip!r}")
+        for name in ("noise_multiplier", "epsilon", "delta"):
+            value = getattr(self, name)
+            if value is not None and not (is_real(value) and math.isfinite(value)):
+                raise ConfigError(f"DP {name} must be a finite number or None, got {value!r}")
         if (self.noise_multiplier is None) == (self.epsilon is None):
             raise ConfigError(
                 "DP takes exactly one of noise_multiplier (noise sd / clip) and epsilon (a target "
@@ -324,8 +329,8 @@ class DP:
             raise ConfigError(f"mode must be 'central' or 'distributed', got {self.mode!r}")
         if self.accountant not in ACCOUNTANTS:
             raise ConfigError(f"accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
-        if self.noise_seed is not None and (isinstance(self.noise_seed, bool) or not isinstance(self.noise_seed, int)):
-            raise ConfigError(f"noise_seed must be an int or None, got {self.noise_seed!r}")
+        if self.noise_seed is not None:
+            require_seed(self.noise_seed, "noise_seed")
 
     def resolved_delta(self, num_clients: int) -> float:
         """``delta``, or min(1e-5, 1 / n^1.1) for n clients."""

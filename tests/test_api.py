@@ -85,3 +85,26 @@ def test_same_seed_same_result(data, short_fit):
     np.testing.assert_array_equal(a.params["phi"], b.params["phi"])
     np.testing.assert_array_equal(a.local_samples["z"], b.local_samples["z"])
     assert not np.array_equal(a.params["phi"], c.params["phi"])
+
+
+def test_options_of_the_wrong_kind_are_refused_before_any_compute():
+    """Issue 53 (5, 6): the algorithm's class instead of an instance, a progress flag that is not a bool, and a
+    number of rounds past the device's 32-bit round counter (2**63 used to be planned chunk by chunk until the
+    process was killed for memory)."""
+    import numpyro
+    import numpyro.distributions as dist
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("obs", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    data = fb.FederatedData({"y": [np.ones(3)] * 2})
+    with pytest.raises(ConfigError, match=r"pass fb.GD\(\)"):
+        fb.fed_fit(model, data, fb.GD, num_rounds=5, progress=False)
+    for flag in ("no", 1, "False"):
+        with pytest.raises(ConfigError, match="progress must be None, True or False"):
+            fb.fed_fit(model, data, fb.GD(), num_rounds=5, progress=flag)
+    with pytest.raises(ConfigError, match="num_rounds must be at most 2,147,483,647"):
+        fb.fed_fit(model, data, fb.GD(), num_rounds=2**63, progress=False)
+    assert fb.api.MAX_ROUNDS == 2**31 - 1

@@ -1183,3 +1183,20 @@ def test_distributed_fedsoul_with_secure_aggregation_on_flower_equals_fed_fit(fl
     algo = fb.FedSOUL(server_lr=0.05, uncertainty=False, privacy=_distributed(5.0, 0.5, noise_seed=5))
     res = _secagg_equals_fed_fit(fb.models.linear_mixed_effects, _lme(), algo, 5, rtol=1e-4, atol=1e-5)
     assert res.privacy["secure_aggregation"] == "SecAgg+ (Flower)" and "distributed" in res.privacy["mechanism"]
+
+
+def test_dp_options_are_numbers_of_the_right_kind():
+    """Issue 53 (7): NumPy scalars are numbers (clip=np.float32(1) was refused as not finite); bools, strings and
+    infinities are not (clip=True was taken as 1; string multipliers gave bare TypeErrors; an infinite multiplier
+    was accepted and the fit then blamed its step size); a noise seed past 2**64 is refused (it crashed in JAX),
+    and seeds below 2**32 draw the same noise as before."""
+    assert privacy.DP(clip=np.float32(1.0), noise_multiplier=np.float64(0.5)).clip == 1.0
+    bad = [dict(clip=True, noise_multiplier=1.0), dict(clip="1", noise_multiplier=1.0),
+           dict(clip=1.0, noise_multiplier="1"), dict(clip=1.0, epsilon="3"), dict(clip=1.0, epsilon=1.0, delta="x"),
+           dict(clip=1.0, noise_multiplier=math.inf), dict(clip=1.0, epsilon=math.inf),
+           dict(clip=1.0, noise_multiplier=1.0, noise_seed=2**70), dict(clip=1.0, noise_multiplier=1.0, noise_seed=-1)]
+    for kw in bad:
+        with pytest.raises(ConfigError):
+            privacy.DP(**kw)
+    np.testing.assert_array_equal(privacy.secret_key(7), jax.random.PRNGKey(7))
+    assert not np.array_equal(privacy.secret_key(2**40 + 7), privacy.secret_key(7))  # distinct past 32 bits

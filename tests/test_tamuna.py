@@ -374,3 +374,39 @@ def test_fedsoul_warm_starts_from_the_global_model():
     assert np.linalg.norm(grad(ravel_pytree(start)[0], clients)) < 1e-4 * np.linalg.norm(grad(run._x0, clients))
     with pytest.raises(ConfigError, match="FedSOUL init"):
         fb.FedSOUL(init=3)
+
+
+def _intercept(y):
+    import numpyro
+    import numpyro.distributions as dist
+
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("algo", [fb.TAMUNA, fb.Scaffnew, fb.GD])
+def test_a_perfectly_conditioned_problem_is_solved_not_refused(algo):
+    """Issue 53 (1): an intercept with a prior on equal clients has kappa = 1 exactly; the separately estimated
+    L_max and mu_min made it 0.9999999999999999 here (3 clients of 2 rows each), which recommended_p refused.
+    The exact posterior mode of N(0, 1) x prod N(0.7 | mu, 1) over the 6 rows is 6 * 0.7 / 7 = 0.6."""
+    with jax.enable_x64(False):  # in float32, the users' default (the suite runs in float64, where it is exact)
+        data = fb.FederatedData({"y": [np.full(2, 0.7)] * 3})
+        res = fb.fed_fit(_intercept, data, algo(), num_rounds=200, progress=False, seed=0)
+    np.testing.assert_allclose(float(res.params["mu"]), 0.6, rtol=1e-5)
+
+
+def test_an_objective_without_curvature_is_refused_with_the_fix():
+    """Issue 53 (2): a numpyro.param whose likelihood is masked out has L_max = 0: a ConfigError naming the
+    cause and the fix, not a ZeroDivisionError."""
+    import numpyro
+    import numpyro.distributions as dist
+
+    def flat(y):
+        mu = numpyro.param("mu", 0.0)
+        with numpyro.plate("obs", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, 1.0).mask(False), obs=y)
+
+    data = fb.FederatedData({"y": [np.ones(3)] * 4})
+    with pytest.raises(ConfigError, match="no curvature.*Give it a prior, or pass step_size"):
+        fb.fed_fit(flat, data, fb.GD(), num_rounds=5, progress=False)

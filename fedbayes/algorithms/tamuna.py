@@ -530,6 +530,13 @@ class TAMUNARun(FederatedRun):
             gamma = float(cfg.step_size)
         elif L_max is None:  # step_size None: estimated at the set-up (self._estimate)
             raise AssertionError(f"{self.name}: the step size needs L_max, estimated at the set-up")
+        elif not L_max > 0:
+            raise ConfigError(
+                f"{self.name}: the objective has no curvature at the initial point (the largest Hessian eigenvalue "
+                f"L_max is {L_max:.3g}), so the automatic step 1 / L_max is undefined and the objective has no "
+                "unique minimiser there: a parameter that neither a prior nor an observation constrains (e.g. a "
+                "numpyro.param whose likelihood is masked out). Give it a prior, or pass step_size"
+            )
         else:
             gamma = 1.0 / L_max
         if L_max is not None and not gamma < 2.0 / L_max:
@@ -580,7 +587,9 @@ class TAMUNARun(FederatedRun):
                 stacklevel=6,
             )
             return None
-        return float(L_max / mu)
+        # kappa >= 1 by definition; L_max and mu are estimated apart, so on a perfectly conditioned problem
+        # (kappa = 1) their ratio can round to just below 1
+        return max(float(L_max / mu), 1.0)
 
     def settings(self, state: ServerState) -> dict[str, Any]:
         """The resolved hyper-parameters in ``state`` (after the set-up): gamma, p, eta, s, c, n, d (and
