@@ -202,7 +202,7 @@ def validate_fit(
         )
     if chunk_size is not None:
         require_int(chunk_size, "chunk_size", 1)
-    require_seed(seed)
+    seed = require_seed(seed)
     if model_kwargs is not None and not isinstance(model_kwargs, Mapping):
         raise ConfigError(
             f"model_kwargs must be a dict of keyword arguments or None, got {type(model_kwargs).__name__}"
@@ -266,7 +266,8 @@ def fed_fit(
     clients_per_round:
         Cohort size per round: an int, a fraction in (0, 1], or None for all clients.
     seed:
-        An integer in ``[0, 2**64)``; the fit is a deterministic function of ``seed`` on a given machine.
+        An integer in ``[0, 2**64)``, or a JAX key (``jax.random.PRNGKey(s)``, ``jax.random.key(s)``: the fit of
+        that s); the fit is a deterministic function of ``seed`` on a given machine.
     progress:
         Progress after each chunk (:class:`fedbayes.engine.Progress`). None (default): a live line on a
         terminal or in a Jupyter notebook, nothing elsewhere; True: also in a log, one line per chunk;

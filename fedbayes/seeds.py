@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .errors import ConfigError, require_int
 
@@ -21,17 +22,38 @@ SEED_LIMIT = 2**64
 
 
 def require_seed(seed: object, what: str = "seed") -> int:
-    """``seed`` as an int in ``[0, 2**64)``.
+    """``seed`` as an int in ``[0, 2**64)``, or a JAX PRNG key (``jax.random.PRNGKey(s)`` or ``jax.random.key(s)``)
+    as the int whose key it is (:func:`seed_key` gives the key back, so the fit is the one of that int).
 
     Raises
     ------
     ConfigError
-        If ``seed`` is not an integer (bools refused), is negative, or is ``2**64`` or more.
+        If ``seed`` is not an integer (bools refused), is negative, or is ``2**64`` or more; or a key of a PRNG
+        other than JAX's default threefry, or a batch of keys.
     """
+    seed = _key_as_int(seed, what)
     value = require_int(seed, what, 0)
     if value >= SEED_LIMIT:
         raise ConfigError(f"{what} must be below 2**64, got {seed!r}; reduce it, e.g. {what} % 2**64")
     return value
+
+
+def _key_as_int(seed: object, what: str) -> object:
+    """A single threefry key (raw uint32[2] or typed) as the int ``high * 2**32 + low``; anything else as it is."""
+    if not isinstance(seed, jax.Array):
+        return seed
+    data = seed
+    if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        impl = str(jax.random.key_impl(seed))
+        if "threefry" not in impl or seed.shape != ():
+            raise ConfigError(f"{what} as a key must be one threefry key (jax.random.key(s)), got {impl} {seed.shape}")
+        data = jax.random.key_data(seed)
+    elif cast(Any, jax.config).jax_default_prng_impl != "threefry2x32":
+        raise ConfigError(f"{what} as a raw key needs JAX's default threefry PRNG; pass an int seed")
+    if data.shape != (2,) or data.dtype != jnp.uint32:
+        raise ConfigError(f"{what} must be an int or one PRNG key (uint32 of shape (2,)), got {data.dtype}{data.shape}")
+    high, low = (int(v) for v in np.asarray(data))
+    return (high << 32) | low
 
 
 def seed_key(seed: object, what: str = "seed") -> jax.Array:

@@ -108,3 +108,25 @@ def test_options_of_the_wrong_kind_are_refused_before_any_compute():
     with pytest.raises(ConfigError, match="num_rounds must be at most 2,147,483,647"):
         fb.fed_fit(model, data, fb.GD(), num_rounds=2**63, progress=False)
     assert fb.api.MAX_ROUNDS == 2**31 - 1
+
+
+@pytest.mark.filterwarnings("ignore::fedbayes.ConvergenceWarning")  # 20 rounds: the draws, not the fit, are compared
+def test_a_jax_key_is_accepted_as_the_seed_it_holds():
+    """Issue 52 (8): ``seed=jax.random.PRNGKey(s)`` (or ``jax.random.key(s)``) is the fit of ``seed=s``, draw for draw."""
+    import jax
+    import numpyro
+    import numpyro.distributions as dist
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("obs", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    data = fb.FederatedData({"y": [np.ones(3), np.zeros(2)]})
+    fits = [fb.fed_fit(model, data, fb.LMC(), num_rounds=20, progress=False, seed=s)
+            for s in (3, jax.random.PRNGKey(3), jax.random.key(3))]
+    for res in fits[1:]:
+        assert res.seed == 3
+        np.testing.assert_array_equal(res.global_samples["mu"], fits[0].global_samples["mu"])
+    with pytest.raises(ConfigError, match="one PRNG key"):
+        fb.fed_fit(model, data, fb.LMC(), num_rounds=5, progress=False, seed=jax.random.split(jax.random.PRNGKey(0)))
