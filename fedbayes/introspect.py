@@ -980,7 +980,17 @@ class FedModel:
                 return prior_centre(site["fn"], self.sites[name].transform)
             return None
 
-        tr = _trace(self.model, {**self._example, **self.model_kwargs}, substitute_fn=centre, seed=0)
+        try:
+            tr = _trace(self.model, {**self._example, **self.model_kwargs}, substitute_fn=centre, seed=0)
+        except ValueError as err:  # NumPyro's argument validation of a distribution built from the start values
+            centred = "its prior's centre"
+            start = {n: np.asarray(given[n]).tolist() if n in given else centred for n in self.global_names}
+            raise ModelError(
+                f"the model is invalid at its starting values ({err}): the start of each global site is "
+                f"{start}, and a distribution built from them got an invalid argument (e.g. a scale given by a "
+                "site whose prior allows values <= 0). Give the site a prior on the right support (e.g. "
+                "dist.HalfNormal for a scale), or pass a valid start (the algorithm's init={...})"
+            ) from err
         out = {}
         for n in self.global_names:
             v = jnp.asarray(given.get(n, tr[n]["value"]), dtype=dtype)

@@ -208,3 +208,18 @@ def test_a_pytree_valued_param_is_one_site_per_leaf():
 
     res = fb.fed_fit(model, data, fb.GD(), num_rounds=3, progress=False)
     assert sorted(res.params) == ["net/b", "net/w"] and res.params["net/w"].shape == (3,)
+
+
+@pytest.mark.parametrize("algo", [fb.GD, fb.LMC])
+def test_a_model_invalid_at_its_start_is_a_model_error_with_the_fix(algo):
+    """Issue 53 (3): a global whose prior centre makes a later distribution invalid (a scale of -1) gave NumPyro's
+    bare ValueError from the globals' start; it is a ModelError that names the site, its start and the fix."""
+
+    def model(y):
+        s = numpyro.sample("s", dist.Normal(-1.0, 1.0))
+        with numpyro.plate("obs", y.shape[0]):
+            numpyro.sample("y", dist.Normal(0.0, s), obs=y)
+
+    data = fb.FederatedData({"y": [np.ones(3)] * 2})
+    with pytest.raises(fb.ModelError, match=r"invalid at its starting values.*'s'.*HalfNormal"):
+        fb.fed_fit(model, data, algo(), num_rounds=5, progress=False)
