@@ -110,6 +110,7 @@ def test_options_of_the_wrong_kind_are_refused_before_any_compute():
     assert fb.api.MAX_ROUNDS == 2**31 - 1
 
 
+@pytest.mark.slow  # three LMC fits, about 13 s
 @pytest.mark.filterwarnings("ignore::fedbayes.ConvergenceWarning")  # 20 rounds: the draws, not the fit, are compared
 def test_a_jax_key_is_accepted_as_the_seed_it_holds():
     """Issue 52 (8): ``seed=jax.random.PRNGKey(s)`` (or ``jax.random.key(s)``) is the fit of ``seed=s``, draw for draw."""

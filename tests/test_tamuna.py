@@ -385,6 +385,7 @@ def _intercept(y):
         numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
 
 
+@pytest.mark.slow  # three fits of 200 rounds, about 20 s
 @pytest.mark.parametrize("algo", [fb.TAMUNA, fb.Scaffnew, fb.GD])
 def test_a_perfectly_conditioned_problem_is_solved_not_refused(algo):
     """Issue 53 (1): an intercept with a prior on equal clients has kappa = 1 exactly; the separately estimated
