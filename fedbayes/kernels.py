@@ -244,15 +244,15 @@ def power_iteration(
     return lam, v
 
 
+def hvp(f: Callable[[jax.Array], jax.Array], x: jax.Array, u: jax.Array) -> jax.Array:
+    """H u for H = -grad^2 f(x) (flat x), by forward-over-reverse differentiation."""
+    return -jax.jvp(jax.grad(f), (x,), (u,))[1]
+
+
 def curvature(log_density: Callable[[PyTree], jax.Array], x: PyTree, v0: jax.Array, num_iters: int):
     """``(lambda_max, v)`` of the Hessian of ``-log_density`` at ``x`` (flattened), by power iteration."""
     flat, unravel = ravel_pytree(x)
-    grad_flat = lambda f: ravel_pytree(jax.grad(log_density)(unravel(f)))[0]  # noqa: E731
-
-    def hvp(v):
-        return -jax.jvp(grad_flat, (flat,), (v,))[1]
-
-    return power_iteration(hvp, v0, num_iters)
+    return power_iteration(lambda v: hvp(lambda f: log_density(unravel(f)), flat, v), v0, num_iters)
 
 
 class ULAState(NamedTuple):

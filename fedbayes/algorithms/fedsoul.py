@@ -68,6 +68,7 @@ from ..kernels import (
     apply_root,
     backtrack,
     curvature,
+    hvp,
     langevin_move,
     move_keys,
     newton_mode,
@@ -760,10 +761,9 @@ class FedSOULRun(FederatedRun):
         running mean ``metric`` of the curvature's diagonal (:data:`METRIC_FLOOR`), gamma = step_scale / the
         largest curvature of the whitened target at a, a' = a + a damped whitened gradient step of length
         1 / that curvature. A given ``step_size`` is kept."""
-        fm = self._fm
-        log_joint = self._log_joint_fn(fm, theta, client)
+        log_joint = self._log_joint_fn(self._fm, theta, client)
         flat, unravel = ravel_pytree(anchor)
-        f = lambda x: log_joint(unravel(x))  # noqa: E731
+        f = self._flat_log_joint(theta, anchor, client)
         if self._dense:
             root, d, _ = newton_root(f, flat)
             moved = backtrack(f, flat, d, f(flat))
@@ -815,7 +815,7 @@ class FedSOULRun(FederatedRun):
         if self._diagonal:
             f, flat = self._flat_log_joint(theta, anchor, client), ravel_pytree(anchor)[0]
             basis = jnp.eye(flat.size, dtype=flat.dtype)
-            metric = jax.lax.map(lambda e: e @ _hvp(f, flat, e), basis, batch_size=METRIC_BATCH)
+            metric = jax.lax.map(lambda e: e @ hvp(f, flat, e), basis, batch_size=METRIC_BATCH)
             visits = jnp.zeros((), jnp.int32)
         _, v0, step, _ = self._adapt(theta, anchor, v0, step, client, 50, metric)
         return ClientState(z0, v0, step, anchor, metric, visits)
@@ -897,7 +897,7 @@ class FedSOULRun(FederatedRun):
             flat = ravel_pytree(state.anchor)[0]
             u = jax.random.rademacher(jax.random.fold_in(key, 7), flat.shape, flat.dtype)
             r = diagonal_root(metric)  # probed in the current metric's coordinates: see local_metric
-            estimate = u * _hvp(f, flat, r * u) / r
+            estimate = u * hvp(f, flat, r * u) / r
             rho = jnp.maximum(1.0 / (visits + 2.0), 1.0 / METRIC_WINDOW)
             metric = jnp.where(jnp.all(jnp.isfinite(estimate)), metric + rho * (estimate - metric), metric)
             visits = visits + 1
@@ -1282,8 +1282,3 @@ class LocalOnlyRun(FedSOULRun):
 def diagonal_root(metric: jax.Array) -> jax.Array:
     """The diagonal metric's root R = diag(V)^{-1/2}, V floored at ``METRIC_FLOOR`` times its mean size."""
     return jax.lax.rsqrt(jnp.maximum(metric, METRIC_FLOOR * jnp.mean(jnp.abs(metric)) + 1e-30))
-
-
-def _hvp(f: Callable[[jax.Array], jax.Array], x: jax.Array, u: jax.Array) -> jax.Array:
-    """H u for H = -grad^2 f(x) (flat x), by forward-over-reverse differentiation."""
-    return -jax.jvp(jax.grad(f), (x,), (u,))[1]
