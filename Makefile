@@ -10,7 +10,7 @@ STAMP := $(VENV)/.fedbayes-installed
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plot,flower,nn,privacy,docs]"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,plot,formula,flower,nn,privacy,docs]"
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -45,6 +45,7 @@ from .errors import (
 from .faults import Aggregation, FaultPolicy, Faults
 from .introspect import FedModel, local
 from .kernels import ULA
+from .models.formula import FormulaModel, from_formula
 from .partition import partition_dirichlet, partition_iid, partition_shards
 from .protocol import FederatedRun, FitParts
 from .checkpoint import load_result as load
@@ -75,6 +76,7 @@ __all__ = [  # sorted: classes, then functions and modules
     "FederatedRun",
     "FedMM",
     "FedModel",
+    "FormulaModel",
     "FedRep",
     "FedSOUL",
     "FineTune",
@@ -106,6 +108,7 @@ __all__ = [  # sorted: classes, then functions and modules
     "faults",
     "fed_fit",
     "flower",
+    "from_formula",
     "load",
     "local",
     "models",

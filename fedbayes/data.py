@@ -587,8 +587,10 @@ class FederatedData:
         for c in wanted[1:]:
             if not (pd.api.types.is_numeric_dtype(df[c]) or pd.api.types.is_bool_dtype(df[c])):
                 raise DataError(
-                    f"column {c!r} has dtype {df[c].dtype}, which is not numeric; encode categories as "
-                    f"integer codes (df[{c!r}].astype('category').cat.codes) or drop the column."
+                    f"column {c!r} has dtype {df[c].dtype}, which is not numeric. A factor needs one 0/1 "
+                    "column per level but the first (treatment coding; integer codes would make it a linear "
+                    "trend): fb.from_formula('y ~ ... + factor + (1 | client)', df) codes it for you, or "
+                    f"pd.get_dummies(df[{c!r}], drop_first=True, dtype=float) does by hand."
                 )
         _as_array(df[client], f"client column {client!r}")  # refuses missing ids
         codes, names = _factorize(df[client])

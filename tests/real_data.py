@@ -205,23 +205,27 @@ def _grouped(df: pd.DataFrame, client: str, columns: list[str], response: str):
     return X, Y, M
 
 
-def _loglik_terms(family: str, y, eta):
+def _loglik_terms(family: str, y, eta, n=None):
     if family == "bernoulli":
         return y * eta - jnp.logaddexp(0.0, eta)
+    if family == "binomial":  # y successes of n trials, with the binomial coefficient
+        return y * eta - n * jnp.logaddexp(0.0, eta) + gammaln(n + 1.0) - gammaln(y + 1.0) - gammaln(n - y + 1.0)
     if family == "poisson":
         return y * eta - jnp.exp(eta) - gammaln(y + 1.0)
     raise ValueError(family)
 
 
 @functools.partial(jax.jit, static_argnames=("family", "nodes", "newton"))
-def glmm_marginal_loglik(u, X, Y, M, family: str, nodes: int = 30, newton: int = 30):
-    """Adaptive Gauss-Hermite approximation of sum_i log p(y_i | beta, tau), u = (beta, log tau)."""
+def glmm_marginal_loglik(u, X, Y, M, family: str, nodes: int = 30, newton: int = 30, N=None):
+    """Adaptive Gauss-Hermite approximation of sum_i log p(y_i | beta, tau), u = (beta, log tau).
+
+    ``N`` (C, n_max): the trial counts of the binomial family."""
     beta, tau = u[:-1], jnp.exp(u[-1])
     eta = jnp.einsum("cnp,p->cn", X, beta)
     gh_x, gh_w = np.polynomial.hermite.hermgauss(nodes)
 
     def h(b):  # (C,) log integrand at b (C,)
-        ll = jnp.sum(M * _loglik_terms(family, Y, eta + b[:, None]), axis=1)
+        ll = jnp.sum(M * _loglik_terms(family, Y, eta + b[:, None], N), axis=1)
         return ll - 0.5 * b**2 / tau**2 - jnp.log(tau) - 0.5 * jnp.log(2 * jnp.pi)
 
     dh = jax.grad(lambda b: jnp.sum(h(b)))
@@ -237,21 +241,26 @@ def glmm_marginal_loglik(u, X, Y, M, family: str, nodes: int = 30, newton: int =
 
 
 def glmm_mml(df: pd.DataFrame, client: str, columns: list[str], response: str, family: str,
-             nodes: int = 30) -> dict[str, np.ndarray]:
+             nodes: int = 30, trials: str | None = None) -> dict[str, np.ndarray]:
     """Maximum marginal likelihood (beta, tau) of a random-intercept GLMM by adaptive quadrature + BFGS.
 
-    Start: the pooled GLM without random effect (Newton) and tau = 0.5. Returns beta, tau, the maximised
-    log-likelihood, the gradient norm at the optimum and standard errors from the Hessian."""
+    Start: the pooled GLM without random effect (Newton; zeros for the binomial family with ``trials``,
+    the column of trial counts) and tau = 0.5. Returns beta, tau, the maximised log-likelihood, the
+    gradient norm at the optimum and standard errors from the Hessian."""
     X, Y, M = _grouped(df, client, columns, response)
     X, Y, M = jnp.asarray(X), jnp.asarray(Y), jnp.asarray(M)
-    f = jax.jit(jax.value_and_grad(lambda u: -glmm_marginal_loglik(u, X, Y, M, family, nodes)))
-    x0 = np.append(glm_newton(np.asarray(X)[np.asarray(M) > 0], np.asarray(Y)[np.asarray(M) > 0], family, None),
-                   np.log(0.5))
+    N = None if trials is None else jnp.asarray(_grouped(df, client, columns, trials)[1])
+    f = jax.jit(jax.value_and_grad(lambda u: -glmm_marginal_loglik(u, X, Y, M, family, nodes, N=N)))
+    if family == "binomial":
+        start = np.zeros(X.shape[-1])
+    else:
+        start = glm_newton(np.asarray(X)[np.asarray(M) > 0], np.asarray(Y)[np.asarray(M) > 0], family, None)
+    x0 = np.append(start, np.log(0.5))
     opt = so.minimize(lambda u: [np.asarray(a, dtype=float) for a in f(jnp.asarray(u))], x0, jac=True,
                       method="BFGS", options={"gtol": 1e-8, "maxiter": 2000})
     # polish with Newton steps on the exact Hessian (BFGS' gtol is absolute; this reaches ~1e-12)
     u = jnp.asarray(opt.x)
-    H = jax.jit(jax.hessian(lambda u: -glmm_marginal_loglik(u, X, Y, M, family, nodes)))
+    H = jax.jit(jax.hessian(lambda u: -glmm_marginal_loglik(u, X, Y, M, family, nodes, N=N)))
     for _ in range(5):
         u = u - jnp.linalg.solve(H(u), f(u)[1])
     cov = np.linalg.inv(np.asarray(H(u)))

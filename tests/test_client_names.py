@@ -95,7 +95,7 @@ def test_from_dataframe_categorical_ids_follow_category_order_and_drop_unused():
         (_small_frame().assign(age=pd.array([1, None, 1, 2, 2, 3], dtype="Int64")),
          {"client": "county", "columns": {"x": ["days", "age"]}}, r"key 'x': 1 missing values"),
         (_small_frame().assign(sex=list("mfmfmf")), {"client": "county"},
-         r"column 'sex' has dtype .* not numeric; encode categories as integer codes"),
+         r"column 'sex' has dtype .* not numeric.*fb.from_formula"),
         (_small_frame(), {"client": "county", "columns": []}, r"no data column besides the client column"),
         (_small_frame()[["county"]], {"client": "county"}, r"no data column besides the client column"),
         (_small_frame(), {"client": "county", "columns": "days"}, r"list or dict of column names"),

