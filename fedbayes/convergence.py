@@ -439,8 +439,13 @@ def _trace_rows(res: Any, decrement_available: bool) -> list[dict[str, Any]]:
         if trace[0].size == 0:
             continue
         se = ses.get(s)
-        if se is not None and not np.all(np.isfinite(se) & (np.asarray(se) > 0)):
-            se = None
+        if se is not None:
+            # a structural zero (the upper triangle of a Cholesky factor) has se 0 and a constant trace: it is
+            # not a coordinate, and must not take the site's standard errors away from the others
+            se = np.asarray(se, dtype=np.float64)
+            valid = np.isfinite(se) & (se > 0)
+            constant = np.all(trace[-window:] == trace[-1], axis=0).reshape(se.shape)
+            se = np.where(valid, se, 1.0) if np.all(valid | constant) else None
         r = trace_check(trace[-window:], se=se, first=trace[0], num_coords=coords)
         change = "standard errors" if r["unit"] == "standard errors" else "units of the estimate's scale"
         where = ""
