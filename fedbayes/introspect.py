@@ -385,6 +385,17 @@ class _UnvalidatedUnderTrace:
                     dist.Distribution.set_default_validate_args(_VALIDATION_OFF["saved"])
 
 
+def _python_control_flow(what: str, err: Exception) -> str:
+    """The message for a model that branches in Python (``if``, ``while``, ``bool()``) on a traced value."""
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (
+        f"the model takes a Python decision (if / while / bool / int) on a value that depends on {what}, which "
+        f"fedbayes traces with JAX as NumPyro's inference does ({type(err).__name__}: {first}). Write the choice "
+        "with jnp.where(cond, a, b) or jax.lax.cond, or make it depend on a static value (a keyword argument of "
+        "the model, passed through fed_fit's model_kwargs)."
+    )
+
+
 def _trace(model: Callable, kwargs: Mapping[str, Any], substitutions=None, substitute_fn=None, seed=0):
     fn = handlers.seed(model, seed)
     if substitutions is not None or substitute_fn is not None:
@@ -548,6 +559,8 @@ class FedModel:
             whole = _WholePlates(_LeafParams(model, {}))
             tr = _abstract_trace(whole, {**_as_jax(example), **self.model_kwargs})
             tr_longer = _abstract_trace(_WholePlates(_LeafParams(model, {})), {**_as_jax(longer), **self.model_kwargs})
+        except jax.errors.ConcretizationTypeError as err:  # traced abstractly: every value is a tracer here
+            raise ModelError(_python_control_flow("the data or a parameter", err)) from err
         except Exception as err:  # the user's model failed on a client's data
             raise ModelError(
                 f"calling the model on client 0's data failed with {type(err).__name__}: {err}. "
@@ -838,11 +851,16 @@ class FedModel:
 
         try:
             terms, values, recorded = fit_jit(base, once=1)(rows)
+        except jax.errors.ConcretizationTypeError as err:
+            raise ModelError(_python_control_flow("the data", err)) from err
         except Exception as err:  # the model fails on client 0's own rows
             raise ModelError(
                 f"calling the model on client 0's data ({n} rows) failed with {type(err).__name__}: {err}"
             ) from err
-        terms_padded, recorded_padded = fit_jit(again, once=1)(padded, values)
+        try:  # the first trace with the parameters and latents as traced values, as every algorithm runs it
+            terms_padded, recorded_padded = fit_jit(again, once=1)(padded, values)
+        except jax.errors.ConcretizationTypeError as err:
+            raise ModelError(_python_control_flow("a parameter or latent", err)) from err
         tol = 1e-4 if jnp.result_type(float) == jnp.float32 else 1e-9
         for name, value in terms.items():
             value, got = float(value), terms_padded.get(name)

@@ -223,3 +223,25 @@ def test_a_model_invalid_at_its_start_is_a_model_error_with_the_fix(algo):
     data = fb.FederatedData({"y": [np.ones(3)] * 2})
     with pytest.raises(fb.ModelError, match=r"invalid at its starting values.*'s'.*HalfNormal"):
         fb.fed_fit(model, data, algo(), num_rounds=5, progress=False)
+
+
+@pytest.mark.parametrize("on", ["param", "data"])
+@pytest.mark.parametrize("algo", [fb.GD, fb.FedSOUL])
+def test_python_control_flow_on_a_traced_value_is_a_model_error_with_the_fix(on, algo):
+    """Issue 53 (4): an ``if`` on a parameter (or on the data) gave JAX's bare TracerBoolConversionError from the
+    model analysis; it is a ModelError, raised before any round, that says what to write instead."""
+
+    def model(x, y=None):
+        beta = numpyro.param("beta", 0.0)
+        if (beta if on == "param" else x.sum()) > 0:
+            beta = 2.0 * beta
+        with fb.local():
+            b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        with numpyro.plate("obs", x.shape[0]):
+            numpyro.sample("y", dist.Normal(beta * x + b, 1.0), obs=y)
+
+    rng = np.random.default_rng(0)
+    data = fb.FederatedData({"x": [rng.normal(size=4) for _ in range(3)], "y": [rng.normal(size=4) for _ in range(3)]})
+    what = "a parameter or latent" if on == "param" else "the data or a parameter"
+    with pytest.raises(fb.ModelError, match=rf"Python decision .* depends on {what}.*jnp.where"):
+        fb.fed_fit(model, data, algo(), num_rounds=5, progress=False)
