@@ -48,6 +48,25 @@ def _human_bits(bits: int) -> str:
     return f"{size:.3g} GB"
 
 
+def _compression_note(cfg: Any) -> str:
+    """``"; compression: uplink top_k(2), downlink identity"`` from the configuration's compressor fields, or
+    ``"; no compression (...)"`` when all of them are the identity (D-ELF's, P-ELF's and B-ELF's defaults)."""
+    import dataclasses
+
+    from .compress import Compressor, identity
+
+    if cfg is None or not dataclasses.is_dataclass(cfg):
+        return ""
+    links = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    links = {k: v for k, v in links.items() if isinstance(v, Compressor)}
+    if not links:
+        return ""
+    if all(v == identity() for v in links.values()):
+        fields = " / ".join(f"{k}=" for k in links)
+        return f"; no compression (the identity compressor: pass {fields} to compress)"
+    return "; compression: " + ", ".join(f"{k} {v.name}" for k, v in links.items())
+
+
 class Result:
     """What ``fed_fit`` returns.
 
@@ -220,6 +239,7 @@ class Result:
             f"(set-up {_human_bits(self.init_bits[0])} / {_human_bits(self.init_bits[1])}, "
             f"final exchange {_human_bits(self.final_bits[0])} / {_human_bits(self.final_bits[1])})"
         )
+        comm += _compression_note(self._algorithm_config())
         try:
             table = self.diagnostics
         except Exception as err:  # a summary must print whatever the checks do

@@ -135,3 +135,23 @@ def test_a_private_fit_names_its_epsilon_in_both_summaries():
                      progress=False)
     line = f"privacy: epsilon {res.privacy['epsilon']:.3g} at delta {res.privacy['delta']:.3g}"
     assert line in str(res) and line in res._repr_html_()
+
+
+@pytest.mark.parametrize(
+    "algorithm, says",
+    [
+        (fb.DELF(), "no compression (the identity compressor: pass uplink= to compress)"),
+        (fb.BELF(), "no compression (the identity compressor: pass uplink= / downlink= to compress)"),
+        (fb.BELF(uplink=fb.compress.top_k(1)), "compression: uplink top_k(k=1), downlink identity"),
+        (fb.FedMM(), "no compression (the identity compressor: pass compressor= to compress)"),
+    ],
+)
+def test_the_summary_says_what_was_compressed(algorithm, says):
+    """Issue 52 (8): D-ELF and B-ELF compress nothing by default (they are then LMC); the summary says so."""
+    if isinstance(algorithm, fb.FedMM):
+        data, _ = fb.models.make_linear_mixed_effects(6, seed=0)
+        res = fb.fed_fit(fb.models.linear_mixed_effects, data, algorithm, num_rounds=20, seed=0, progress=False)
+    else:
+        data = fb.models.make_glm_clients(3, 2, 10, family="linear", seed=0)[0]
+        res = fb.fed_fit(fb.models.linear_regression(), data, algorithm, num_rounds=30, seed=0, progress=False)
+    assert says in str(res) and says in res._repr_html_()
