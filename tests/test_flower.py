@@ -541,3 +541,20 @@ def test_simulate_refuses_bad_options():
         flower.simulate(model, data, "lmc", num_rounds=2, backend="grpc")
     with pytest.raises(fb.ConfigError, match="unreachable"):
         flower.simulate(model, data, "lmc", num_rounds=2, unreachable=lambda k, c: False)
+
+
+@pytest.mark.parametrize(
+    "option, match",
+    [
+        ({"unreachable": 3, "backend": "local"}, r"unreachable must be a function \(round, client\) -> bool"),
+        ({"num_cpus_per_client": 0}, "num_cpus_per_client must be a positive finite number"),
+        ({"num_cpus_per_client": True}, "num_cpus_per_client must be"),
+        ({"timeout": -1.0}, "timeout must be a positive finite number or None"),
+        ({"progress": "no"}, "progress must be None, True or False"),
+    ],
+)
+def test_simulate_validates_its_own_options_before_running(option, match):
+    """Issue 53 (minor): unreachable=3 was taken without a word; every option of simulate is checked up front."""
+    model, data = glm()
+    with pytest.raises(fb.ConfigError, match=match):
+        flower.simulate(model, data, "lmc", num_rounds=2, **option)

@@ -27,7 +27,7 @@ from . import _secagg
 from ._secagg import SecAggPlus  # noqa: F401 (fedbayes.flower's SecAggPlus comes from here)
 from ..seeds import seed_key
 from ..algorithms.elf import LangevinSampler
-from ..api import fault_table, public_history, validate_fit
+from ..api import check_progress, fault_table, public_history, validate_fit
 from ..data import FederatedData
 from ..engine import (
     Progress,
@@ -1091,6 +1091,32 @@ def _server_identity():
             setattr(TaskIdentity, name, value)
 
 
+def _check_simulate_options(
+    backend: object, num_cpus_per_client: object, timeout: object, progress: object, unreachable: object
+) -> None:
+    """ConfigError, before anything runs, for a ``simulate`` option of the wrong kind."""
+    if backend not in ("ray", "local"):
+        raise ConfigError(f"backend must be 'ray' or 'local', got {backend!r}")
+    if unreachable is not None and not callable(unreachable):
+        raise ConfigError(
+            f"unreachable must be a function (round, client) -> bool, got {unreachable!r}; e.g. "
+            "unreachable=lambda r, c: c == 3 makes client 3 miss every round"
+        )
+    if unreachable is not None and backend != "local":
+        raise ConfigError("unreachable= needs backend='local' (Ray's nodes cannot be switched off per round)")
+    for name, value, allow_none in (("num_cpus_per_client", num_cpus_per_client, False), ("timeout", timeout, True)):
+        if value is None and allow_none:
+            continue
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float, np.integer, np.floating))
+            or not (np.isfinite(value) and value > 0)
+        ):
+            kind = "a positive finite number" + (" or None" if allow_none else "")
+            raise ConfigError(f"{name} must be {kind}, got {value!r}")
+    check_progress(progress)
+
+
 def simulate(
     model: Callable,
     data: FederatedData | Mapping[str, Any],
@@ -1133,6 +1159,7 @@ def simulate(
     ``matmul_precision`` as in ``fed_fit``, at the server and at every client.
     """
     engine.check_matmul_precision(matmul_precision)
+    _check_simulate_options(backend, num_cpus_per_client, timeout, progress, unreachable)
     fit = validate_fit(
         model, data, algorithm, num_rounds, clients_per_round, seed, model_kwargs, 50, None, fault_policy
     )
@@ -1157,10 +1184,6 @@ def simulate(
                 return run_server(spec, grid, collect_locals=True)
         finally:
             _forget(spec.token)
-    if backend != "ray":
-        raise ConfigError(f"backend must be 'ray' or 'local', got {backend!r}")
-    if unreachable is not None:
-        raise ConfigError("unreachable= needs backend='local' (Ray's nodes cannot be switched off per round)")
     from flwr.simulation import run_simulation
 
     try:
