@@ -72,6 +72,33 @@ def _entries_digest(entries: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
+def _remove_stale_temporaries(directory: str, name: str) -> None:
+    """Remove ``.<name>.tmp-<pid>`` files left by writers that were killed mid-write (their process is gone).
+
+    A temporary of a live process (another writer of the same path, now) is left alone; so is anything
+    that cannot be checked or removed: a stale temporary only costs disk space."""
+    prefix = f".{name}.tmp-"
+    try:
+        candidates = [f for f in os.listdir(directory) if f.startswith(prefix)]
+    except OSError:
+        return
+    for f in candidates:
+        pid = f[len(prefix) :]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)  # signal 0: does the process exist?
+            continue
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OSError, OverflowError):
+            continue  # exists under another user, or cannot tell
+        try:
+            os.remove(os.path.join(directory, f))
+        except OSError:
+            pass
+
+
 def write_sealed(path: str | os.PathLike, entries: dict[str, np.ndarray], what: str = "checkpoint") -> None:
     """Write ``entries`` as an uncompressed ``.npz`` sealed by a ``digest`` entry (SHA-256 of the others),
     atomically: temporary file in the same directory, fsync, rename. Shared by checkpoints and saved
@@ -89,6 +116,7 @@ def write_sealed(path: str | os.PathLike, entries: dict[str, np.ndarray], what: 
     entries["digest"] = np.frombuffer(_entries_digest(entries).encode(), np.uint8)
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    _remove_stale_temporaries(directory, os.path.basename(path))
     try:
         with open(tmp, "wb") as f:
             # as Any: numpy's stub has an ``allow_pickle: bool`` keyword that a ``**dict[str, ndarray]`` could

@@ -199,3 +199,22 @@ def test_checkpoint_options_are_checked_and_every_chunk_is_saved_by_default(tmp_
     assert saved == [45, 45]  # the last chunk ends the fit: nothing is left to resume
     with pytest.raises(fb.ConfigError, match="checkpoint_every"):
         fb.resume(path, model=model, data=data, algorithm=fb.GD(), checkpoint_every="5")
+
+
+def test_a_write_removes_the_temporaries_of_killed_writers_only(tmp_path):
+    """Issue 53 (minor): a kill during a write left a full-size ``.name.tmp-<pid>`` that no later writer removed.
+    The next write of the same path removes those of processes that are gone, and leaves a live one's alone."""
+    from fedbayes.checkpoint import write_sealed
+
+    path = tmp_path / "fit.ckpt"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a finished process: its pid names no live process (reuse within the test is vanishingly rare)
+    stale = tmp_path / f".fit.ckpt.tmp-{gone.pid}"
+    stale.write_bytes(b"\0" * 1024)
+    live = tmp_path / f".fit.ckpt.tmp-{os.getppid()}"  # the parent of this process is alive
+    live.write_bytes(b"\0" * 16)
+    other = tmp_path / f".other.ckpt.tmp-{gone.pid}"  # another path's temporary: not this writer's business
+    other.write_bytes(b"\0")
+    write_sealed(path, {"x": np.arange(3)})
+    assert path.exists() and not stale.exists()
+    assert live.exists() and other.exists()
