@@ -396,10 +396,32 @@ def _python_control_flow(what: str, err: Exception) -> str:
     )
 
 
+def _is_improper(fn: Any) -> bool:
+    """Whether a site's distribution is NumPyro's ImproperUniform (possibly expanded, masked or made independent),
+    which has a log density but no sampler."""
+    while True:
+        if isinstance(fn, dist.ImproperUniform):
+            return True
+        inner = getattr(fn, "base_dist", None)
+        if inner is None or inner is fn:
+            return False
+        fn = inner
+
+
+def _improper_start(site: dict) -> jax.Array | None:
+    """A value for an ImproperUniform site, which cannot be drawn: spread in its support as NumPyro's
+    ``init_to_uniform`` would place it (:func:`_spread_value`); None (draw) for every other site."""
+    if site["type"] == "sample" and not site.get("is_observed") and _is_improper(site["fn"]):
+        return _spread_value(site)
+    return None
+
+
 def _trace(model: Callable, kwargs: Mapping[str, Any], substitutions=None, substitute_fn=None, seed=0):
     fn = handlers.seed(model, seed)
     if substitutions is not None or substitute_fn is not None:
         fn = handlers.substitute(fn, data=substitutions, substitute_fn=substitute_fn)
+    # innermost: a site no substitution gave a value to and that cannot be drawn gets a start in its support
+    fn = handlers.substitute(fn, substitute_fn=_improper_start)
     return handlers.trace(fn).get_trace(**kwargs)
 
 

@@ -159,6 +159,7 @@ def test_uncorrelated_terms_have_one_sd_each():
 
 
 # ------------------------------------------------------------------------------------------ fits
+@pytest.mark.slow  # second tier: a fit against its reference (4-12 s)
 def test_sleepstudy_correlated_slopes_equal_statsmodels_and_the_fb_models_fit():
     """Reaction ~ Days + (Days | Subject), default FedMM: statsmodels' MLE to 1e-3 standard errors and
     1e-3 relative in the variance components (EM's exact fixed point; the default run reaches it to
@@ -177,6 +178,7 @@ def test_sleepstudy_correlated_slopes_equal_statsmodels_and_the_fb_models_fit():
         np.testing.assert_allclose(same.params[k], res.params[k], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.slow  # second tier: a fit against its reference (4-12 s)
 def test_oats_three_level_factor_equals_statsmodels():
     """nlme Oats, yield ~ nitro + Variety + (1 | Block): statsmodels' MLE (its optimisers agree to 1e-4
     in the sds) to 1e-3 standard errors and 1e-3 relative."""
@@ -215,6 +217,7 @@ def _diagonal_mml(data, q):
     return np.asarray(out["beta"]), np.exp(opt.x[p : p + q]), float(out["sigma"])
 
 
+@pytest.mark.slow  # second tier: a fit against its reference (4-12 s)
 def test_uncorrelated_slopes_equal_the_closed_form_mle():
     """Reaction ~ Days + (Days || Subject): default FedMM against BFGS on the exact marginal likelihood."""
     df = rd.sleepstudy()
@@ -227,6 +230,7 @@ def test_uncorrelated_slopes_equal_the_closed_form_mle():
     np.testing.assert_allclose(res.params["sigma"], sigma, rtol=1e-3)
 
 
+@pytest.mark.slow  # second tier: a fit against its reference (4-12 s)
 def test_cbpp_binomial_with_trials_equals_quadrature():
     """cbind(incidence, size - incidence) ~ C(period) + (1 | herd), default FedSOUL (500 rounds) against
     the 30-node adaptive quadrature MLE. FedSOUL's estimate carries Monte Carlo error (its averaged
@@ -245,6 +249,7 @@ def test_cbpp_binomial_with_trials_equals_quadrature():
     assert conv == [] and res.converged
 
 
+@pytest.mark.slow  # second tier: a fit against its reference (4-12 s)
 def test_orthodont_factor_and_correlated_slopes_equal_statsmodels():
     """nlme Orthodont, distance ~ I(age - 11) + Sex + (I(age - 11) | Subject), default FedMM against
     statsmodels with the same formula (patsy's coding). Age enters centred at the study's middle

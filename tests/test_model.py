@@ -245,3 +245,22 @@ def test_python_control_flow_on_a_traced_value_is_a_model_error_with_the_fix(on,
     what = "a parameter or latent" if on == "param" else "the data or a parameter"
     with pytest.raises(fb.ModelError, match=rf"Python decision .* depends on {what}.*jnp.where"):
         fb.fed_fit(model, data, algo(), num_rounds=5, progress=False)
+
+
+def test_an_improper_uniform_prior_starts_in_its_support_and_fits():
+    """Issue 53 (minor): an ImproperUniform prior (a flat prior, NumPyro's way) failed the model analysis with a
+    bare NotImplementedError (it has no sampler). It gets a start in its support, as NumPyro's init_to_uniform
+    places it; GD's MAP under a flat prior is then least squares on the pooled data (exact, to 1e-8)."""
+    from numpyro.distributions import constraints
+
+    def model(x, y=None):
+        beta = numpyro.sample("beta", dist.ImproperUniform(constraints.real, (), ()))
+        with numpyro.plate("obs", x.shape[0]):
+            numpyro.sample("y", dist.Normal(beta * x, 1.0), obs=y)
+
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=6) for _ in range(3)]
+    ys = [1.5 * x + rng.normal(size=6) for x in xs]
+    res = fb.fed_fit(model, fb.FederatedData({"x": xs, "y": ys}), fb.GD(), seed=0, progress=False)
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    np.testing.assert_allclose(float(res.params["beta"]), x @ y / (x @ x), rtol=1e-8)
