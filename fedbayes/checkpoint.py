@@ -91,8 +91,8 @@ def _remove_stale_temporaries(directory: str, name: str) -> None:
             continue
         except ProcessLookupError:
             pass
-        except (PermissionError, OSError, OverflowError):
-            continue  # exists under another user, or cannot tell
+        except (OSError, OverflowError):  # PermissionError: it exists under another user; or cannot tell
+            continue
         try:
             os.remove(os.path.join(directory, f))
         except OSError:

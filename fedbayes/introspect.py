@@ -873,8 +873,6 @@ class FedModel:
 
         try:
             terms, values, recorded = fit_jit(base, once=1)(rows)
-        except jax.errors.ConcretizationTypeError as err:
-            raise ModelError(_python_control_flow("the data", err)) from err
         except Exception as err:  # the model fails on client 0's own rows
             raise ModelError(
                 f"calling the model on client 0's data ({n} rows) failed with {type(err).__name__}: {err}"

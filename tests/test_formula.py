@@ -28,7 +28,6 @@ from fedbayes.models.formula import _split_bars
 import lme_reference
 import real_data as rd
 
-pytest.importorskip("formulaic")
 
 
 def _fit(model, data, algorithm, **kw):

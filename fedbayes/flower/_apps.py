@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import os
 import time
 import uuid
@@ -41,7 +42,7 @@ from ..engine import (
     setup_keys,
     stack_clients,
 )
-from ..errors import ConfigError, FedbayesError, TooFewClientsError
+from ..errors import ConfigError, FedbayesError, TooFewClientsError, is_real
 from ..faults import FaultPolicy
 from ..introspect import FedModel
 from ..protocol import ClientData, FitParts, Problem, with_final_parts
@@ -1107,11 +1108,7 @@ def _check_simulate_options(
     for name, value, allow_none in (("num_cpus_per_client", num_cpus_per_client, False), ("timeout", timeout, True)):
         if value is None and allow_none:
             continue
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float, np.integer, np.floating))
-            or not (np.isfinite(value) and value > 0)
-        ):
+        if not (is_real(value) and math.isfinite(value) and value > 0):
             kind = "a positive finite number" + (" or None" if allow_none else "")
             raise ConfigError(f"{name} must be {kind}, got {value!r}")
     check_progress(progress)

@@ -12,6 +12,7 @@ maximum marginal likelihood, as ``lme4::lmer(REML = FALSE)`` / ``glmer`` and sta
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions import constraints
 
-from ..data import FederatedData
+from ..data import FederatedData, _factorize
 from ..errors import ConfigError, DataError
 from ..introspect import local
 
@@ -178,7 +179,7 @@ class FormulaModel:
 
         The response may be absent (prediction); the grouping column is required.
         """
-        return _build_data(self, df, self.specs, require_response=False)
+        return _materialise(self, df, self.specs, require_response=False)[0]
 
 
 def _split_bars(rhs: str) -> tuple[str, list[tuple[str, str, bool]]]:
@@ -304,14 +305,11 @@ def from_formula(
     >>> res = fb.fed_fit(model, data, fb.FedMM(), seed=0)  # doctest: +SKIP
     >>> model.fixed_effects(res)  # doctest: +SKIP
     """
-    import pandas as pd
 
     if not isinstance(formula, str) or formula.count("~") != 1:
         raise ConfigError(f"formula must be a string 'response ~ terms' with one '~'; got {formula!r}.")
     if family not in FAMILIES:
         raise ConfigError(f"family must be one of {FAMILIES}; got {family!r}.")
-    if not isinstance(df, pd.DataFrame):
-        raise DataError(f"from_formula needs a pandas DataFrame; got {type(df).__name__}.")
     if trials is not None and family != "binomial":
         raise ConfigError(f"trials= is for the binomial family; this model's family is {family!r}.")
     lhs, rhs = (s.strip() for s in formula.split("~"))
@@ -335,8 +333,6 @@ def from_formula(
             f"the grouping factor {group!r} must be one column name (nested 'a/b' and interactions 'a:b' "
             "are not clients): make a column of the clients and name it."
         )
-    if group not in df.columns:
-        raise DataError(f"the grouping column {group!r} is not in the DataFrame; its columns are {list(df.columns)}.")
     if trials is not None and lhs.startswith("cbind("):
         raise ConfigError("give the trials either as cbind(successes, failures) or as trials=, not both.")
 
@@ -345,10 +341,10 @@ def from_formula(
     random_specs: list[str] = []
     for terms, _, correlated in bars:
         random_specs.append(_lme4_to_formulaic(terms or "1"))
-        blocks.append(RandomBlock((), correlated))  # columns filled in by _build_data
+        blocks.append(RandomBlock((), correlated))  # columns filled in by _materialise
     specs["random"] = random_specs
     specs["trials"], specs["offset"] = trials, offset
-    proto = FormulaModel(
+    uncoded = FormulaModel(  # the formula's terms; the coded columns come from the first pass over df
         formula=formula,
         family=family,
         response=lhs,
@@ -359,19 +355,8 @@ def from_formula(
         has_offset=offset is not None,
         specs=specs,
     )
-    data, fixed_names, block_columns = _materialise(proto, df, specs, require_response=True)
-    model = FormulaModel(
-        formula=formula,
-        family=family,
-        response=lhs,
-        group=group,
-        fixed=tuple(fixed_names),
-        blocks=_blocks_of(blocks, block_columns),
-        has_trials=proto.has_trials,
-        has_offset=proto.has_offset,
-        specs=specs,
-    )
-    return model, data
+    data, fixed_names, coded_blocks = _materialise(uncoded, df, specs, require_response=True)
+    return dataclasses.replace(uncoded, fixed=tuple(fixed_names), blocks=coded_blocks), data
 
 
 def _blocks_of(terms: Sequence[RandomBlock], columns: Sequence[Sequence[str]]) -> tuple[RandomBlock, ...]:
@@ -394,24 +379,21 @@ def _blocks_of(terms: Sequence[RandomBlock], columns: Sequence[Sequence[str]]) -
     return ((RandomBlock(loose, False),) if loose else ()) + dense
 
 
-def _build_data(model: FormulaModel, df: Any, specs: dict[str, Any], *, require_response: bool) -> FederatedData:
+def _materialise(
+    model: FormulaModel, df: Any, specs: dict[str, Any], *, require_response: bool
+) -> tuple[FederatedData, list[str], tuple[RandomBlock, ...]]:
+    """Data, fixed-effect names and covariance blocks of ``df``.
+
+    The first pass (a model without coded columns) fits formulaic's specs into ``specs`` and groups the
+    coded random columns into blocks; a fitted model reuses both, so new rows are coded as the fitted ones."""
     import pandas as pd
 
     if not isinstance(df, pd.DataFrame):
-        raise DataError(f"new_data needs a pandas DataFrame; got {type(df).__name__}.")
+        raise DataError(f"a formula model needs a pandas DataFrame; got {type(df).__name__}.")
     if model.group not in df.columns:
         raise DataError(
             f"the grouping column {model.group!r} is not in the DataFrame; its columns are {list(df.columns)}."
         )
-    data, _, _ = _materialise(model, df, specs, require_response=require_response)
-    return data
-
-
-def _materialise(
-    model: FormulaModel, df: Any, specs: dict[str, Any], *, require_response: bool
-) -> tuple[FederatedData, list[str], list[list[str]]]:
-    """Design matrices, response and clients of ``df``; fitted formulaic specs are reused when present."""
-    import pandas as pd
 
     try:
         import formulaic
@@ -440,14 +422,11 @@ def _materialise(
         if not cols:
             raise ConfigError(f"the random term ({terms} | {model.group}) has no column; '(0 | g)' is empty.")
     order = {c: i for i, c in enumerate(c for cols in block_columns for c in cols)}
-    if model.random:  # a fitted model: the z columns in its block order
-        target = model.random
-    else:  # the first pass: the order _blocks_of gives the blocks
-        target = tuple(c for b in _blocks_of(model.blocks, block_columns) for c in b.columns)
-    z = np.concatenate(zs, axis=1)[:, [order[c] for c in target]]
+    blocks = model.blocks if model.random else _blocks_of(model.blocks, block_columns)
+    z = np.concatenate(zs, axis=1)[:, [order[c] for b in blocks for c in b.columns]]
     columns: dict[str, np.ndarray] = {"x": x, "z": z}
 
-    response = _response(model, df, specs, required=require_response)
+    response, response_columns = _response(model, df, specs, required=require_response)
     columns.update(response)
     if specs.get("offset") is not None:
         name = specs["offset"]
@@ -456,17 +435,14 @@ def _materialise(
         columns["offset"] = pd.to_numeric(df[name], errors="raise").to_numpy(float)
 
     bad = np.zeros(len(df), dtype=bool)
-    for key, arr in columns.items():
-        if key.startswith("_"):
-            continue
-        a = np.asarray(arr, dtype=float).reshape(len(df), -1)
-        bad |= ~np.isfinite(a).all(axis=1)
+    for arr in columns.values():
+        bad |= ~np.isfinite(np.asarray(arr, dtype=float).reshape(len(df), -1)).all(axis=1)
     bad |= df[model.group].isna().to_numpy()
     if bad.any():
         used = sorted(
             {model.group}
             | {v for k in specs if k.endswith("_spec") for v in specs[k].required_variables}
-            | set(response.get("_columns", ()))
+            | set(response_columns)
         )
         first = [df.index[i] for i in np.flatnonzero(bad)[:5]]
         raise DataError(
@@ -474,18 +450,17 @@ def _materialise(
             f"{used} (rows {first}{', ...' if bad.sum() > 5 else ''}); drop them first, as lme4 does: "
             f"df = df.dropna(subset={used})."
         )
-    columns.pop("_columns", None)
-    client = df[model.group]
-    from ..data import _factorize
-
-    codes, names = _factorize(client)
-    out = FederatedData.from_pooled({k: v for k, v in columns.items() if not k.startswith("_")}, codes)
+    codes, names = _factorize(df[model.group])  # as from_dataframe: integer ids are names, not positions
+    out = FederatedData.from_pooled(columns, codes)
     out._client_names = names
-    return out, fixed_names, block_columns
+    return out, fixed_names, blocks
 
 
-def _response(model: FormulaModel, df: Any, specs: dict[str, Any], *, required: bool) -> dict[str, Any]:
-    """``y`` (and ``trials``) as the family reads them, checked against its support."""
+def _response(
+    model: FormulaModel, df: Any, specs: dict[str, Any], *, required: bool
+) -> tuple[dict[str, np.ndarray], tuple[str, ...]]:
+    """``y`` (and ``trials``) as the family reads them, checked against its support, and the columns read.
+    Without the response's columns (``required=False``: new data to predict) nothing."""
     import pandas as pd
 
     lhs = model.response
@@ -499,18 +474,18 @@ def _response(model: FormulaModel, df: Any, specs: dict[str, Any], *, required: 
         except Exception as err:
             if required:
                 raise DataError(f"cannot evaluate the response {lhs!r} on this DataFrame: {err}") from err
-            return {}
+            return {}, ()
         y, n = succ, succ + fail
         _check_counts(y, n, parts[0], "successes + failures")
         used = tuple(c for c in df.columns if any(re.search(rf"\b{re.escape(str(c))}\b", p) for p in parts))
-        return {"y": y, "trials": n, "_columns": used}
+        return {"y": y, "trials": n}, used
     if lhs not in df.columns:
         if required:
             raise DataError(
                 f"the response {lhs!r} is not a column of the DataFrame (a transformed response: add it as a "
                 f"column first, e.g. df['log_y'] = np.log(df['y'])); its columns are {list(df.columns)}."
             )
-        return {}
+        return {}, ()
     col = df[lhs]
     if model.family == "binomial" and (not pd.api.types.is_numeric_dtype(col) or pd.api.types.is_bool_dtype(col)):
         if isinstance(col.dtype, pd.CategoricalDtype):
@@ -530,7 +505,7 @@ def _response(model: FormulaModel, df: Any, specs: dict[str, Any], *, required: 
                 f"the response {lhs!r} is not numeric (dtype {col.dtype}); the {model.family} family needs numbers."
             )
         y = col.to_numpy(float)
-    out: dict[str, Any] = {"y": y, "_columns": (lhs,)}
+    out, used = {"y": y}, (lhs,)
     if model.family == "binomial":
         if specs.get("trials") is not None:
             name = specs["trials"]
@@ -538,7 +513,7 @@ def _response(model: FormulaModel, df: Any, specs: dict[str, Any], *, required: 
                 raise DataError(f"the trials column {name!r} is not in the DataFrame.")
             n = pd.to_numeric(df[name], errors="coerce").to_numpy(float)
             _check_counts(y, n, lhs, name)
-            out["trials"], out["_columns"] = n, (lhs, name)
+            out["trials"], used = n, (lhs, name)
         else:
             ok = np.isnan(y) | (y == 0) | (y == 1)
             if not ok.all():
@@ -550,7 +525,7 @@ def _response(model: FormulaModel, df: Any, specs: dict[str, Any], *, required: 
         ok = np.isnan(y) | ((y >= 0) & (y == np.round(y)))
         if not ok.all():
             raise DataError(f"the poisson response {lhs!r} holds values that are not counts: {y[~ok][:3].tolist()}.")
-    return out
+    return out, used
 
 
 def _check_counts(y: np.ndarray, n: np.ndarray, y_name: str, n_name: str) -> None:
