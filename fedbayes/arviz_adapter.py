@@ -38,6 +38,13 @@ def group(data: Any, name: str) -> xr.Dataset:
     return node.to_dataset() if hasattr(node, "to_dataset") else node
 
 
+def group_names(data: Any) -> list[str]:
+    """The names of the groups of ArviZ data (``InferenceData.groups()`` or a DataTree's children)."""
+    if ARVIZ_1:
+        return list(data.children)
+    return list(data.groups())
+
+
 def loo_summary(data: Any) -> dict[str, float]:
     """``az.loo`` of ArviZ data on either line: elpd_loo, se, p_loo and the largest Pareto k."""
     with warnings.catch_warnings():

@@ -130,6 +130,10 @@ class FitParts:
     """Posterior draws of the global sites, constrained, (chains, draws, ...) (the samplers)."""
     local_samples: dict[str, Any] | None = None
     """Draws of each client's local latents, unconstrained, (clients, chains, draws, ...)."""
+    local_point: bool | None = None
+    """True when ``local_samples`` hold one fitted point per client, repeated over chains and draws, not
+    posterior draws (FedRep, FineTune, LocalOnly): ``res.idata`` then has them in ``fed_client_params``
+    and no ``posterior``, and no chain checks run on them."""
     client_info: dict[str, Any] | None = None
     """Per-client numbers of the final exchange (FedSOUL: local step size and acceptance rate)."""
     local_info: dict[str, Any] | None = None

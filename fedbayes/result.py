@@ -35,6 +35,16 @@ def _options(cfg: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is None or isinstance(v, (numbers.Number, str))}
 
 
+NORMAL_APPROX = "fed_normal_approx"
+"""The ``idata`` group of the normal approximation N(theta_hat, I^-1) of point-estimate fits' globals."""
+
+CLIENT_PARAMS = "fed_client_params"
+"""The ``idata`` group of the per-client fitted points of FedRep, FineTune and LocalOnly."""
+
+LOG_LIKELIHOOD_MAX_VALUES = 50_000_000
+"""The most values (draws x observations) of the ``log_likelihood`` group that ``res.idata`` computes by
+default (400 MB in float64); above it :meth:`Result.extend_idata` adds the group when asked."""
+
 SUMMARY_ROWS = 20
 """The most rows of global coordinates ``print(res)`` shows (the first and last halves; 60 in a notebook)."""
 
@@ -82,6 +92,9 @@ class Result:
         ``objective``, ``theta/<site>`` (the trajectory), and algorithm diagnostics.
     local_samples:
         Per-client local posterior samples, chains pooled: ``{site: array (num_clients, draws, ...)}``.
+    local_point:
+        True when ``local_samples`` are each client's fitted point repeated, not draws (FedRep, FineTune,
+        LocalOnly): ``idata`` has them in ``fed_client_params`` and no ``posterior``.
     global_samples:
         Posterior draws of the global sites for sampling algorithms: ``{site: array (chains, draws, ...)}``.
     init_bits:
@@ -144,6 +157,7 @@ class Result:
         constrained = jax.vmap(jax.vmap(jax.vmap(model.constrain)))(locals_u) if locals_u else {}
         self._local_chains = {k: np.asarray(v) for k, v in constrained.items()}  # (client, chain, draw, ...)
         self.local_samples = {k: v.reshape((v.shape[0], -1) + v.shape[3:]) for k, v in self._local_chains.items()}
+        self.local_point = bool(parts.get("local_point"))  # local_samples are fitted points, not draws
         self.client_info = {k: np.asarray(v) for k, v in parts.get("client_info", {}).items()}
         self.standard_errors = {k: np.asarray(v) for k, v in parts.get("se", {}).items()}
         self.global_approx = {k: np.asarray(v) for k, v in parts.get("global_approx", {}).items()}
@@ -303,28 +317,101 @@ class Result:
     # ------------------------------------------------------------------ ArviZ
     @property
     def idata(self) -> Any:
-        """ArviZ data: ``posterior`` (local sites with a ``client`` dim; chain, draw), ``fed_params``
-        (global estimates), ``fed_history`` (per-round trajectory and ledger, dim ``round``) and
-        ``fed_clients`` (per-client size and Langevin step); ``log_likelihood``,
-        ``posterior_predictive`` and ``observed_data`` after :meth:`extend_idata`."""
+        """ArviZ data (``InferenceData`` on ArviZ 0.x, ``DataTree`` on 1.x) of the fit.
+
+        Groups (``docs/guides/results-and-arviz.md``):
+
+        - ``posterior``: draws of the fitted posterior only: the samplers' globals, and the local sites'
+          draws (dims ``chain, draw, client, ...``; empirical-Bayes fits: p(z_i | D_i, theta*)). A fit
+          with no draws (GD, TAMUNA, an EM fit of a model without locals, the point-estimate baselines
+          FedRep / FineTune / LocalOnly) has no ``posterior``;
+        - ``log_likelihood``: log p(y_ij | theta, z_i) at the ``posterior`` draws (dim ``obs`` over every
+          client's rows with a ``client`` coordinate), by default whenever there is a ``posterior``, the
+          model has one term per observation, and it has at most :data:`LOG_LIKELIHOOD_MAX_VALUES`
+          values (above that, :meth:`extend_idata` adds it), so ``az.loo`` and ``az.compare`` work;
+        - ``fed_normal_approx``: point-estimate fits with standard errors (EM fits, FedSOUL): draws of the
+          asymptotic normal approximation N(theta_hat, I^-1) of the globals (unconstrained coordinates,
+          mapped to the constrained ones): not posterior draws, so kept out of ``posterior``;
+        - ``sample_stats`` (samplers: the ledger per draw), ``fed_params`` (the estimates, ``<site>_se``),
+          ``fed_client_params`` (the baselines' per-client fitted points), ``fed_history`` (dim
+          ``round``), ``fed_clients`` and ``fed_local`` (EM fits' closed-form local posteriors);
+        - ``posterior_predictive`` and ``observed_data`` after :meth:`extend_idata`.
+        """
         if self._idata is None:
-            self._idata = to_arviz(self._groups())
+            groups = self._groups()
+            if "log_likelihood" not in groups:
+                groups = {**groups, "log_likelihood": self._default_log_likelihood()}
+            self._idata = to_arviz(groups)
         return self._idata
+
+    def _draw_group(self) -> str | None:
+        """The group of the draws that the model-checking groups are evaluated at: ``"posterior"``,
+        :data:`NORMAL_APPROX` (an EM fit of a model without locals) or None (a fit without draws)."""
+        if self._fm.local_names:
+            return "posterior" if self._local_chains and not self.local_point else None
+        if self.global_samples:
+            return "posterior"
+        return NORMAL_APPROX if self.global_approx else None
+
+    def _default_log_likelihood(self) -> xr.Dataset | None:
+        """The ``log_likelihood`` group that :attr:`idata` has by default: at the ``posterior`` draws, when
+        the model has one term per observation and the group is at most :data:`LOG_LIKELIHOOD_MAX_VALUES`."""
+        if self._draw_group() != "posterior":
+            return None
+        draws = next(iter((self._local_chains or self.global_samples).values()))
+        chains_draws = int(np.prod(draws.shape[1:3] if self._local_chains else draws.shape[:2]))
+        if chains_draws * self._data.total_size > LOG_LIKELIHOOD_MAX_VALUES:
+            return None
+        try:
+            self._fm.require_pointwise()
+        except FedbayesError:  # per-observation latents or an observed site outside the data plate
+            return None
+        return self._model_checking_groups(log_likelihood=True)["log_likelihood"]
 
     def _groups(self) -> dict[str, xr.Dataset | None]:
         coords = {"client": self._data.client_coordinate()}  # the data's client names, 0..C-1 by default
-        post = {}
-        for name, arr in self._local_chains.items():
-            a = np.moveaxis(arr, 0, 2)  # (chain, draw, client, ...)
-            post[name] = (["chain", "draw", "client", *site_dims(name, arr.shape[3:])], a)
-            coords.update(chain=np.arange(a.shape[0]), draw=np.arange(a.shape[1]))
-        for name, arr in (self.global_samples or self.global_approx).items():
+        det, det_coords = self._deterministic_vars()
+        attrs = {"inference_library": "fedbayes", "algorithm": self.algorithm, "seed": self.seed}
+        if self.privacy:  # netCDF attributes: numbers and strings
+            attrs.update({f"privacy_{k}": v for k, v in self.privacy.items()})
+
+        def draws_group(variables: Mapping[str, Any], sample_dims: tuple[int, int] | None) -> xr.Dataset | None:
+            variables = {k: v for k, v in variables.items() if v is not None}
+            if not variables:
+                return None
+            at = dict(coords)
+            if sample_dims is not None:
+                at.update(chain=np.arange(sample_dims[0]), draw=np.arange(sample_dims[1]))
+            used = {d for dims, _ in variables.values() for d in dims}
+            at.update({k: v for k, v in det_coords.items() if k in used})
+            return xr.Dataset(variables, coords={k: v for k, v in at.items() if k in used}, attrs=dict(attrs))
+
+        post: dict[str, Any] = {}
+        shape = None
+        if not self.local_point:
+            for name, arr in self._local_chains.items():
+                a = np.moveaxis(arr, 0, 2)  # (chain, draw, client, ...)
+                post[name] = (["chain", "draw", "client", *site_dims(name, arr.shape[3:])], a)
+                shape = a.shape[:2]
+        for name, arr in self.global_samples.items():
             post[name] = (["chain", "draw", *site_dims(name, arr.shape[2:])], arr)
-            coords.update(chain=np.arange(arr.shape[0]), draw=np.arange(arr.shape[1]))
-        det_post, det_params, det_coords = self._deterministic_vars()
-        post.update(det_post)
-        coords.update(det_coords)
-        posterior = xr.Dataset(post, coords=coords) if post else None
+            shape = arr.shape[:2]
+        post.update(det["posterior"])
+        if det["posterior"]:
+            shape = next(iter(det["posterior"].values()))[1].shape[:2]
+        posterior = draws_group(post, shape)
+        approx = {k: (["chain", "draw", *site_dims(k, v.shape[2:])], v) for k, v in self.global_approx.items()}
+        approx.update(det[NORMAL_APPROX])
+        normal = draws_group(approx, next(iter(self.global_approx.values())).shape[:2] if self.global_approx else None)
+        if normal is not None:
+            normal.attrs["description"] = (
+                "asymptotic normal approximation N(theta_hat, I^-1) of the globals, I the observed information "
+                "by Louis' identity, drawn in unconstrained coordinates and mapped to the constrained ones"
+            )
+        client_params = None
+        if self.local_point:
+            fitted = {k: (["client", *site_dims(k, v.shape[3:])], v[:, 0, 0]) for k, v in self._local_chains.items()}
+            client_params = draws_group({**fitted, **det[CLIENT_PARAMS]}, None)
         sample_stats = None
         if self.global_samples:
             chains, draws = next(iter(self.global_samples.values())).shape[:2]
@@ -334,12 +421,14 @@ class Result:
                 stats[key] = (["chain", "draw"], np.broadcast_to(per_round, (chains, draws)))
             sample_stats = xr.Dataset(stats, coords={"chain": np.arange(chains), "draw": np.arange(draws)})
         params = xr.Dataset({k: (site_dims(k, v.shape), v) for k, v in self.params.items()})
-        if det_params:
-            params = params.assign(det_params)
-            used = {dim for dims, _ in det_params.values() for dim in dims}
+        if det["fed_params"]:
+            params = params.assign(det["fed_params"])
+            used = {dim for dims, _ in det["fed_params"].values() for dim in dims}
             params = params.assign_coords({k: v for k, v in det_coords.items() if k in used})
         for k, v in self.standard_errors.items():
             params[f"{k}_se"] = (site_dims(k, v.shape), v)
+        # the estimate's attributes (a fit without a posterior keeps its privacy report here too)
+        params.attrs.update(attrs)
         local = None
         if self.local_info:
             local = xr.Dataset(
@@ -362,15 +451,6 @@ class Result:
             },
             coords={"client": coords["client"]},
         )
-        attrs = {"inference_library": "fedbayes", "algorithm": self.algorithm, "seed": self.seed}
-        if self.privacy:  # netCDF attributes: numbers and strings
-            attrs.update({f"privacy_{k}": v for k, v in self.privacy.items()})
-        # a point-estimate fit has no posterior group: the privacy report stays with the estimate too
-        params.attrs.update({k: v for k, v in attrs.items() if k.startswith("privacy_")})
-        if posterior is not None:
-            posterior.attrs.update(attrs)
-            if self.global_approx and not self.global_samples:
-                posterior.attrs["globals"] = "asymptotic normal approximation N(theta_hat, I^-1), I by Louis' identity"
         history.attrs.update(
             init_bits_up=self.init_bits[0],
             init_bits_down=self.init_bits[1],
@@ -382,6 +462,8 @@ class Result:
             "sample_stats": sample_stats,
             **self._extra_groups,
             "fed_params": params,
+            NORMAL_APPROX: normal,
+            CLIENT_PARAMS: client_params,
             "fed_history": history,
             "fed_clients": clients,
             "fed_local": local,
@@ -394,30 +476,30 @@ class Result:
         return warmup + cfg.thinning * np.arange(draws)
 
     @serialized
-    def _deterministic_vars(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        """The model's ``numpyro.deterministic`` sites as ``(posterior variables, fed_params variables,
-        coordinates)``.
+    def _deterministic_vars(self) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+        """The model's ``numpyro.deterministic`` sites as ``({group: {name: (dims, values)}}, coordinates)``,
+        the groups ``posterior``, ``fed_normal_approx``, ``fed_params`` and ``fed_client_params``.
 
-        Global ones (functions of the globals alone) are computed at every draw of the globals
-        (samplers' draws; the normal approximation of EM / FedSOUL fits) for ``posterior``, and at theta*
-        for ``fed_params`` (point-estimate fits: by invariance, the estimate of the site). Per-client ones
-        are computed at the draws of the model-checking groups (client i's local draws with theta*, or the
-        globals' draws), vectorised over clients and draws on the padded clients: with a ``client``
-        dimension, or, when they have one value per observation (a linear predictor), along an ``obs``
-        dimension over every client's real rows, client-major as in ``log_likelihood``, labelled
-        ``"<client name>:<row>"`` (an index coordinate: a non-index one along ``obs`` would stop ArviZ
-        1.x's ``az.summary`` from stacking the variables). A point-estimate fit of a model without locals
-        (TAMUNA, GD) has them at theta* in ``fed_params``. Sites whose value depends on the padding or on
-        per-observation latents
-        are left out (FedModel warns when it analyses the model).
+        Global ones (functions of the globals alone) are computed at every draw of the globals: the
+        samplers' draws for ``posterior``, the normal approximation's (EM / FedSOUL fits) for
+        ``fed_normal_approx``, and at theta* for ``fed_params`` (point-estimate fits: by invariance, the
+        estimate of the site). Per-client ones are computed at the draws of the model-checking groups
+        (client i's local draws with theta*, or the globals' draws), vectorised over clients and draws on
+        the padded clients, in the group of those draws, and at each client's fitted point for the
+        baselines (``fed_client_params``): with a ``client`` dimension, or, when they have one value per
+        observation (a linear predictor), along an ``obs`` dimension over every client's real rows,
+        client-major as in ``log_likelihood``, labelled ``"<client name>:<row>"`` (an index coordinate: a
+        non-index one along ``obs`` would stop ArviZ 1.x's ``az.summary`` from stacking the variables). A
+        point-estimate fit of a model without locals (TAMUNA, GD) has them at theta* in ``fed_params``.
+        Sites whose value depends on the padding or on per-observation latents are left out (FedModel
+        warns when it analyses the model).
         """
         fm = self._fm
-        found = {n: d for n, d in getattr(fm, "deterministic", {}).items() if d.from_draws}
-        post: dict[str, Any] = {}
-        params: dict[str, Any] = {}
+        out: dict[str, dict[str, Any]] = {"posterior": {}, NORMAL_APPROX: {}, "fed_params": {}, CLIENT_PARAMS: {}}
         coords: dict[str, Any] = {}
+        found = {n: d for n, d in getattr(fm, "deterministic", {}).items() if d.from_draws}
         if not found:
-            return post, params, coords
+            return out, coords
         glob = [n for n, d in found.items() if not d.per_client]
         per = [n for n, d in found.items() if d.per_client]
         data, keep = self._data.padded, np.asarray(self._data.mask)
@@ -435,13 +517,13 @@ class Result:
 
         source = self.global_samples or self.global_approx
         if glob and source:
+            target = out["posterior" if self.global_samples else NORMAL_APPROX]
             chains, draws = next(iter(source.values())).shape[:2]
             flat = {k: v.reshape((chains * draws,) + v.shape[2:]) for k, v in source.items()}
             values = jax.jit(jax.vmap(at(glob), in_axes=(0, None)))(flat, first)
             for n in glob:  # in the model's order (a compiled program returns a dict's keys sorted)
                 v = np.asarray(values[n])
-                post[n] = (["chain", "draw", *site_dims(n, v.shape[1:])], v.reshape((chains, draws) + v.shape[1:]))
-            coords.update(chain=np.arange(chains), draw=np.arange(draws))
+                target[n] = (["chain", "draw", *site_dims(n, v.shape[1:])], v.reshape((chains, draws) + v.shape[1:]))
         if not self.global_samples and self.params:
             names = glob + ([] if fm.local_names else per)
             if names:
@@ -449,21 +531,29 @@ class Result:
                 for n in names:
                     v = np.asarray(values[n])
                     dims, a = ([*site_dims(n, v.shape[1:])], v[:1]) if n in glob else by_client(n, v[:, None])
-                    params[n] = (dims, a[0])
-        if per:
-            try:
-                local_vals, global_vals, chains, draws = self._training_draws()
-            except FedbayesError:  # a point estimate, or locals without draws: no posterior draws to use
-                return post, params, coords
-            fn = at(per)
-            values = jax.jit(
-                jax.vmap(jax.vmap(lambda lv, gv, x: fn({**gv, **lv}, x), in_axes=(0, 0, None)), in_axes=(0, None, 0))
-            )(local_vals, global_vals, data)
-            for n in per:
-                dims, a = by_client(n, np.asarray(values[n]))
-                post[n] = (["chain", "draw", *dims], a.reshape((chains, draws) + a.shape[1:]))
-            coords.update(chain=np.arange(chains), draw=np.arange(draws))
-        return post, params, coords
+                    out["fed_params"][n] = (dims, a[0])
+        if not per:
+            return out, coords
+        where = self._draw_group()
+        if where is None and not self.local_point:
+            return out, coords  # a point estimate, or locals without draws: nothing to evaluate them at
+        if where is None:  # the baselines: at each client's fitted point (its first "draw")
+            local = {k: v[:, :1] for k, v in self.local_samples.items()}
+            glob_at = {k: np.broadcast_to(v, (1,) + v.shape) for k, v in self.params.items()}
+            local_vals, global_vals, chains, draws = local, glob_at, 1, 1
+        else:
+            local_vals, global_vals, chains, draws = self._training_draws()
+        fn = at(per)
+        values = jax.jit(
+            jax.vmap(jax.vmap(lambda lv, gv, x: fn({**gv, **lv}, x), in_axes=(0, 0, None)), in_axes=(0, None, 0))
+        )(local_vals, global_vals, data)
+        for n in per:
+            dims, a = by_client(n, np.asarray(values[n]))
+            if where is None:
+                out[CLIENT_PARAMS][n] = (dims, a[0])
+            else:
+                out[where][n] = (["chain", "draw", *dims], a.reshape((chains, draws) + a.shape[1:]))
+        return out, coords
 
     def _row_labels(self) -> np.ndarray:
         """``"<client name>:<row>"`` for every real row of the training data, client-major."""
@@ -704,11 +794,40 @@ class Result:
         order of ``data.pooled()``) and a ``client`` coordinate along it, so ``az.loo(res.idata)`` works on
         the pooled data and per client (:func:`fb.diagnostics.loo_per_client`). Draws are those of the
         ``posterior`` group: client i's local draws with theta* (personalised fits), with the globals' draws
-        of the same chain and draw (the joint samplers), or the globals'
-        draws (samplers; EM fits' normal approximation). The log-likelihood is log p(y_ij | theta, z_i),
-        the observed sites summed per observation. Returns the extended ``res.idata``.
+        of the same chain and draw (the joint samplers), or the globals' draws (samplers). An EM fit of a
+        model without locals has no posterior: its groups are evaluated at the draws of
+        ``fed_normal_approx``, which are independent, so ``az.loo(res.idata, reff=1.0)`` is its PSIS-LOO
+        (``az.compare`` refuses it: it is not a posterior). The log-likelihood is log p(y_ij | theta, z_i),
+        the observed sites summed per observation (:attr:`idata` has it by default where there is a
+        ``posterior``). Returns the extended ``res.idata``.
+
+        >>> import fedbayes as fb
+        >>> data, _ = fb.models.make_glm_clients(3, 2, 20, family="linear", seed=0)
+        >>> res = fb.fed_fit(fb.models.linear_regression(), data, fb.LMC(), num_rounds=2000, progress=False)
+        >>> fb.result.group(res.extend_idata(), "posterior_predictive")["y"].dims
+        ('chain', 'draw', 'obs')
         """
         require_seed(seed)
+        self._extra_groups.update(
+            self._model_checking_groups(
+                log_likelihood=log_likelihood,
+                posterior_predictive=posterior_predictive,
+                observed_data=observed_data,
+                seed=seed,
+            )
+        )
+        self._idata = None
+        return self.idata
+
+    def _model_checking_groups(
+        self,
+        *,
+        log_likelihood: bool = False,
+        posterior_predictive: bool = False,
+        observed_data: bool = False,
+        seed: int = 0,
+    ) -> dict[str, xr.Dataset]:
+        """The groups of :meth:`extend_idata` that are asked for, at the draws of :meth:`_training_draws`."""
         fm = self._fm
         local_vals, global_vals, chains, draws = self._training_draws()
         data, mask = self._data.padded, self._data.mask
@@ -748,13 +867,17 @@ class Result:
                 {k: (["obs", *site_dims(k, v.shape[2:])], np.asarray(v)[keep]) for k, v in obs.items()},
                 coords={"client": ("obs", obs_client)},
             )
-        self._extra_groups.update(groups)
-        self._idata = None
-        return self.idata
+        return groups
 
     def _training_draws(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int, int]:
         """The posterior group's draws: locals ``{site: (C, S, ...)}``, globals ``{site: (S, ...)}``, chains, draws."""
         fm = self._fm
+        if self.local_point:
+            raise FedbayesError(
+                f"{self.algorithm} fits one point per client (its trained head), not posterior draws: the "
+                "model-checking groups, az.loo and az.compare need draws (fb.FedSOUL samples the personal "
+                "posteriors); res.predict and res.predictive_probs work on the fitted points"
+            )
         if fm.local_names:
             if not self._local_chains:
                 raise FedbayesError(
@@ -804,9 +927,9 @@ class Result:
 
         The run is replaced by its configuration (the algorithm instance it was built from, with the
         hyper-parameters it resolved) and rebuilt on first need after loading (:meth:`sample_client`); the
-        cached ``idata`` is dropped and recomputed. The model function is pickled by reference: it must be
-        importable by name where the result is loaded (a module's top-level function, not a lambda or a
-        closure such as ``fb.models.logistic_regression()``'s).
+        cached ``idata`` is dropped and recomputed. Plain ``pickle`` stores the model function by
+        reference (a module's top-level function, importable where the result is loaded); :meth:`save`
+        uses cloudpickle, which also stores ``__main__``'s functions, lambdas and closures by value.
         """
         state = dict(self.__dict__)
         run = state.pop("_run")
@@ -818,6 +941,7 @@ class Result:
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("privacy", None)  # saved before fits could be private
         state.setdefault("params_averaged", None)  # saved before FedSOUL's one-step estimate
+        state.setdefault("local_point", False)  # saved before the baselines' points were told from draws
         self.__dict__.update(state)
 
     def _algorithm_config(self) -> Any:
@@ -838,7 +962,9 @@ class Result:
         What is stored: everything the result holds: estimates, history, samples (each known client's
         local draws, which :meth:`predict` / :meth:`predictive_probs` for that client use), the EM
         outputs, the groups added by :meth:`extend_idata`, the fault table, the algorithm's configuration,
-        the :class:`~fedbayes.FedModel` (the model function by reference and ``model_kwargs``) and the
+        the :class:`~fedbayes.FedModel` (the model function and ``model_kwargs``: a function of an
+        importable module by reference, one defined in ``__main__`` (a notebook, a script), a lambda or a
+        closure by value, with cloudpickle, so it loads in a new process) and the
         training data (:meth:`extend_idata` and :meth:`sample_client` need it; mind this before sharing
         the file). The loaded result's ``params``, ``history``, ``idata`` and predictions (same ``seed``)
         equal this one's bit for bit on the same library versions and float width.
@@ -852,9 +978,9 @@ class Result:
         Raises
         ------
         CheckpointError
-            If something in the result does not pickle (a lambda or closure as the model function, or
-            in the algorithm's options), or the file cannot be written (the previous file at ``path``,
-            if any, is unchanged).
+            If something in the result does not pickle even by value (the model closes over an open
+            file or a lock), or the file cannot be written (the previous file at ``path``, if any, is
+            unchanged).
         """
         checkpoint_io.save_result(self, path)
 

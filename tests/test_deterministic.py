@@ -301,15 +301,17 @@ def test_point_estimates_hold_deterministic_sites_at_the_estimate(algorithm):
 
 
 @pytest.mark.slow
-def test_fedmm_posterior_holds_global_deterministic_sites_from_the_normal_approximation():
+def test_fedmm_normal_approximation_group_holds_global_deterministic_sites_and_the_posterior_does_not():
     data, _ = fb.models.make_linear_mixed_effects(8, sizes=(5, 12), seed=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", fb.ConvergenceWarning)
         res = fb.fed_fit(lme, data, fb.FedMM(), num_rounds=30, seed=0)
-    post, params = group(res.idata, "posterior"), group(res.idata, "fed_params")
-    np.testing.assert_allclose(post["sigma2"].values, post["sigma"].values ** 2, **EXACT)
-    L = post["scale_tril"].values
-    np.testing.assert_allclose(post["omega"].values, L @ np.swapaxes(L, -1, -2), **EXACT)
+    approx, params = group(res.idata, "fed_normal_approx"), group(res.idata, "fed_params")
+    post = group(res.idata, "posterior")  # the random effects' exact local posterior draws at theta*, alone
+    assert not {"sigma", "sigma2", "scale_tril", "omega"} & set(post.data_vars)
+    np.testing.assert_allclose(approx["sigma2"].values, approx["sigma"].values ** 2, **EXACT)
+    L = approx["scale_tril"].values
+    np.testing.assert_allclose(approx["omega"].values, L @ np.swapaxes(L, -1, -2), **EXACT)
     np.testing.assert_allclose(params["sigma2"].values, res.params["sigma"] ** 2, **EXACT)
     # fitted values need the random effects' draws: FedMM's Gaussian E-step keeps means and covariances,
     # so they are left to predictions (with a client's draws) rather than given at a point

@@ -9,6 +9,7 @@ import pytest
 from jax.flatten_util import ravel_pytree
 
 import fedbayes as fb
+from fedbayes.result import group
 from fedbayes.algorithms.fedsoul import FedSOULRun
 from lme_reference import local_posterior, marginal_loglik, mml
 
@@ -148,14 +149,15 @@ def test_ula_gradient_carries_the_exact_bias_of_unadjusted_langevin():
     assert np.max(np.abs(bias[2:]) / sd[2:]) > 8
 
 
-def test_globals_in_the_posterior_and_the_ledger(lme_se_fit):
+def test_globals_normal_approximation_beside_the_posterior_and_the_ledger(lme_se_fit):
     az = pytest.importorskip("arviz")
     data, res, _ = lme_se_fit
-    post = res.idata.posterior
-    for site in ("beta", "scale_tril", "sigma", "b"):
-        assert site in post
-    assert post["sigma"].shape == (2, 200)  # like the local chains: num_chains x num_samples
-    summary = az.summary(res.idata, var_names=["beta", "sigma"])
+    post, approx = group(res.idata, "posterior"), group(res.idata, "fed_normal_approx")
+    assert set(post.data_vars) == {"b"}  # the random effects' draws; the globals' approximation is not a draw
+    for site in ("beta", "scale_tril", "sigma"):
+        assert site in approx
+    assert approx["sigma"].shape == (2, 200)  # like the local chains: num_chains x num_samples
+    summary = az.summary(res.idata, group="fed_normal_approx", var_names=["beta", "sigma"])
     # the normal approximation's mean and sd are theta_bar and the standard errors (500 draws: sd of the
     # mean se / sqrt(400), of the sd about se / sqrt(800))
     np.testing.assert_allclose(summary["mean"].to_numpy()[:2], res.params["beta"], atol=4 * res.standard_errors["beta"].max() / 20)

@@ -9,6 +9,7 @@ import numpyro.distributions as dist
 import pytest
 
 import fedbayes as fb
+from fedbayes.arviz_adapter import group_names
 from fedbayes.result import ARVIZ_1, group
 
 with warnings.catch_warnings():
@@ -192,3 +193,72 @@ def test_settings_hold_the_options_and_the_resolved_hyper_parameters():
     assert tam["s"] == 2 and tam["c"] == 3 and 0 < tam["p"] <= 1 and tam["gamma"] > 0
     em = fb.fed_fit(model, data, fb.FedMM(uncertainty=False), num_rounds=5, progress=False).settings
     assert em["step_size"] == 1.0 and em["uncertainty"] is False
+
+
+# ------------------------------------------------------------------ what ArviZ reads as a posterior
+
+
+def _groups(idata) -> set[str]:
+    return set(group_names(idata))
+
+
+def test_posterior_holds_draws_only_and_the_normal_approximation_has_its_own_group(res):
+    """FedSOUL: the locals' draws in `posterior`, the globals' normal approximation (if Louis' information is
+    positive definite) in `fed_normal_approx`, never beside the draws; log_likelihood is there by default."""
+    post = group(res.idata, "posterior")
+    assert set(post.data_vars) == {"z"}
+    assert "log_likelihood" in _groups(res.idata)
+    if res.global_approx:
+        approx = group(res.idata, "fed_normal_approx")
+        assert set(approx.data_vars) == set(res.global_approx)
+        np.testing.assert_array_equal(approx["phi"].values, res.global_approx["phi"])
+
+
+def test_arviz_round_trip_of_a_sampler_summary_trace_loo_and_compare(logistic, tmp_path):
+    """az.summary's mean and sd are print(res)'s estimate and sd (the same draws); az.plot_trace shows the
+    sampled site alone; az.loo and az.compare work without extend_idata."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    data, fit = logistic
+    table, mine = az.summary(fit.idata, var_names=["w"], round_to="none"), fit.summary()
+    np.testing.assert_allclose(table["mean"].to_numpy(float), mine["estimate"].to_numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(table["sd"].to_numpy(float), mine["sd"].to_numpy(), rtol=1e-5)
+    shown = az.plot_trace(fit.idata)  # the posterior group only: the draws of w, no estimate drawn as a chain
+    if not ARVIZ_1:  # 0.x returns the axes (1.x a PlotCollection): one row for the one site
+        assert np.asarray(shown).shape == (1, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Pareto k notes of a small fit
+        loo = az.loo(fit.idata)
+        ranked = az.compare({"lmc": fit.idata, "again": fit.idata})
+    assert np.isfinite(float(getattr(loo, "elpd", None) if ARVIZ_1 else loo["elpd_loo"]))
+    assert len(ranked) == 2
+
+
+def test_a_point_estimate_cannot_be_compared_as_a_posterior(logistic):
+    """GD's and FedRep's idata have no posterior and no log_likelihood: az.compare refuses them, and
+    extend_idata says why."""
+    data, fit = logistic
+    gd = fb.fed_fit(fb.models.logistic_regression(prior_scale=2.0), data, fb.GD(), num_rounds=200, seed=0,
+                    progress=False)
+    assert not {"posterior", "log_likelihood"} & _groups(gd.idata)
+    with pytest.raises(fb.FedbayesError, match="point estimate"):
+        gd.extend_idata()
+    with pytest.raises(Exception):  # ArviZ's own error: no ELPD for a model without a log-likelihood
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            az.compare({"lmc": fit.idata, "gd": gd.idata})
+
+
+def test_baselines_keep_fitted_points_apart_from_posteriors_and_run_no_chain_check():
+    train, _, _ = fb.models.make_fedpop_synthetic(8, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fb.ConvergenceWarning)
+        rep = fb.fed_fit(fb.models.fedpop_synthetic, train, fb.LocalOnly(local_steps=3), num_rounds=30, seed=0,
+                         progress=False)
+    assert rep.local_point and "posterior" not in _groups(rep.idata)
+    points = group(rep.idata, "fed_client_params")
+    np.testing.assert_array_equal(points["z"].values, rep.local_samples["z"][:, 0])
+    assert "local_rhat" not in set(rep.diagnostics["check"])  # no R-hat of a repeated point, no FedSOUL hint
+    with pytest.raises(fb.FedbayesError, match="one point per client"):
+        rep.extend_idata()

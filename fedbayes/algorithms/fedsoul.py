@@ -1088,6 +1088,8 @@ class FedSOULRun(FederatedRun):
         if locals_ is not None:
             parts.local_samples = locals_["local_samples"]
             parts.client_info = {"step_size": locals_["step_size"], "acceptance": locals_["acceptance"]}
+            if not self.cfg.local_noise:  # gradient steps: each client's "samples" are its fitted point
+                parts.local_point = True
         if self.uncertainty and uploads is not None:
             out = self._uncertainty(key, theta, *uploads)
             stepped = out.pop("theta")

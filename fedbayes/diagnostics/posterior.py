@@ -211,20 +211,28 @@ def loo_per_client(data: Any) -> Any:
     """PSIS-LOO (``az.loo``) of each client's observations: a DataFrame with ``n`` (observations),
     ``elpd_loo``, ``se``, ``p_loo`` and ``max_pareto_k`` per client (k > 0.7: unreliable for that client).
 
-    ``data`` is a result after ``res.extend_idata()`` (or its ``idata``): its ``log_likelihood`` group
-    has an ``obs`` dim with a ``client`` coordinate. Each client's LOO uses its own posterior draws.
+    ``data`` is a result (its ``idata`` has the group by default where the fit has a posterior; an EM
+    fit's after ``res.extend_idata()``) or ArviZ data whose ``log_likelihood`` group has an ``obs`` dim
+    with a ``client`` coordinate. Each client's LOO uses its own posterior draws (an EM fit's: the
+    independent draws of its normal approximation, ``fed_normal_approx``).
     """
     import pandas as pd
 
     from ..arviz_adapter import group, loo_summary, to_arviz
-    from ..result import Result
+    from ..result import NORMAL_APPROX, Result
 
     idata = data.idata if isinstance(data, Result) else data
     try:
         ll = group(idata, "log_likelihood")
     except (KeyError, AttributeError):
-        raise DataError("no log_likelihood group: call res.extend_idata() first") from None
-    post = group(idata, "posterior")
+        raise DataError(
+            "no log_likelihood group: the fit has no posterior draws to evaluate it at by default "
+            "(an EM fit: call res.extend_idata() first; a point estimate has none)"
+        ) from None
+    try:
+        post = group(idata, "posterior")
+    except (KeyError, AttributeError):
+        post = group(idata, NORMAL_APPROX)
     clients = np.asarray(ll["client"].values)
     rows = []
     for c in np.unique(clients):
