@@ -350,8 +350,9 @@ def load_result(path: Any) -> Any:
     """Load a result saved by :meth:`fedbayes.Result.save` (``fb.load``).
 
     The file is verified (format version, SHA-256 seal) before anything is unpickled. Unpickling runs
-    code named in the file (the model function is imported by name): load only files you trust. The
-    model function must be importable here under the name it had when saved.
+    code from the file: load only files you trust. A model function defined in an importable module
+    is imported here by the name it had when saved; one defined in ``__main__`` (a notebook, a script),
+    a lambda or a closure was saved by value, with its code, and loads in any process.
 
     Raises
     ------
@@ -390,9 +391,9 @@ def load_result(path: Any) -> Any:
         res = pickle.loads(entries["result"].tobytes())
     except Exception as err:
         raise CheckpointError(
-            f"the saved result {path!r} cannot be loaded here ({type(err).__name__}: {err}); its "
-            "model function (and algorithm) must be importable under the names they had when "
-            "it was saved"
+            f"the saved result {path!r} cannot be loaded here ({type(err).__name__}: {err}); a "
+            "model function (or algorithm) saved from a module must be importable here under the "
+            "name it had when it was saved"
         ) from err
     if not isinstance(res, Result):
         raise CheckpointError(f"{path!r} holds a {type(res).__name__}, not a fedbayes Result")
@@ -401,14 +402,16 @@ def load_result(path: Any) -> Any:
 
 def save_result(result: Any, path: Any) -> None:
     """Write a :class:`~fedbayes.Result` to one sealed file (:meth:`fedbayes.Result.save` documents it)."""
+    import cloudpickle  # functions of __main__ (a notebook, a script), lambdas and closures by value
+
     try:
-        blob = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = cloudpickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as err:
         raise CheckpointError(
-            f"this result cannot be saved: part of it does not pickle ({type(err).__name__}: "
-            f"{err}). The model function must be importable by name (a top-level function "
-            "of a module, not a lambda or a closure), and so must anything in the "
-            "algorithm's options"
+            f"this result cannot be saved: part of it does not pickle, even by value ({type(err).__name__}: "
+            f"{err}). The model function, the values it closes over and the algorithm's options must "
+            "pickle: an open file, a lock or a live connection does not (pass such things as data, or "
+            "build them inside the model)"
         ) from err
     meta = {
         "format": RESULT_FORMAT,
