@@ -23,6 +23,7 @@ from .data import FederatedData
 from .engine import (
     STALL_TIMEOUT,
     Problem,
+    Progress,
     Stopped,
     concat_records,
     fault_events,
@@ -486,12 +487,25 @@ def _execute(
 def _execute_here(
     fit: _Fit, *, progress, checkpoint, checkpoint_every, callback, stall_timeout=STALL_TIMEOUT, resumed: Any = None
 ) -> Result:
+    bar = Progress(fit.num_rounds, getattr(fit.algorithm, "name", type(fit.algorithm).__name__), progress)
+    try:
+        return _execute_phases(fit, bar, checkpoint, checkpoint_every, callback, stall_timeout, resumed)
+    finally:
+        bar.close()
+
+
+def _execute_phases(
+    fit: _Fit, bar: Progress, checkpoint, checkpoint_every, callback, stall_timeout, resumed: Any
+) -> Result:
+    """:func:`_execute_here`'s work, each phase reported on ``bar``."""
     data = fit.data
     cohort = resolve_cohort_size(fit.clients_per_round, data.num_clients)
+    bar.phase("analysing the model")
     data_digest = _data_digest(data)
     fm, run = _build(fit, data, cohort, data_digest)
     problem = Problem(fm, data, fit.num_rounds, cohort)
     k_init, k_rounds, k_final = split_key(seed_key(fit.seed), 3)
+    bar.phase("compiling and running the set-up exchange")
     carry, setup_bits = wait_ready(staged_init(run, k_init, problem), stall_timeout, f"{run.name}: the set-up exchange")
     plain = {
         "clients_per_round": fit.clients_per_round,
@@ -556,7 +570,7 @@ def _execute_here(
                 cohort_size=cohort,
                 start=start,
                 chunk_size=fit.chunk_size,
-                progress=progress,
+                progress=bar,
                 stop_on_divergence=True,
                 faults=fit.faults,
                 policy=fit.fault_policy,
@@ -573,11 +587,15 @@ def _execute_here(
         if isinstance(stopped.result, Result):  # the fit at the last good round, or None
             stopped.result.faults = fault_table(full, k_rounds, data.num_clients, cohort)
         raise stopped from None
+    bar.phase("the final exchange")
     parts = finalize_parts(run, k_final, carry, problem, history, setup_bits)
     result = Result(
         model=fm, data=data, run=run, algorithm=run.name, seed=fit.seed, parts=parts, history=public_history(history)
     )
     result.faults = fault_table(history, k_rounds, data.num_clients, cohort)
+    bar.phase("the convergence checks")
+    result.diagnostics  # noqa: B018 - computed (and kept) before the line ends, warned about after
+    bar.finish()
     convergence.report(result)  # res.diagnostics; one fb.ConvergenceWarning per failed check
     return result
 

@@ -815,11 +815,22 @@ def _in_notebook() -> bool:
 
 
 class Progress:
-    """Progress on stderr, in the form that suits where it goes.
+    """Progress on stderr, in the form that suits where it goes: the fit's phases, then its rounds.
 
     ``enabled=None`` (default): shown on a terminal and in a Jupyter notebook, as one live line redrawn
-    after each chunk (``\\r``). ``True`` elsewhere (a log file, a CI job, a pipe): one line per chunk, each
-    ending in a newline, so a log reads as lines rather than a wall of carriage returns. ``False``: none."""
+    in place (``\\r``). ``True`` elsewhere (a log file, a CI job, a pipe): one line per phase and per chunk
+    of rounds, each ending in a newline, so a log reads as lines rather than a wall of carriage returns.
+    ``False``: none.
+
+    :meth:`phase` names what the fit is doing before and after its rounds (analysing the model, compiling
+    and running the set-up exchange, the final exchange, the convergence checks) with the time since the
+    fit began; :meth:`update` reports the rounds. The first chunk of rounds includes the compilation of
+    the round, so the rate and the time left come from the chunks after it (the first chunk's line says
+    how long it took instead); they are shown from the second chunk on.
+
+    >>> bar = Progress(100, "GD", enabled=False)
+    >>> bar.phase("analysing the model"); bar.update(10); bar.update(100); bar.finish()
+    """
 
     def __init__(self, total: int, label: str, enabled: bool | None):
         self.total, self.label = total, label
@@ -827,22 +838,51 @@ class Progress:
         self.enabled = live if enabled is None else bool(enabled)
         self.live = live
         self.start = time.perf_counter()
+        self._width = 0  # the longest live line so far (a shorter one is padded over it)
+        self._first: tuple[int, float] | None = None  # (rounds, time) at the end of the first chunk seen
+        self._done = False
 
-    def update(self, done: int) -> None:
+    def _write(self, line: str, end: bool = False) -> None:
         if not self.enabled:
             return
-        elapsed = time.perf_counter() - self.start
-        rate = done / elapsed if elapsed > 0 else float("nan")
-        eta = (self.total - done) / rate if rate > 0 else float("nan")
-        line = (
-            f"[fedbayes] {self.label}: round {done}/{self.total} ({100 * done / self.total:.0f}%), "
-            f"{rate:.1f} rounds/s, ~{eta:.0f}s left"
-        )
+        line = f"[fedbayes] {self.label}: {line}"
         if self.live:
-            sys.stderr.write("\r" + line + " " + ("\n" if done >= self.total else ""))
+            sys.stderr.write("\r" + line.ljust(self._width) + ("\n" if end else ""))
+            self._width = 0 if end else max(self._width, len(line))
         else:
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
+
+    def phase(self, what: str) -> None:
+        """Report that the fit now does ``what`` (e.g. ``"compiling the rounds"``)."""
+        self._write(f"{what} ({time.perf_counter() - self.start:.1f} s)")
+
+    def update(self, done: int) -> None:
+        """Report that ``done`` of the ``total`` rounds have run."""
+        now = time.perf_counter()
+        head = f"round {done}/{self.total} ({100 * done / max(self.total, 1):.0f}%)"
+        if self._first is None:  # this chunk compiled the round program: no rate from it
+            self._first = (done, now)
+            tail = f"first chunk (compilation included) in {now - self.start:.1f} s"
+        else:
+            rounds, then = self._first
+            rate = (done - rounds) / (now - then) if now > then else float("nan")
+            eta = (self.total - done) / rate if rate > 0 else float("nan")
+            tail = f"{rate:.1f} rounds/s, ~{eta:.0f} s left"
+        self._write(f"{head}, {tail}")
+
+    def close(self) -> None:
+        """End a live line left open (a fit that stopped with an error), so the traceback starts on its own line."""
+        if self.enabled and self.live and self._width:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self._width = 0
+
+    def finish(self) -> None:
+        """Report the end of the fit and its wall time (a live line ends in a newline)."""
+        if not self._done:
+            self._done = True
+            self._write(f"done in {time.perf_counter() - self.start:.1f} s", end=True)
 
 
 def _round_keys(base_key: jax.Array, k: jax.Array) -> tuple[jax.Array, ...]:
@@ -1412,7 +1452,7 @@ def run_rounds(
     cohort_size: int,
     start: int = 0,
     chunk_size: int | None = None,
-    progress: bool | None = None,
+    progress: bool | None | Progress = None,
     stop_on_divergence: bool = False,
     faults: Faults | None = None,
     policy: FaultPolicy | None = None,
@@ -1454,7 +1494,7 @@ def run_rounds(
     carry, base_key = placed(carry, base_key, common_fields(algorithm))
     min_clients = (FaultPolicy() if policy is None else policy).min_clients
     run_chunk = _compiled_chunk(algorithm, problem.data.num_clients, cohort_size, faults, policy)
-    bar = Progress(num_rounds, algorithm.name, progress)
+    bar = progress if isinstance(progress, Progress) else Progress(num_rounds, algorithm.name, progress)
     schedule = ChunkSchedule(start, num_rounds, chunk_size, chunk_capacity(num_rounds, cohort_size, carry[0]))
     records: list[dict[str, np.ndarray]] = []
 
@@ -1471,6 +1511,8 @@ def run_rounds(
     # work is dropped unread: what the fit returns is as without it.
     t0 = time.perf_counter()
     chunk = schedule.next()
+    if chunk is not None:
+        bar.phase(f"compiling the rounds and running rounds {start}..{start + chunk[1] - 1}")
     if chunk is not None and prepare is not None:  # the chunk compiles on a worker while ``prepare`` traces
         if isinstance(run_chunk, FitJitted):  # (not a stand-in wrapping it)
             run_chunk.ahead(*arguments(carry, *chunk))

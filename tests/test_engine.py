@@ -34,18 +34,40 @@ def test_cohort_size_resolution():
 
 
 def test_progress_line_is_written_only_when_enabled(capsys):
-    Progress(10, "FedSOUL", True).update(10)
+    bar = Progress(10, "FedSOUL", True)
+    bar.update(5)
+    bar.update(10)
     err = capsys.readouterr().err
     assert "FedSOUL: round 10/10 (100%)" in err and "rounds/s" in err
-    Progress(10, "FedSOUL", False).update(5)
+    bar = Progress(10, "FedSOUL", False)
+    bar.phase("analysing the model")
+    bar.update(5)
+    bar.finish()
     assert capsys.readouterr().err == ""
 
 
-def test_fit_reports_progress_between_chunks(capsys):
+def test_progress_rate_and_time_left_exclude_the_first_chunk_that_compiles(capsys, monkeypatch):
+    """The first chunk took 100 s (compilation); the next two 1 s each for 10 rounds: 10 rounds/s, and 70
+    rounds left take 7 s. A rate over the whole time would say 0.29 rounds/s and 240 s left."""
+    clock = iter([0.0, 100.0, 101.0, 102.0])
+    monkeypatch.setattr(fb.engine.time, "perf_counter", lambda: next(clock))
+    bar = Progress(100, "GD", True)
+    for done in (10, 20, 30):
+        bar.update(done)
+    first, second, third = capsys.readouterr().err.splitlines()
+    assert "first chunk (compilation included) in 100.0 s" in first and "left" not in first
+    assert "10.0 rounds/s, ~8 s left" in second and "10.0 rounds/s, ~7 s left" in third
+
+
+def test_fit_reports_its_phases_and_progress_between_chunks(capsys):
     data = fb.models.make_glm_clients(4, 3, 20, family="linear", seed=0)[0]
     fb.fed_fit(fb.models.linear_regression(), data, fb.GD(), num_rounds=20, chunk_size=10, progress=True, seed=0)
     err = capsys.readouterr().err
     assert "round 10/20" in err and "round 20/20" in err
+    phases = ["analysing the model", "set-up exchange", "compiling the rounds", "round 10/20", "round 20/20",
+              "the final exchange", "the convergence checks", "done in"]
+    where = [err.find(p) for p in phases]
+    assert min(where) >= 0 and where == sorted(where), err
 
 
 def test_builtin_optimisers_match_their_formulas():
@@ -262,5 +284,6 @@ def test_progress_is_one_line_per_chunk_in_a_log_and_one_live_line_on_a_terminal
     assert bar.enabled and bar.live
     for done in (10, 20, 30):
         bar.update(done)
+    bar.finish()
     err = capsys.readouterr().err
-    assert err.count("\r") == 3 and err.count("\n") == 1 and err.endswith("\n")
+    assert err.count("\r") == 4 and err.count("\n") == 1 and err.endswith("\n")
