@@ -57,6 +57,16 @@ Point estimates (TAMUNA / Scaffnew / GD / FedAvg, FedSOUL's theta*, FedMM / FedE
     field that does not decay significantly is at its Monte Carlo noise floor (stochastic E-step,
     compression, partial participation) and the row only reports it; the trace decides.
 
+``privacy_noise`` (point estimates of a private fit, ``res.privacy``)
+    Whether the privacy noise leaves the data anything to say. A round's noise on the cohort's mean
+    update has norm about z C sqrt(d) / m (noise multiplier z, clip C, d coordinates, m answering
+    members; the same for a re-weighted sum, whose weight scales noise and signal alike), and the clipped
+    signal is at most C. Averaged over the W rounds of the trace's window the noise falls to
+    z C sqrt(d) / (m sqrt(W)); the row holds that over C, with threshold 1: above it even the largest
+    signal the clients could send is below the noise the window averages, so the estimate is set by the
+    noise draws, not by the data, and a random walk of the iterate passes the trace check as noise. It
+    is a necessary condition, not a sufficient one: below it the trace and decrement still judge.
+
 Samplers (LMC, D-/P-/B-ELF, QLSD) and the clients' local chains:
 
 ``rhat`` / ``ess_bulk`` / ``ess_tail``
@@ -593,6 +603,8 @@ LOCAL_BLOCK = 2048
 
 
 def _local_rows(res: Any) -> list[dict[str, Any]]:
+    if getattr(res, "local_point", False):  # FedRep / FineTune / LocalOnly: fitted points, not chains
+        return []
     chains_by_site = getattr(res, "_local_chains", None) or {}
     # the sampled local latents only (fb.LocalOnly also keeps each client's fitted shared sites there: one
     # value repeated, not a chain)
@@ -672,6 +684,26 @@ def local_rhat_limit(ess: Any, halves: int, tests: int) -> np.ndarray:
     return np.maximum(RHAT_MAX, np.sqrt(1.0 + (q - 1.0) / n_eff))
 
 
+def _privacy_rows(res: Any) -> list[dict[str, Any]]:
+    """The ``privacy_noise`` row of a private point-estimate fit (see the module docstring)."""
+    report = getattr(res, "privacy", None) or {}
+    z = report.get("noise_multiplier")
+    active = np.asarray(res.history.get("active", []), dtype=np.float64)
+    if not isinstance(z, (int, float)) or not math.isfinite(z) or z <= 0 or not active.size:
+        return []
+    d = sum(int(np.size(v)) for v in res.params.values())
+    window = max(MIN_ROUNDS, len(active) // 4)
+    m = max(float(np.mean(active[-window:])), 1.0)
+    per_round = z * math.sqrt(d) / m
+    value = per_round / math.sqrt(window)
+    note = (
+        f"privacy noise on the cohort's mean update: z sqrt(d) / m = {z:.3g} x sqrt({d}) / {m:.3g} = "
+        f"{per_round:.3g} clips per round, {value:.3g} averaged over the last {window} rounds, against a clipped "
+        "signal of at most 1 clip"
+    )
+    return [_row("privacy_noise", JOINT, value, 1.0, value <= 1.0, note)]
+
+
 def diagnose(res: Any) -> Any:
     """The convergence table of a fit (pandas DataFrame, columns :data:`COLUMNS`): every check that the
     fit's outputs allow (see the module docstring)."""
@@ -685,6 +717,7 @@ def diagnose(res: Any) -> Any:
         rows += decrement
         rows += _trace_rows(res, bool(decrement))
         rows += _statistic_rows(res)
+        rows += _privacy_rows(res)
     rows += _local_rows(res)
     return pd.DataFrame(rows, columns=COLUMNS)
 
@@ -693,6 +726,12 @@ def diagnose(res: Any) -> Any:
 
 
 def _fix(algorithm: str, check: str) -> str:
+    if check == "privacy_noise":
+        return (
+            "more clients per round (clients_per_round: the noise on their mean falls as 1 / m), a smaller "
+            "noise_multiplier (a larger epsilon), fewer global coordinates, or more rounds; the estimate is "
+            "the privacy noise's, not the data's, until the signal can exceed it"
+        )
     if check == "local_rhat":
         return (
             "longer local chains after the last round: more num_samples, warmup or thinning (e.g. "
@@ -740,6 +779,7 @@ _CRITERIA = {
     "ess_bulk": "the bulk effective sample size",
     "ess_tail": "the tail effective sample size",
     "local_rhat": "split R-hat of the clients' local chains",
+    "privacy_noise": "the privacy noise against the clipped signal",
     "checks": "any check",
 }
 
@@ -753,7 +793,8 @@ def messages(res: Any, table: Any) -> list[str]:
     se_note = ""
     if point and (getattr(res, "standard_errors", None) or getattr(res, "global_approx", None)):
         se_note = (
-            " The standard errors (res.standard_errors) and the normal approximation in res.idata were "
+            " The standard errors (res.standard_errors) and the normal approximation (res.idata's "
+            "fed_normal_approx) were "
             "computed at this non-converged point and are not reliable."
         )
     out = []

@@ -430,3 +430,22 @@ def test_local_rhat_in_blocks_of_clients_is_the_local_rhat_of_all_at_once(monkey
     blocks = cv._local_rows(res)
     assert len(whole) == len(blocks) == 1
     assert whole[0] == blocks[0]
+
+
+def test_a_private_fit_drowned_in_its_noise_reports_not_converged_and_says_why():
+    """Issue 53, item 8: GD with noise_multiplier 1e6 on 20 clients of a 3-coefficient regression ended 1e5-1e6
+    from the optimum, and with noise seeds 0 and 1 reported converged (a random walk passes the trace check as
+    noise). The privacy row compares the noise on the cohort's mean update, averaged over the window
+    (z sqrt(d) / (m sqrt(W)) = 1e6 sqrt(3) / (20 sqrt(125)) = 7 746 clips), with the clipped signal (at most
+    one clip); at z = 1 it is 0.0077 and the fit converges."""
+    data, _ = fb.models.make_glm_clients(20, 3, 30, family="linear", seed=0)
+    model = fb.models.linear_regression()
+    for seed in (0, 1):
+        algo = fb.GD(step_size=0.01, privacy=fb.privacy.DP(clip=1.0, noise_multiplier=1e6, noise_seed=seed))
+        with pytest.warns(fb.ConvergenceWarning, match="privacy noise against the clipped signal.*clients_per_round"):
+            res = fb.fed_fit(model, data, algo, num_rounds=500, progress=False)
+        row = res.diagnostics.set_index("check").loc["privacy_noise"]
+        assert not res.converged and row["value"] == pytest.approx(1e6 * np.sqrt(3) / (20 * np.sqrt(125)))
+    calm = fb.fed_fit(model, data, fb.GD(step_size=0.01, privacy=fb.privacy.DP(clip=1.0, noise_multiplier=1.0)),
+                      num_rounds=500, progress=False)
+    assert calm.converged and calm.diagnostics.set_index("check").loc["privacy_noise", "value"] < 0.01
