@@ -384,7 +384,9 @@ def _settle(context: Context, rt: _Runtime, accepted: int) -> Any:
     return _load(context, _STATE, rt.state_def())
 
 
-OUTPUT_KEY = "fedbayes-output"  # node config: a folder where a node writes its personal posterior
+OUTPUT_KEY = "fedbayes-output"
+"""The node-config key of a folder where a SuperNode writes its personal posterior
+(:func:`write_personal_posterior`), e.g. ``flower-supernode --node-config 'fedbayes-output="/data/out"'``."""
 
 
 def write_personal_posterior(folder: str, index: int, fm: FedModel, local: Any) -> Path:
