@@ -37,6 +37,11 @@ SCRIPTS = [
 ]
 
 
+def _relative(text: str) -> str:
+    """A script's output with this clone's absolute paths made relative to it (the page shows no machine's paths)."""
+    return text.replace(str(ROOT) + os.sep, "").replace(str(ROOT), ".")
+
+
 def _docstring(path: pathlib.Path) -> str:
     return ast.get_docstring(ast.parse(path.read_text())) or ""
 
@@ -72,7 +77,7 @@ def run(only: list[str] | None = None) -> None:
         page += [f"## `{script}`", "", doc[0], "", *doc[1:], "",
                  f"Output of `python examples/{script} {' '.join(args)}` ({seconds:.0f} s on the machine that built "
                  "this page, beside another example):", "",
-                 "```text", *proc.stdout.rstrip().split("\n")[-40:], "```", ""]
+                 "```text", *_relative(proc.stdout).rstrip().split("\n")[-40:], "```", ""]
         for fig in figures:
             src = OUTPUT / fig
             if not src.exists():
