@@ -1,6 +1,8 @@
 """FedSOUL against exact references: MML of a linear mixed model (closed form and statsmodels),
 unbiased aggregation under partial participation and compression, predictions, ledger, config."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
@@ -276,6 +278,28 @@ def test_fedsoul_learns_the_subspace_from_the_best_of_three_starts(variant):
                        progress=False) for seed in range(3)]
     best = max(fits, key=lambda r: float(np.mean(r.history["objective"][-50:])))
     assert fb.models.principal_angle_distance(best.params["phi"], truth["phi"]) < 0.3
+
+
+def test_a_short_fit_sends_exactly_the_ledgers_bits_and_keeps_each_clients_draws():
+    """First tier: a 12-round FedSOUL fit of 6 clients, 3 a round, rand-k uplink. Every round's bits are the
+    closed-form count (k values of 32 bits and their ceil(log2 d)-bit indices, plus the 32-bit objective, per
+    member; the dense estimate down), and each client keeps its own local draws."""
+    train, _, _ = fb.models.make_fedpop_synthetic(6, seed=3)
+    algo = fb.FedSOUL(local_steps=2, num_samples=10, warmup=4, compressor=fb.compress.rand_k(fraction=0.5),
+                      server_optimizer="adam", uncertainty=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fb.ConvergenceWarning)  # 12 rounds: a ledger check, not a converged fit
+        res = fb.fed_fit(fb.models.fedpop_synthetic, train, algo, num_rounds=12, clients_per_round=3, seed=0,
+                         progress=False)
+    d = 20 * 2 + 2 + 1  # phi, mu, sigma
+    k = round(0.5 * d)
+    np.testing.assert_array_equal(res.history["bits_up"], 3 * (k * (32 + int(np.ceil(np.log2(d)))) + 32))
+    np.testing.assert_array_equal(res.history["bits_down"], 3 * 32 * d)
+    np.testing.assert_array_equal(res.history["active"], 3)
+    assert res.init_bits == (0, 6 * 32 * d) and res.final_bits == (0, 6 * 32 * d)  # theta_0 and the estimate out
+    assert res.local_samples["z"].shape == (6, 2 * 10, 2)  # 2 chains of 10 draws per client, pooled
+    assert np.all(np.isfinite(res.local_samples["z"]))
+    assert not res.local_point  # draws of the personal posteriors, not fitted points
 
 
 @pytest.mark.parametrize("kwargs, match", [
