@@ -124,11 +124,9 @@ def main(quick: bool, fedmm: bool) -> None:
     print(f"== default FedSOUL, {rounds} rounds")
     res, conv = fit(fb.FedSOUL(), data, num_rounds=rounds)
     report("FedSOUL", res, conv, ref)
-    print("\naz.summary (globals where the fit puts them in the posterior, and three subjects' effects b):")
-    names = list(res.idata.posterior.data_vars)
-    globals_ = [n for n in ("beta", "scale_tril", "sigma") if n in names]
-    if globals_:
-        print(az.summary(res.idata, var_names=globals_, kind="stats"))
+    print("\naz.summary (the globals' normal approximation, and three subjects' effects b):")
+    if res.global_approx:  # fed_normal_approx: draws of N(theta_hat, I^-1), apart from the posterior's draws
+        print(az.summary(res.idata, group="fed_normal_approx", var_names=["beta", "sigma"], kind="stats"))
     print(az.summary(res.idata, var_names=["b"], coords={"client": list(data.client_names[:3])}))
 
     # One vectorised call over all subjects: day 10 (the day after the study) for each subject.
