@@ -85,7 +85,9 @@ def test_local_only_fits_each_client_alone_and_predicts_with_its_own_model():
     assert np.all(res.local_samples["w"] == res.local_samples["w"][:, :1])  # one fitted value per client
     np.testing.assert_allclose(float(res.params["w"]), res.local_samples["w"][:, 0].mean(), rtol=1e-6)
     assert res.bits_up == 0 and np.all(np.asarray(res.history["bits_down"])[1:] == 0)
-    assert res.idata.posterior["w"].dims == ("chain", "draw", "client")
+    points = fb.result.group(res.idata, "fed_client_params")  # fitted points, not posterior draws
+    assert points["w"].dims == ("client",) and not hasattr(res.idata, "posterior")
+    np.testing.assert_array_equal(points["w"].values, res.local_samples["w"][:, 0])
     x_new = np.array([-1.0, 0.0, 2.0])
     mean = res.predict({"x": x_new}, client=3, num_samples=2000)["y"].mean(axis=0)  # Normal(w_3 x + z_3, 1)
     np.testing.assert_allclose(mean, w_star[3] * x_new + z_star[3], atol=0.1)  # 2000 draws of sd 1: 4.5 se
