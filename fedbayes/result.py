@@ -375,34 +375,28 @@ class Result:
         if self.privacy:  # netCDF attributes: numbers and strings
             attrs.update({f"privacy_{k}": v for k, v in self.privacy.items()})
 
-        def draws_group(variables: Mapping[str, Any], sample_dims: tuple[int, int] | None) -> xr.Dataset | None:
-            variables = {k: v for k, v in variables.items() if v is not None}
+        def draws_group(variables: Mapping[str, Any]) -> xr.Dataset | None:
+            """A group of ``{name: (dims, values)}`` with its coordinates (chain and draw from the draws' shape)."""
             if not variables:
                 return None
             at = dict(coords)
-            if sample_dims is not None:
-                at.update(chain=np.arange(sample_dims[0]), draw=np.arange(sample_dims[1]))
+            for dims, values in variables.values():
+                if tuple(dims[:2]) == ("chain", "draw"):
+                    at.update(chain=np.arange(values.shape[0]), draw=np.arange(values.shape[1]))
             used = {d for dims, _ in variables.values() for d in dims}
             at.update({k: v for k, v in det_coords.items() if k in used})
             return xr.Dataset(variables, coords={k: v for k, v in at.items() if k in used}, attrs=dict(attrs))
 
         post: dict[str, Any] = {}
-        shape = None
         if not self.local_point:
             for name, arr in self._local_chains.items():
                 a = np.moveaxis(arr, 0, 2)  # (chain, draw, client, ...)
                 post[name] = (["chain", "draw", "client", *site_dims(name, arr.shape[3:])], a)
-                shape = a.shape[:2]
         for name, arr in self.global_samples.items():
             post[name] = (["chain", "draw", *site_dims(name, arr.shape[2:])], arr)
-            shape = arr.shape[:2]
-        post.update(det["posterior"])
-        if det["posterior"]:
-            shape = next(iter(det["posterior"].values()))[1].shape[:2]
-        posterior = draws_group(post, shape)
+        posterior = draws_group({**post, **det["posterior"]})
         approx = {k: (["chain", "draw", *site_dims(k, v.shape[2:])], v) for k, v in self.global_approx.items()}
-        approx.update(det[NORMAL_APPROX])
-        normal = draws_group(approx, next(iter(self.global_approx.values())).shape[:2] if self.global_approx else None)
+        normal = draws_group({**approx, **det[NORMAL_APPROX]})
         if normal is not None:
             normal.attrs["description"] = (
                 "asymptotic normal approximation N(theta_hat, I^-1) of the globals, I the observed information "
@@ -411,7 +405,7 @@ class Result:
         client_params = None
         if self.local_point:
             fitted = {k: (["client", *site_dims(k, v.shape[3:])], v[:, 0, 0]) for k, v in self._local_chains.items()}
-            client_params = draws_group({**fitted, **det[CLIENT_PARAMS]}, None)
+            client_params = draws_group({**fitted, **det[CLIENT_PARAMS]})
         sample_stats = None
         if self.global_samples:
             chains, draws = next(iter(self.global_samples.values())).shape[:2]

@@ -9,30 +9,19 @@ a private helper). A leading ``~`` shows the last component only, as in Sphinx.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 import griffe
 
-ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj|const|func):`(~?)([^`]+)`")
+sys.path.insert(0, str(Path(__file__).parent))
 
+from reference import resolve  # noqa: E402 - next to this file: the object at a dotted path of the package
 
-def _find(path: str) -> Any:
-    """The Python object at a dotted path (importing its module), or None."""
-    parts = path.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj: Any = importlib.import_module(".".join(parts[:i]))
-        except Exception:
-            continue
-        for p in parts[i:]:
-            if not hasattr(obj, p):
-                return None
-            obj = getattr(obj, p)
-        return obj
-    return None
+ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj|const):`(~?)([^`]+)`")
 
 
 def _canonical(path: str, obj: Any) -> str:
@@ -70,7 +59,7 @@ def rewrite(owner: griffe.Object, text: str) -> str:
             label = target.split(".")[-1]
         label = label.removeprefix("fb.") if not short else label
         for path in _candidates(owner, target):
-            obj = _find(path)
+            obj = resolve(path)
             if obj is not None:
                 ident = _canonical(path, obj)
                 return f'<autoref identifier="{ident}" optional><code>{label}</code></autoref>'

@@ -53,7 +53,7 @@ LAZY = object()
 """Stands for a public name that cannot be imported here: any anchor of that name under its module counts."""
 
 
-def _resolve(path: str) -> Any:
+def resolve(path: str) -> Any:
     """The object at a dotted path of the fedbayes package, or None."""
     parts = path.split(".")
     for i in range(len(parts), 0, -1):
@@ -90,7 +90,7 @@ def missing(site: Path) -> list[str]:
         module, last = name.rsplit(".", 1)
         if obj is LAZY and any(a.startswith(module + ".") for a in by_name.get(last, [])):
             continue
-        if obj is not LAZY and any(_resolve(a) is obj for a in by_name.get(last, [])):
+        if obj is not LAZY and any(resolve(a) is obj for a in by_name.get(last, [])):
             continue
         absent.append(name)
     return sorted(absent)
