@@ -50,6 +50,7 @@ from .partition import partition_dirichlet, partition_iid, partition_shards
 from .protocol import FederatedRun, FitParts
 from .checkpoint import load_result as load
 from .result import Result
+from .symmetry import Symmetry
 from .wire import WireError
 
 __version__ = "0.1.0"
@@ -95,6 +96,7 @@ __all__ = [  # sorted: classes, then functions and modules
     "Result",
     "Scaffnew",
     "StalledError",
+    "Symmetry",
     "TAMUNA",
     "TooFewClientsError",
     "ULA",

@@ -154,7 +154,11 @@ def chi2_mix_quantile(weights: np.ndarray, level: float = NOISE_LEVEL) -> float:
 
 
 def newton_decrement(
-    gradient: Any, information: Any, gradient_cov: Any = None, blocks: Mapping[str, np.ndarray] | None = None
+    gradient: Any,
+    information: Any,
+    gradient_cov: Any = None,
+    blocks: Mapping[str, np.ndarray] | None = None,
+    basis: Any = None,
 ) -> dict[str, dict[str, float]]:
     """Newton decrements of the estimate, jointly and per block of coordinates.
 
@@ -164,6 +168,11 @@ def newton_decrement(
     average (tr(I^-1 Sigma_g) jointly), ``noise_quantile`` its upper :data:`NOISE_LEVEL` quantile and
     ``threshold`` = :data:`DECREMENT_TOL` + that quantile. ``min_eig`` is the smallest eigenvalue of
     I relative to its largest: <= 0 means the estimate is not at a strict maximum and the value is NaN.
+
+    With ``basis`` B (d, k; orthonormal: the complement of a declared symmetry's orbit,
+    :func:`fedbayes.symmetry.basis`), I^-1 is B (B^T I B)^-1 B^T: the distance across the orbit, where
+    the data identify the estimate, and ``min_eig`` is that of B^T I B. A block whose coordinates the
+    orbit moves has a singular (I^-1)_bb; its decrement is taken in the block's identified directions.
     """
     g = np.asarray(gradient, dtype=np.float64).ravel()
     info = np.asarray(information, dtype=np.float64)
@@ -179,10 +188,15 @@ def newton_decrement(
             for n in names
         }
     info = (info + info.T) / 2
-    eig, vec = np.linalg.eigh(info)
-    scale = float(np.max(np.abs(eig))) if d else 0.0
+    if basis is None:
+        eig, vec = np.linalg.eigh(info)
+    else:
+        b = np.asarray(basis, dtype=np.float64)
+        eig, v = np.linalg.eigh(b.T @ info @ b)
+        vec = b @ v
+    scale = float(np.max(np.abs(eig))) if eig.size else 0.0
     rel_min = float(eig[0] / scale) if d and scale > 0 else 0.0
-    if d == 0 or rel_min <= d * np.finfo(np.float64).eps:
+    if eig.size == 0 or rel_min <= d * np.finfo(np.float64).eps:
         nan = float("nan")
         return {
             n: {"value": nan, "noise_mean": nan, "noise_quantile": nan, "threshold": DECREMENT_TOL, "min_eig": rel_min}
@@ -195,13 +209,17 @@ def newton_decrement(
     out = {}
     for name, idx in names.items():
         block = cov[np.ix_(idx, idx)]
-        prec = np.linalg.inv(block)
-        value = float(delta[idx] @ prec @ delta[idx])
+        if basis is None:
+            root = np.linalg.cholesky(np.linalg.inv(block))  # root root^T = (I^-1)_bb^-1
+        else:  # (I^-1)_bb may be singular along the orbit: its identified directions, whitened
+            s_b, u_b = np.linalg.eigh(block)
+            keep = s_b > max(float(s_b[-1]), 0.0) * len(idx) * np.finfo(np.float64).eps * 1e3
+            root = u_b[:, keep] / np.sqrt(s_b[keep])
+        value = float(np.sum((root.T @ delta[idx]) ** 2))
         if noise_delta is None:
             mean = quant = 0.0
         else:
             # eps_b ~ N(0, C_bb): eps' P eps has the law sum_j w_j chi^2_1, w = eig(P^1/2 C_bb P^1/2)
-            root = np.linalg.cholesky(prec)
             w = np.linalg.eigvalsh(root.T @ noise_delta[np.ix_(idx, idx)] @ root)
             mean, quant = float(np.sum(np.clip(w, 0, None))), chi2_mix_quantile(w)
         out[name] = {
@@ -357,6 +375,51 @@ def _site_blocks(theta: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return blocks
 
 
+def _symmetry_frame(res: Any) -> tuple[Any, np.ndarray, np.ndarray] | None:
+    """``(symmetry, tangents (d, r), basis (d, d - r))`` at the estimate of a model that declares a
+    symmetry (:mod:`fedbayes.symmetry`), else None."""
+    fm = getattr(res, "_fm", None)
+    sym = getattr(fm, "symmetry", None)
+    theta = getattr(res, "_theta_u", None)
+    if sym is None or not theta:
+        return None
+    from . import symmetry
+
+    tangent = np.asarray(symmetry.tangents(fm, sym, theta), dtype=np.float64)
+    return sym, tangent, np.asarray(symmetry.complement(tangent), dtype=np.float64)
+
+
+def _symmetry_rows(res: Any, frame: Any, grad: Any, gradient_cov: Any) -> list[dict[str, Any]]:
+    """The gradient along the declared orbit against its Monte Carlo noise: g_T' Sigma_T^-1 g_T, chi^2_r
+    when the declaration is a symmetry of the marginal likelihood (g . t = 0 exactly then)."""
+    from scipy import stats
+
+    if frame is None or gradient_cov is None:
+        return []
+    sym, tangent, _ = frame
+    q, _ = np.linalg.qr(tangent)
+    g_t = q.T @ np.asarray(grad, dtype=np.float64).ravel()
+    sigma_t = q.T @ np.asarray(gradient_cov, dtype=np.float64) @ q
+    try:
+        value = float(g_t @ np.linalg.solve(0.5 * (sigma_t + sigma_t.T), g_t))
+    except np.linalg.LinAlgError:
+        return []
+    r = tangent.shape[1]
+    threshold = float(stats.chi2.isf(NOISE_LEVEL, r))
+    note = (
+        f"the gradient along the orbit of {sym.name} ({r} directions), squared, in units of its Monte Carlo "
+        "noise: a symmetry of the likelihood gives a chi^2 draw"
+    )
+    if value > threshold:
+        note += (
+            "; it is beyond its noise, so the declared transformation changes the likelihood (or a prior of the "
+            "globals): the checks, standard errors and normal approximation that project it out are not valid. "
+            "Fix the model's fb.Symmetry (its action must leave every client's likelihood and the priors "
+            "unchanged), or remove it"
+        )
+    return [_row("symmetry", JOINT, value, threshold, value <= threshold, note)]
+
+
 def _decrement_rows(res: Any) -> list[dict[str, Any]]:
     inputs = getattr(res, "_convergence", None) or {}
     grad, info = inputs.get("gradient"), inputs.get("information")
@@ -366,9 +429,12 @@ def _decrement_rows(res: Any) -> list[dict[str, Any]]:
         return []
     theta = getattr(res, "_theta_u", None) or {}
     blocks = _site_blocks(theta) if sum(int(np.size(v)) for v in theta.values()) == np.size(grad) else {}
-    out = newton_decrement(grad, info, inputs.get("gradient_cov"), blocks if len(blocks) > 1 else None)
+    frame = _symmetry_frame(res) if blocks else None
+    out = newton_decrement(
+        grad, info, inputs.get("gradient_cov"), blocks if len(blocks) > 1 else None, None if frame is None else frame[2]
+    )
     stepped = getattr(res, "params_averaged", None) is not None
-    rows = []
+    rows = _symmetry_rows(res, frame, grad, inputs.get("gradient_cov"))
     for name, r in out.items():
         if not np.isfinite(r["value"]):
             why = (
@@ -376,7 +442,8 @@ def _decrement_rows(res: Any) -> list[dict[str, Any]]:
                 if not np.isfinite(r["min_eig"])
                 else f"the information matrix is not positive definite (smallest eigenvalue {r['min_eig']:.3g} of the "
                 "largest): the estimate is not at a strict maximum (a saddle, a flat direction or a parameter "
-                "the data do not identify)"
+                "the data do not identify; a known symmetry of the model, e.g. a rotation of a latent subspace, "
+                "declared with fb.Symmetry is projected out of this check)"
             )
             rows.append(_row("newton_decrement", name, r["value"], r["threshold"], False, why))
             continue
@@ -440,6 +507,9 @@ def _trace_rows(res: Any, decrement_available: bool) -> list[dict[str, Any]]:
         return [_row("rounds", JOINT, rounds, MIN_ROUNDS, False, note)]
     window = max(MIN_ROUNDS, rounds // 4)
     traces = {s: np.asarray(history[f"theta/{s}"], dtype=np.float64) for s in sites}
+    frame = _symmetry_frame(res)
+    if frame is not None:  # each round moved along the declared orbit to the estimate: drift across it counts
+        traces = _aligned_traces(res, frame, traces)
     transforms = {s: t for s in sites if (t := _site_transform(res, s)) is not None}
     free = {s: u for s, t in transforms.items() if (u := _unconstrained_trace(t, traces[s])) is not None}
     coords = sum(int(np.prod(t.shape[1:])) for t in (*traces.values(), *free.values()))
@@ -489,6 +559,32 @@ def _trace_rows(res: Any, decrement_available: bool) -> list[dict[str, Any]]:
             )
         rows.append(_row("trace", s, r["value"], r["threshold"], r["ok"], note))
     return rows
+
+
+def _aligned_traces(res: Any, frame: Any, traces: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The global sites' traces with every round moved along the declared symmetry's orbit to the estimate
+    (:func:`fedbayes.symmetry.align`, in the unconstrained standard errors across the orbit when the
+    information gives them)."""
+    import jax
+
+    from . import symmetry
+
+    fm, theta = res._fm, res._theta_u
+    if set(traces) != set(theta):
+        return traces
+    sym, _, basis = frame
+    scale = None
+    info = (getattr(res, "_convergence", None) or {}).get("information")
+    if info is not None:
+        info = np.asarray(info, dtype=np.float64)
+        lam, v = np.linalg.eigh(basis.T @ (0.5 * (info + info.T)) @ basis)
+        if np.all(lam > 0):
+            sd = np.sqrt(np.einsum("ij,j,ij->i", basis @ v, 1.0 / lam, basis @ v))
+            scale = sd if np.all(np.isfinite(sd) & (sd > 0)) else None
+    with np.errstate(all="ignore"):
+        thetas = jax.vmap(fm._unconstrain)({k: v for k, v in traces.items()})
+        moved = jax.vmap(fm._constrain)(symmetry.align(fm, sym, thetas, theta, scale))
+    return {k: np.asarray(moved[k], dtype=np.float64) for k in traces}
 
 
 _RUNAWAY_MARK = "; running away: "  # :func:`messages` repeats what follows it for every site that runs away

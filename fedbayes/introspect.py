@@ -58,6 +58,7 @@ from numpyro.primitives import Messenger
 from .data import FederatedData
 from .engine import fit_jit
 from .errors import ModelError
+from . import symmetry as _symmetry
 
 Params = dict[str, jax.Array]
 
@@ -605,6 +606,9 @@ class FedModel:
         self.global_names = tuple(n for n, s in self.sites.items() if s.role in ("global", "param"))
         self.local_names = tuple(n for n, s in self.sites.items() if s.role == "local")
         self.obs_latent_names = tuple(n for n, s in self.sites.items() if s.role == "obs_latent")
+        self.symmetry = _symmetry.of(model)  # the symmetry the model declares (fb.Symmetry), or None
+        if self.symmetry is not None:
+            _symmetry.validate(self, self.symmetry, self.init_globals())
 
     # ----------------------------------------------------------------------------- introspection
     @staticmethod

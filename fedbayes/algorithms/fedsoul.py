@@ -77,6 +77,7 @@ from ..kernels import (
 from ..introspect import FedModel, Params
 from ..protocol import FLOAT_BITS, ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from . import louis
+from .. import symmetry
 from .louis import _symmetric
 from .warmstart import check_init, resolve_init
 
@@ -1128,14 +1129,15 @@ class FedSOULRun(FederatedRun):
         prior_info = -jax.hessian(lambda x: fm.log_prior(unravel(x)))(flat)
         information = prior_info + _symmetric(jnp.sum(info_tris, 0), d)
         gradient = prior_grad + jnp.sum(grads, 0)
-        _, lam, vec, pd = louis.information_eigen(information)
+        # a declared symmetry: the step and the approximation act across its orbit only (fedbayes.symmetry)
+        _, lam, vec, pd = louis.information_eigen(information, symmetry.basis(fm, theta))
         pd = pd & jnp.all(jnp.isfinite(gradient))
         step = vec @ ((vec.T @ gradient) / jnp.where(pd, lam, 1.0))
         take = pd & (gradient @ step <= ONE_STEP_MAX) & self._one_step
         stepped = self._project(fm, unravel(jnp.where(take, flat + step, flat)))
         k_approx = jax.random.fold_in(key, 21)
         shape = (self.cfg.num_chains, self.cfg.num_samples)
-        out = louis.normal_approximation_arrays(fm, k_approx, stepped, information, shape)
+        out = louis.normal_approximation_arrays(fm, k_approx, stepped, information, shape, symmetry.basis(fm, stepped))
         out.update(gradient=gradient, gradient_cov=_symmetric(jnp.sum(cov_tris, 0), d), theta=stepped, one_step=take)
         return out
 

@@ -36,6 +36,7 @@ from ..errors import ConvergenceWarning
 from ..linalg import lapack_free_cholesky, lapack_free_spd_inverse
 from ..kernels import ula_chain
 from ..introspect import Params
+from .. import symmetry
 
 NUM_DRAWS = 500  # draws of each local posterior and of the globals' normal approximation
 
@@ -136,7 +137,8 @@ def posterior_summary(run, key, theta_u: Params, statistic, covariance_tris: jax
 
 def _summary(run, k_global, theta_u, statistic, covariance_tris):
     information = observed_information(run, theta_u, statistic, covariance_tris)
-    return normal_approximation_arrays(run._fm, k_global, theta_u, information, (1, NUM_DRAWS))
+    basis = symmetry.basis(run._fm, theta_u)
+    return normal_approximation_arrays(run._fm, k_global, theta_u, information, (1, NUM_DRAWS), basis)
 
 
 def local_parts(extra: dict) -> dict[str, Any]:
@@ -235,24 +237,41 @@ def smallest_eigenvalue(information: Any) -> float:
     return float(np.linalg.eigvalsh(np.asarray(information))[0])
 
 
-def information_eigen(information: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def information_eigen(
+    information: jax.Array, basis: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """``(I, lam, vec, positive_definite)``: the symmetrised information, its eigenvalues and vectors, and
-    whether it is finite and positive definite (traceable)."""
+    whether it is finite and positive definite (traceable).
+
+    With ``basis`` B (d, k; orthonormal columns: the directions the data identify, the complement of a
+    declared symmetry's orbit, :func:`fedbayes.symmetry.basis`) they are those of B^T I B, with the
+    vectors mapped back (``vec`` = B V, d x k): I^-1 below then means B (B^T I B)^-1 B^T, the inverse
+    across the orbit, and no direction along it enters a step, a standard error or a draw."""
     information = 0.5 * (information + information.T)
-    lam, vec = jnp.linalg.eigh(information)
+    if basis is None:
+        lam, vec = jnp.linalg.eigh(information)
+    else:
+        lam, v = jnp.linalg.eigh(basis.T @ information @ basis)
+        vec = basis @ v
     return information, lam, vec, jnp.all(jnp.isfinite(lam)) & (jnp.min(lam) > 0)
 
 
 def normal_approximation_arrays(
-    fm, key: jax.Array, theta_u: Params, information: jax.Array, shape: tuple[int, int] = (1, NUM_DRAWS)
+    fm,
+    key: jax.Array,
+    theta_u: Params,
+    information: jax.Array,
+    shape: tuple[int, int] = (1, NUM_DRAWS),
+    basis: jax.Array | None = None,
 ) -> dict[str, Any]:
     """Standard errors (delta method, constrained sites) and draws ``shape = (chains, draws)`` of
     N(theta_u, I^-1) mapped to the constrained space, from an information matrix I in the unconstrained
     coordinates of theta_u; traceable (call it inside ``jit``). ``positive_definite`` is a boolean array;
     where it is false the standard errors and draws are NaN (:func:`finish_normal_approximation` turns
-    it into a bool and drops the draws)."""
+    it into a bool and drops the draws). With ``basis`` (a declared symmetry) I^-1 is the inverse across
+    the orbit (:func:`information_eigen`)."""
     flat, unravel = ravel_pytree(theta_u)
-    information, lam, vec, pd = information_eigen(information)
+    information, lam, vec, pd = information_eigen(information, basis)
     cov_u = (vec / jnp.where(lam > 0, lam, jnp.nan)) @ vec.T
     constrained_flat = lambda x: ravel_pytree(fm.constrain(unravel(x)))[0]  # noqa: E731
     Jc = jax.jacfwd(constrained_flat)(flat)
@@ -261,7 +280,7 @@ def normal_approximation_arrays(
     se = unravel_c(jnp.where(pd, jnp.sqrt(jnp.clip(jnp.diag(cov_c), 0.0)), jnp.nan))
     chains, draws = shape
     root = vec * jnp.sqrt(1.0 / jnp.where(pd, lam, jnp.nan))  # root root^T = I^-1
-    eps = jax.random.normal(key, (chains * draws, flat.size))
+    eps = jax.random.normal(key, (chains * draws, lam.size))
     approx = jax.vmap(lambda x: fm.constrain(unravel(x)))(flat + eps @ root.T)
     return {
         "information": information,

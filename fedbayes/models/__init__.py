@@ -1,6 +1,12 @@
 """Ready-made NumPyro models of one client's data, for use with ``fb.fed_fit``."""
 
-from .fedpop import aligned_head_error, fedpop_synthetic, make_fedpop_synthetic, principal_angle_distance
+from .fedpop import (
+    aligned_head_error,
+    fedpop_synthetic,
+    latent_rotation_and_scale,
+    make_fedpop_synthetic,
+    principal_angle_distance,
+)
 from .images import classification_scores, fedpop_classifier, load_images, make_fedpop_images, read_idx
 from .formula import FormulaModel, RandomBlock, from_formula
 from .glm import linear_regression, logistic_map, logistic_regression, make_glm_clients, prior_scale_for_kappa
@@ -23,6 +29,7 @@ __all__ = [
     "from_formula",
     "aligned_head_error",
     "fedpop_synthetic",
+    "latent_rotation_and_scale",
     "linear_regression",
     "logistic_map",
     "logistic_regression",

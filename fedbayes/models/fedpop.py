@@ -20,10 +20,43 @@ from numpyro.distributions import constraints
 
 from ..data import FederatedData
 from ..introspect import local
+from ..symmetry import Symmetry
 
 
+def latent_rotation_and_scale(loading: str = "phi", mean: str = "mu", scale: str = "sigma") -> Symmetry:
+    """The symmetry of a personal head z ~ N(mu, sigma^2 I_d) that enters the likelihood as ``phi @ z``.
+
+    With A = c R (c > 0, R orthogonal), phi -> phi A, mu -> A^-1 mu, sigma -> sigma / c leaves the
+    likelihood unchanged (z -> A^-1 z keeps phi z and maps the prior to N(A^-1 mu, (sigma / c)^2 I)). The
+    group has d(d - 1) / 2 + 1 coordinates: a[0] = log c and a[1:] the entries of a skew-symmetric
+    G above its diagonal, R = exp(G). Declared on :func:`fedpop_synthetic`.
+
+    >>> import fedbayes as fb
+    >>> fb.models.fedpop_synthetic.symmetry.name
+    'the rotation and scale of the latent head (phi, mu, sigma)'
+    """
+
+    def action(p, a):
+        d = p[mean].shape[-1]
+        rows, cols = np.triu_indices(d, 1)
+        g = jnp.zeros((d, d), a.dtype).at[rows, cols].set(a[1:])
+        rot = jax.scipy.linalg.expm(g - g.T)
+        c = jnp.exp(a[0])
+        return {loading: p[loading] @ rot * c, mean: rot.T @ p[mean] / c, scale: p[scale] / c}
+
+    return Symmetry(
+        action,
+        dim=lambda p: p[mean].shape[-1] * (p[mean].shape[-1] - 1) // 2 + 1,
+        name=f"the rotation and scale of the latent head ({loading}, {mean}, {scale})",
+    )
+
+
+@latent_rotation_and_scale()
 def fedpop_synthetic(x, y=None, *, latent_dim: int = 2, noise_sd: float = 0.1):
-    """y ~ N(x^T phi z, noise_sd^2) with personal z ~ N(mu, sigma^2 I) (FedPop's synthetic model)."""
+    """y ~ N(x^T phi z, noise_sd^2) with personal z ~ N(mu, sigma^2 I) (FedPop's synthetic model).
+
+    It declares its symmetry (:func:`latent_rotation_and_scale`), so that the convergence checks and the
+    standard errors judge what the data identify."""
     k = x.shape[-1]
     phi = numpyro.param("phi", lambda key: 0.3 * jax.random.normal(key, (k, latent_dim)))
     mu = numpyro.param("mu", jnp.zeros(latent_dim))
