@@ -389,7 +389,7 @@ def _symmetry_frame(res: Any) -> tuple[Any, np.ndarray, np.ndarray] | None:
     return sym, tangent, np.asarray(symmetry.complement(tangent), dtype=np.float64)
 
 
-def _symmetry_rows(res: Any, frame: Any, grad: Any, gradient_cov: Any) -> list[dict[str, Any]]:
+def _symmetry_rows(frame: Any, grad: Any, gradient_cov: Any) -> list[dict[str, Any]]:
     """The gradient along the declared orbit against its Monte Carlo noise: g_T' Sigma_T^-1 g_T, chi^2_r
     when the declaration is a symmetry of the marginal likelihood (g . t = 0 exactly then)."""
     from scipy import stats
@@ -420,7 +420,7 @@ def _symmetry_rows(res: Any, frame: Any, grad: Any, gradient_cov: Any) -> list[d
     return [_row("symmetry", JOINT, value, threshold, value <= threshold, note)]
 
 
-def _decrement_rows(res: Any) -> list[dict[str, Any]]:
+def _decrement_rows(res: Any, frame: Any = None) -> list[dict[str, Any]]:
     inputs = getattr(res, "_convergence", None) or {}
     grad, info = inputs.get("gradient"), inputs.get("information")
     if info is None:
@@ -429,12 +429,12 @@ def _decrement_rows(res: Any) -> list[dict[str, Any]]:
         return []
     theta = getattr(res, "_theta_u", None) or {}
     blocks = _site_blocks(theta) if sum(int(np.size(v)) for v in theta.values()) == np.size(grad) else {}
-    frame = _symmetry_frame(res) if blocks else None
+    frame = frame if blocks else None
     out = newton_decrement(
         grad, info, inputs.get("gradient_cov"), blocks if len(blocks) > 1 else None, None if frame is None else frame[2]
     )
     stepped = getattr(res, "params_averaged", None) is not None
-    rows = _symmetry_rows(res, frame, grad, inputs.get("gradient_cov"))
+    rows = _symmetry_rows(frame, grad, inputs.get("gradient_cov"))
     for name, r in out.items():
         if not np.isfinite(r["value"]):
             why = (
@@ -494,7 +494,7 @@ def _decrement_rows(res: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def _trace_rows(res: Any, decrement_available: bool) -> list[dict[str, Any]]:
+def _trace_rows(res: Any, decrement_available: bool, frame: Any = None) -> list[dict[str, Any]]:
     history = res.history
     sites = [k[len("theta/") :] for k in history if k.startswith("theta/")]
     if not sites:
@@ -507,7 +507,6 @@ def _trace_rows(res: Any, decrement_available: bool) -> list[dict[str, Any]]:
         return [_row("rounds", JOINT, rounds, MIN_ROUNDS, False, note)]
     window = max(MIN_ROUNDS, rounds // 4)
     traces = {s: np.asarray(history[f"theta/{s}"], dtype=np.float64) for s in sites}
-    frame = _symmetry_frame(res)
     if frame is not None:  # each round moved along the declared orbit to the estimate: drift across it counts
         traces = _aligned_traces(res, frame, traces)
     transforms = {s: t for s in sites if (t := _site_transform(res, s)) is not None}
@@ -582,7 +581,7 @@ def _aligned_traces(res: Any, frame: Any, traces: dict[str, np.ndarray]) -> dict
             sd = np.sqrt(np.einsum("ij,j,ij->i", basis @ v, 1.0 / lam, basis @ v))
             scale = sd if np.all(np.isfinite(sd) & (sd > 0)) else None
     with np.errstate(all="ignore"):
-        thetas = jax.vmap(fm._unconstrain)({k: v for k, v in traces.items()})
+        thetas = jax.vmap(fm._unconstrain)(traces)
         moved = jax.vmap(fm._constrain)(symmetry.align(fm, sym, thetas, theta, scale))
     return {k: np.asarray(moved[k], dtype=np.float64) for k in traces}
 
@@ -809,9 +808,10 @@ def diagnose(res: Any) -> Any:
     if res.global_samples:
         rows += _sampler_rows(res)
     else:
-        decrement = _decrement_rows(res)
+        frame = _symmetry_frame(res)  # the declared symmetry's tangents, once for both checks
+        decrement = _decrement_rows(res, frame)
         rows += decrement
-        rows += _trace_rows(res, bool(decrement))
+        rows += _trace_rows(res, bool(decrement), frame)
         rows += _statistic_rows(res)
         rows += _privacy_rows(res)
     rows += _local_rows(res)

@@ -66,7 +66,8 @@ class Symmetry:
     >>> @product
     ... def model(x, y=None):  # the data identify a * b only
     ...     a, b = numpyro.param("a", 1.0), numpyro.param("b", 2.0)
-    ...     numpyro.sample("y", dist.Normal(a * b * x, 1.0), obs=y)
+    ...     with numpyro.plate("obs", x.shape[0]):
+    ...         numpyro.sample("y", dist.Normal(a * b * x, 1.0), obs=y)
     >>> model.symmetry.name
     'a b fixed'
     """

@@ -163,13 +163,11 @@ def test_bad_declarations_are_refused_before_a_fit():
 def test_a_false_declaration_fails_the_symmetry_row():
     """Scaling w changes this likelihood: the gradient along the declared 'orbit' is far beyond its noise."""
     frame_tangent = np.array([[1.0], [0.0]])
-    res = type("R", (), {})()
     grad, cov = np.array([50.0, 0.1]), np.eye(2)
-    rows = cv._symmetry_rows(res, (fb.Symmetry(lambda p, a: p, dim=1, name="w's scale"), frame_tangent, None), grad,
-                             cov)
+    rows = cv._symmetry_rows((fb.Symmetry(lambda p, a: p, dim=1, name="w's scale"), frame_tangent, None), grad, cov)
     assert len(rows) == 1 and not rows[0]["ok"] and rows[0]["value"] == pytest.approx(2500.0)
     assert "Fix the model's fb.Symmetry" in rows[0]["note"]
-    ok = cv._symmetry_rows(res, (SYM, frame_tangent, None), np.array([1.0, 9.0]), cov)
+    ok = cv._symmetry_rows((SYM, frame_tangent, None), np.array([1.0, 9.0]), cov)
     assert ok[0]["ok"] and ok[0]["value"] == pytest.approx(1.0)
 
 
