@@ -143,7 +143,7 @@ def tangents(fm: Any, sym: Symmetry, theta_u: Params) -> jax.Array:
     return jax.jacfwd(lambda a: _moved(fm, sym, theta_u, a))(jnp.zeros(r, ravel_pytree(theta_u)[0].dtype))
 
 
-def complement(tangent: jax.Array) -> jax.Array:
+def complement(tangent: jax.typing.ArrayLike) -> jax.Array:
     """An orthonormal basis (d, d - r) of the orthogonal complement of the columns of ``tangent`` (d, r):
     the eigenvectors of I - T (T^T T)^-1 T^T with eigenvalue 1 (traceable; r static)."""
     tangent = jnp.asarray(tangent)
