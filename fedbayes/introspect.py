@@ -172,6 +172,10 @@ class DataMask(Messenger):
 
 
 PYTREE_SEP = "/"
+
+SADDLE_JITTER = 0.1
+"""How far a site at a saddle of the likelihood starts from it, as a fraction of a prior draw's distance from it
+in unconstrained space (:meth:`FedModel.off_saddle`)."""
 """Separator of a pytree-valued ``param`` site's name and its leaf's path: ``net$params/Dense_0/kernel``."""
 
 
@@ -599,6 +603,7 @@ class FedModel:
         self.observed: tuple[str, ...] = ()
         self._classify(tr, tr_longer)
         self._example = {k: jnp.asarray(v) for k, v in example.items()}
+        self._example_size = int(data.sizes[0])  # client 0's real rows (the rest of _example is padding)
         self._drop_inert_leaves(tr)
         self._classify_deterministic(tr, tr_longer)
         self._check_padding_invariance({k: v[: data.sizes[0]] for k, v in example.items()}, tr)
@@ -996,7 +1001,8 @@ class FedModel:
         unconstraining bijection). Sites are filled in trace order with the earlier ones already set,
         so a hierarchical prior (``sigma ~ HalfNormal(tau)`` with ``tau`` global) is centred at the
         earlier sites' start values. No random draw is made: ``key`` is kept for compatibility and
-        does not change the result.
+        does not change the result. The deterministic optimisers move it off a saddle of the likelihood
+        first (:meth:`off_saddle`).
         """
         del key  # the start is deterministic
         values = dict(values or {})
@@ -1040,6 +1046,79 @@ class FedModel:
                 raise ModelError(f"initial value of '{n}' has shape {v.shape}, expected {self.sites[n].shape}")
             out[n] = self.sites[n].transform.inv(v)
         return out
+
+    def off_saddle(self, theta_u: Params, fixed: Sequence[str] = ()) -> Params:
+        """The start ``theta_u`` (unconstrained globals) with the sites that sit at a saddle of the likelihood
+        moved off it: the start of the deterministic optimisers (GD, FedAvg, Scaffnew, TAMUNA, the MAP warm start).
+
+        A network's weights with N(0, s) priors are all 0 at their prior centre. There tanh(0) = 0 and a
+        zero head pass each other no gradient, and gradient steps never leave the point (a sampler's noise
+        does). A global ``sample`` site not in ``fixed`` (the user's start values) whose objective gradient,
+        log p(theta) + log p(D_0 | theta) with client 0's data and the locals at their population mean, is
+        exactly 0 in every entry is moved to
+
+            u_n + SADDLE_JITTER (T_n^-1(x_n) - u_n),   x_n a draw of its prior with key fold_in(0, n's index),
+
+        so the start stays deterministic. The move is kept where the log-likelihood's gradient at the moved
+        point is no longer 0 (the site is coupled to the data through the other moved sites), and undone where
+        it stays 0 (a site that client 0's data do not inform, or a hyperparameter that enters only the
+        prior). A start with a non-zero gradient everywhere is returned unchanged. Traceable (the choice is
+        made with ``where``).
+
+        >>> import numpy as np, numpyro, numpyro.distributions as dist, jax.numpy as jnp, fedbayes as fb
+        >>> def net(x, y=None):
+        ...     w1 = numpyro.sample("w1", dist.Normal(0, 1).expand([2, 3]).to_event(2))
+        ...     w2 = numpyro.sample("w2", dist.Normal(0, 1).expand([3]).to_event(1))
+        ...     with numpyro.plate("obs", x.shape[0]):
+        ...         numpyro.sample("y", dist.Normal(jnp.tanh(x @ w1) @ w2, 1.0), obs=y)
+        >>> rng = np.random.default_rng(0)
+        >>> data = fb.FederatedData({"x": [rng.normal(size=(20, 2))], "y": [rng.normal(size=20)]})
+        >>> fm = fb.FedModel(net, data)
+        >>> start = fm.off_saddle(fm.init_globals())
+        >>> bool(np.all(np.asarray(start["w1"]) != 0))
+        True
+        """
+        if self.obs_latent_names:  # no log-likelihood with the per-observation latents summed out
+            return theta_u
+        given = set(fixed)
+        centred = [n for n in self.global_names if self.sites[n].role == "global" and n not in given]
+        if not centred:
+            return theta_u
+        start = dict(theta_u)
+        tr = _trace(self.model, {**self._example, **self.model_kwargs}, substitutions=self._constrain(start))
+        key = jax.random.PRNGKey(0)
+        proposal = {}
+        for i, n in enumerate(centred):
+            try:
+                draw = tr[n]["fn"].sample(jax.random.fold_in(key, i))
+            except NotImplementedError:  # a prior without a sampler (ImproperUniform): not moved
+                continue
+            u = self.sites[n].transform.inv(jnp.asarray(draw, start[n].dtype))
+            proposal[n] = start[n] + SADDLE_JITTER * (u - start[n])
+        if not proposal:
+            return start
+        if any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(start)):
+            return self._saddle_start(start, proposal)  # traced already (jax.eval_shape of the start)
+        cache = self.__dict__.setdefault("_jit_cache", {})
+        if "_saddle_start" not in cache:  # run once per fit: compiled for compilation speed
+            cache["_saddle_start"] = fit_jit(self._saddle_start, once=0)
+        return cache["_saddle_start"](start, proposal)
+
+    def _saddle_start(self, start: Params, proposal: Params) -> Params:
+        """:meth:`off_saddle`'s choice: ``proposal[n]`` where site n is stuck at ``start`` and coupled to the
+        data once moved, else ``start[n]``."""
+        grad = jax.grad(lambda t: self._start_loglik(t) + self.log_prior(t))(start)
+        stuck = {n: jnp.all(grad[n] == 0) for n in proposal}
+        moved = {n: jnp.where(stuck[n], proposal[n], v) if n in proposal else v for n, v in start.items()}
+        coupled = jax.grad(self._start_loglik)(moved)
+        keep = {n: stuck[n] & jnp.any(coupled[n] != 0) for n in stuck}
+        return {n: jnp.where(keep[n], proposal[n], v) if n in keep else v for n, v in start.items()}
+
+    def _start_loglik(self, theta_u: Params) -> jax.Array:
+        """Client 0's log-likelihood with the locals at their population mean (the saddle check's data term)."""
+        rows = next(iter(self._example.values())).shape[0]
+        mask = jnp.arange(rows) < getattr(self, "_example_size", rows)
+        return self.client_loglik_population(theta_u, self._example, mask)
 
     # ----------------------------------------------------------------------------- densities
     def _client_trace(self, values_c: Params, data: Mapping[str, jax.Array], mask: jax.Array):

@@ -455,7 +455,7 @@ class TAMUNARun(FederatedRun):
         self.n = problem.data.num_clients
         self.c = problem.cohort_size or self.n
         init = resolve_init(cfg.init, problem)
-        theta0 = fm.init_globals(jax.random.PRNGKey(0), init)
+        theta0 = fm.off_saddle(fm.init_globals(jax.random.PRNGKey(0), init), fixed=tuple(init or ()))
         self._x0, self._unravel = ravel_pytree(theta0)
         self.dim = d = self._x0.size
         self.s = self._s_value(d) if cfg.compression else self.c

@@ -82,13 +82,14 @@ def map_solve(
 ) -> MapSolution:
     """The MAP of the global sites by the federated damped Newton method
     (:func:`fedbayes.algorithms.newton.federated_newton`, every client at every iteration), from the
-    deterministic start (or the constrained values ``init``). Models with local latents: the
-    non-personalised model, latents at their population mean; coordinates it does not depend on (a
-    random-effect scale) stay at their start. Returns the :class:`~fedbayes.algorithms.newton.NewtonResult`
-    (unconstrained flat ``x``, ``bits`` of the exchanges) with ``unravel`` (a :class:`MapSolution`)."""
+    deterministic start moved off a saddle (:meth:`FedModel.off_saddle`), or from the constrained values
+    ``init``. Models with local latents: the non-personalised model, latents at their population mean;
+    coordinates it does not depend on (a random-effect scale) stay at their start. Returns the
+    :class:`~fedbayes.algorithms.newton.NewtonResult` (unconstrained flat ``x``, ``bits`` of the exchanges)
+    with ``unravel`` (a :class:`MapSolution`)."""
     fm: FedModel = problem.model
     loglik, log_prior, unravel = map_objective(fm, jacobian=jacobian)
-    x0 = ravel_pytree(fm.init_globals(None, init))[0]
+    x0 = ravel_pytree(fm.off_saddle(fm.init_globals(None, init), fixed=tuple(init or ())))[0]
     out = federated_newton(
         loglik, log_prior, x0, stack_clients(problem.data), max_iter=max_iter, freeze_unidentified=bool(fm.local_names)
     )
