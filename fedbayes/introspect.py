@@ -90,10 +90,18 @@ _LOCAL_FLAG = "fedbayes_local"
 class local(Messenger):
     """Context manager marking the sample sites inside it as per-client latents.
 
-    >>> with fb.local():
-    ...     b = numpyro.sample("b", dist.Normal(0.0, tau))
-
     Such sites are sampled on the client (e.g. by Langevin steps) and never sent to the server.
+
+    >>> import numpy as np, numpyro, numpyro.distributions as dist, fedbayes as fb
+    >>> def model(y):
+    ...     tau = numpyro.sample("tau", dist.HalfNormal(1.0))
+    ...     with fb.local():
+    ...         b = numpyro.sample("b", dist.Normal(0.0, tau))
+    ...     with numpyro.plate("obs", y.shape[0]):
+    ...         numpyro.sample("y", dist.Normal(b, 1.0), obs=y)
+    >>> fm = fb.FedModel(model, fb.FederatedData({"y": [np.zeros(3), np.ones(2)]}))
+    >>> fm.global_names, fm.local_names
+    (('tau',), ('b',))
     """
 
     def process_message(self, msg: dict[str, Any]) -> None:
