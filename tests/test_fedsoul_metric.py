@@ -48,9 +48,9 @@ def problem():
     return data, precision, cov @ (x.T @ y), cov
 
 
-def chains(data, num_rounds: int, **options):
+def chains(data, num_rounds: int, model=gaussian_head, **options):
     """Every copy's state after ``num_rounds`` rounds of the client's own chain at m = 0, and its run."""
-    run = fb.FedSOUL(**options).build(Problem(FedModel(gaussian_head, data), data, num_rounds))
+    run = fb.FedSOUL(**options).build(Problem(FedModel(model, data), data, num_rounds))
     client = jax.tree_util.tree_map(lambda a: a[0], stack_clients(data))
     theta = {"m": jnp.zeros(())}
 
@@ -150,3 +150,49 @@ def test_a_new_client_adapts_the_diagonal_metric_before_its_draws(problem):
     # 5 Monte Carlo standard errors (sd / sqrt(ESS)) for the means, and 5 of a variance's (sd^2 sqrt(2 / ESS))
     np.testing.assert_array_less(np.abs(draws.mean(0) - mean) / (sd / np.sqrt(ess)), 5.0)
     np.testing.assert_array_less(np.abs(draws.var(0) / sd**2 - 1.0), 5.0 * np.sqrt(2.0 / ess))
+
+
+HEAD, CURV = 160, 3.0  # a network head's size; the likelihood's curvature per coordinate
+
+
+def wide_head(x, y=None):
+    m = numpyro.param("m", jnp.zeros(()))
+    with fb.local():
+        z = numpyro.sample("z", dist.Normal(m, 1.0).expand([HEAD]).to_event(1))
+    with numpyro.plate("rows", x.shape[0]):
+        numpyro.sample("y", dist.Normal(x @ z, 1.0), obs=y)
+
+
+def test_mala_s_automatic_step_backs_off_to_its_acceptance_target_and_stays_exact():
+    """A 160-coordinate Gaussian local posterior N(X^T y / (1 + c), I / (1 + c)) (X = sqrt(c) I): at the automatic
+    step step_scale / L = 1 / (1 + c) every MALA proposal is an independent N(0, 2 / (1 + c)) draw, and in 160
+    dimensions (almost) none is accepted, so a chain does not move. The step's factor must settle where the
+    moves' mean acceptance is ACCEPTANCE_TARGET, and the chain's law stay the posterior (MALA is exact at any
+    step)."""
+    rng = np.random.default_rng(5)
+    x = np.sqrt(CURV) * np.eye(HEAD)
+    y = x @ rng.normal(size=HEAD) + rng.normal(size=HEAD)
+    data = fb.FederatedData({"x": [x], "y": [y]})
+    mean, sd = x.T @ y / (1.0 + CURV), np.full(HEAD, 1.0 / np.sqrt(1.0 + CURV))
+    run, states = chains(data, 60, model=wide_head)
+    assert run.local_metric == "identity" and run.local_kernel == "mala"
+    client = jax.tree_util.tree_map(lambda a: a[0], stack_clients(data))
+    theta = {"m": jnp.zeros(())}
+
+    def acceptance(state, key, scaled):
+        step = run._scaled(state.step, state.log_scale) if scaled else state.step
+        return run._run_chain(run._fm, key, theta, state.z, step, client, 10, 0)[-1]
+
+    keys = jax.random.split(jax.random.PRNGKey(1), CHAINS)
+    at_auto = np.asarray(jax.jit(jax.vmap(lambda st, k: acceptance(st, k, False)))(states, keys))
+    adapted = np.asarray(jax.jit(jax.vmap(lambda st, k: acceptance(st, k, True)))(states, keys))
+    factor = np.exp(np.asarray(states.log_scale, np.float64))
+    assert at_auto.mean() < 0.01, at_auto.mean()  # the unadapted step: the chain would not move
+    assert factor.max() < 0.6
+    # Robbins-Monro settles where E[acceptance] = target; a round's mean over 10 moves has sd <= 0.16, so over
+    # 2 000 copies the mean's error is < 0.004: 0.05 leaves room for the factor's own spread over the copies
+    assert abs(adapted.mean() - fedsoul.ACCEPTANCE_TARGET) < 0.05, adapted.mean()
+    z = np.asarray(states.z["z"], np.float64)
+    # as in the tests above: 4.5 standard errors of 2 000 independent draws' means and variances
+    np.testing.assert_array_less(np.abs(z.mean(0) - mean) / (sd / np.sqrt(CHAINS)), 4.5)
+    np.testing.assert_array_less(np.abs(z.var(0, ddof=1) / sd**2 - 1.0), 4.5 * np.sqrt(2.0 / (CHAINS - 1)))

@@ -96,7 +96,8 @@ class ClientState(NamedTuple):
     step: jax.Array  # the round's Langevin step
     anchor: Params  # where the kernel's metric and step are taken (FedSOULRun._adapt)
     metric: Any = ()  # the diagonal metric's running mean V of the curvature's diagonal (q,); () otherwise
-    visits: Any = ()  # the rounds the client took part in (the diagonal metric's average weights)
+    visits: Any = ()  # the rounds the client took part in (the diagonal metric's and the step's average weights)
+    log_scale: Any = ()  # MALA with the automatic step: log of the step's factor from the acceptance (<= 0); ()
 
 
 class Upload(NamedTuple):
@@ -116,6 +117,13 @@ client has taken part in that many rounds (before, every estimate weighs the sam
 METRIC_FLOOR = 1e-3
 """The diagonal metric uses max(V, METRIC_FLOOR * mean|V|): no coordinate's step exceeds that of a curvature
 a thousandth of the average one (a coordinate whose running estimate happens to be near zero or negative)."""
+
+ACCEPTANCE_TARGET = 0.574
+"""The mean acceptance probability that MALA's automatic local step aims at when it falls short of it: the
+optimal rate of MALA in high dimension (Roberts and Rosenthal 1998). Each round the step's factor
+a_i <= 1 on ``step_scale / L_i`` moves as log a_i <- min(0, log a_i + (k + 1)^-0.6 (acc_k - target)), acc_k the
+mean acceptance probability of the client's k-th round (a diminishing adaptation: every round's kernel is still
+MALA with a fixed step, which leaves the local posterior invariant at any step)."""
 
 METRIC_BATCH = 64
 """The set-up's exact Hessian diagonal (one Hessian-vector product per local coordinate) is taken this many
@@ -147,7 +155,13 @@ class FedSOUL:
         AR(1) step with coefficient 1 - step_scale, accepted 65-80% of the time at 1.0 on the real-data
         tests (one or two random effects per client; 92% at 0.5), and the Fisher gradient's Monte Carlo
         error is about half of that at 0.1 (MASS epil's final exchange) (sleepstudy's Days slope: 10.19 at
-        0.1, 10.41-10.58 over four seeds at 1.0, against statsmodels' 10.47).
+        0.1, 10.41-10.58 over four seeds at 1.0, against statsmodels' 10.47). With "mala" and the automatic
+        step the client's step is ``a_i step_scale / L_i``, its factor a_i <= 1 lowered where the moves'
+        mean acceptance falls short of :data:`ACCEPTANCE_TARGET` (0.574) and raised back towards 1 where it
+        exceeds it, round by round with a diminishing gain, and kept for the final draws: on a network's head
+        (hundreds of local coordinates, the identity metric) step_scale / L_i accepted 1e-4 of the moves
+        and the chains did not move; the adapted factor is about 1.6 q^(-1/3) there, MALA's optimal scaling.
+        A chain of one or two random effects with the dense metric accepts 65-80% at 1.0 and keeps a_i near 1.
     local_kernel:
         The clients' Markov kernel. None (default): "mala" with the full batch, "ula" with minibatches
         (``batch_size``). "mala": each Langevin proposal is accepted or rejected by
@@ -625,6 +639,9 @@ class FedSOULRun(FederatedRun):
         # noise-free move (FedRep) is never adjusted
         self._adjusted = mala and cfg.local_noise
         self._final_adjusted = (mala or batches.active) and cfg.local_noise
+        # MALA's automatic step backs off where its moves are rejected (ACCEPTANCE_TARGET): at step_scale / L_i a
+        # chain over a network's head (hundreds of coordinates) accepted 1e-4 of its moves and did not move
+        self._adapt_acceptance = self._adjusted and self._auto_step
 
     @staticmethod
     def _nonlinear_coordinates(fm: FedModel) -> jax.Array:
@@ -687,7 +704,7 @@ class FedSOULRun(FederatedRun):
         """A chain of ``num_steps`` local moves (:meth:`_move`) from z0; averages grad_theta log p(D, z | theta)
         (and the log joint) over the states after move ``keep_from``. With ``information``, also the complete-data
         information mean_m(-grad^2_theta log p(D, Z_m | theta)) over the same states (flat, unconstrained;
-        None otherwise).
+        None otherwise). Last, the moves' mean acceptance probability (1 for ULA).
 
         With minibatches (``order``, the round's order of the client's rows, :mod:`fedbayes.minibatch`), the
         chain's start is evaluated on batch 0 and move m's proposal on batch m + 1: each drift and each
@@ -707,20 +724,20 @@ class FedSOULRun(FederatedRun):
             point, acc, acc_val, acc_h = carry
             k, m = xs
             c = batch(m + 1)
-            point, _ = self._move(k, point, self._evaluator(theta, c), step, root)
+            point, prob = self._move(k, point, self._evaluator(theta, c), step, root)
             keep = m >= keep_from
             acc = jax.tree_util.tree_map(lambda a, g: a + jnp.where(keep, g, 0.0), acc, point.aux)
             if information:
                 acc_h = acc_h - jnp.where(keep, hess(flat, point.x, c), 0.0)
-            return (point, acc, acc_val + jnp.where(keep, point.log_density, 0.0), acc_h), None
+            return (point, acc, acc_val + jnp.where(keep, point.log_density, 0.0), acc_h), prob
 
         xs = (move_keys(jax.random.split(key, num_steps)), jnp.arange(num_steps))  # each move's pair, hashed ahead
         init = (start, zeros, jnp.zeros_like(start.log_density), jnp.zeros((d, d), flat.dtype))
-        (end, acc, acc_val, acc_h), _ = jax.lax.scan(body, init, xs)
+        (end, acc, acc_val, acc_h), probs = jax.lax.scan(body, init, xs)
         z = end.x
         n = num_steps - keep_from
         mean = jax.tree_util.tree_map(lambda a: a / n, acc)
-        return z, mean, acc_val / n, (acc_h / n if information else None)
+        return z, mean, acc_val / n, (acc_h / n if information else None), jnp.mean(probs)
 
     def _evaluator(self, theta: Params, client: ClientData):
         """z -> (log p(D, z | theta), grad_z of it, grad_theta of it): what a local move needs, and the
@@ -817,9 +834,11 @@ class FedSOULRun(FederatedRun):
             f, flat = self._flat_log_joint(theta, anchor, client), ravel_pytree(anchor)[0]
             basis = jnp.eye(flat.size, dtype=flat.dtype)
             metric = jax.lax.map(lambda e: e @ hvp(f, flat, e), basis, batch_size=METRIC_BATCH)
+        if self._diagonal or self._adapt_acceptance:
             visits = jnp.zeros((), jnp.int32)
+        log_scale: Any = jnp.zeros((), v0.dtype) if self._adapt_acceptance else ()
         _, v0, step, _ = self._adapt(theta, anchor, v0, step, client, 50, metric)
-        return ClientState(z0, v0, step, anchor, metric, visits)
+        return ClientState(z0, v0, step, anchor, metric, visits, log_scale)
 
     def _start(self, key, theta: Params, client: ClientData) -> tuple[Params, Params]:
         """A client's chain start, a draw from p(z | theta) (FedPop's), and its first anchor: with the
@@ -892,7 +911,7 @@ class FedSOULRun(FederatedRun):
         # the kernel is adapted on the round's batch 0 (the curvature of an unbiased estimate of the client's
         # log-density; the whole client without minibatches), which none of the moves' drifts uses
         adapt_on = self._batches.take(order, client, 0) if order is not None else client
-        metric, visits = state.metric, state.visits
+        metric, visits, log_scale = state.metric, state.visits, state.log_scale
         if self._diagonal:  # one more estimate of the curvature's diagonal at the anchor into its running mean
             f = self._flat_log_joint(theta, state.anchor, adapt_on)
             flat = ravel_pytree(state.anchor)[0]
@@ -901,14 +920,32 @@ class FedSOULRun(FederatedRun):
             estimate = u * hvp(f, flat, r * u) / r
             rho = jnp.maximum(1.0 / (visits + 2.0), 1.0 / METRIC_WINDOW)
             metric = jnp.where(jnp.all(jnp.isfinite(estimate)), metric + rho * (estimate - metric), metric)
-            visits = visits + 1
         anchor, v, step, root = self._adapt(
             theta, state.anchor, state.v, state.step, adapt_on, self.cfg.power_iters, metric
         )
-        z, grad, objective, info = self._run_chain(
-            fm, k_chain, theta, z0, step, client, self.cfg.local_steps, self.cfg.burn_in, self._fisher, root, order
+        z, grad, objective, info, accepted = self._run_chain(
+            fm,
+            k_chain,
+            theta,
+            z0,
+            self._scaled(step, log_scale),
+            client,
+            self.cfg.local_steps,
+            self.cfg.burn_in,
+            self._fisher,
+            root,
+            order,
         )
-        return ClientState(z, v, step, anchor, metric, visits), grad, objective, info
+        if self._adapt_acceptance:  # ACCEPTANCE_TARGET: the next round's factor from this round's acceptance
+            gain = (visits + 1.0) ** -0.6
+            log_scale = jnp.minimum(0.0, log_scale + gain * (accepted - ACCEPTANCE_TARGET))
+        if self._diagonal or self._adapt_acceptance:
+            visits = visits + 1
+        return ClientState(z, v, step, anchor, metric, visits, log_scale), grad, objective, info
+
+    def _scaled(self, step: jax.Array, log_scale: Any) -> jax.Array:
+        """The moves' step: the automatic step times the acceptance's factor (:data:`ACCEPTANCE_TARGET`)."""
+        return step * jnp.exp(log_scale) if self._adapt_acceptance else step
 
     def _compress(self, key, grad: Params) -> tuple[tuple[Params, Any], jax.Array]:
         """(exact sites, the other sites compressed as one vector) as sent, and the bits."""
@@ -1009,6 +1046,7 @@ class FedSOULRun(FederatedRun):
         if self._dense:
             anchor = newton_mode(self._log_joint_fn(fm, theta, client), anchor, 5)
         anchor, _, step, root = self._adapt(theta, anchor, state.v, state.step, client, 20, state.metric)
+        step = self._scaled(step, state.log_scale)
         if self._dense or self._diagonal:
             flat, unravel = ravel_pytree(anchor)
             noise = jax.random.normal(k_starts, (cfg.num_chains - 1, flat.size), flat.dtype)
