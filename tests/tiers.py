@@ -292,9 +292,6 @@ THIRD_TIER: dict[str, object] = {
         "test_extended_groups_travel_with_the_result",
     ),
     "tests/test_flower_app.py": ALL,
-    "tests/test_real_data.py": (
-        "test_contraception_logistic_samplers_defaults",
-    ),
     "tests/test_stall.py": (  # the 1000-client run that hung stays in CI
         "test_no_lapack_call_is_batched_over_clients_or_rows",
         "test_fedmm_with_a_scalar_observed_site",
