@@ -166,13 +166,15 @@ def test_sleepstudy_correlated_slopes_equal_statsmodels_and_the_fb_models_fit():
     df = rd.sleepstudy()
     ref = rd.lme_statsmodels(df)
     model, data = fb.from_formula("Reaction ~ Days + (Days | Subject)", df)
-    res, _ = _fit(model, data, fb.FedMM())
+    res, conv = _fit(model, data, fb.FedMM())
+    assert conv == [] and res.converged  # a fit at its reference raises no false alarm
     fe, vc = model.fixed_effects(res), model.variance_components(res)
     assert np.all(np.abs(fe["estimate"].to_numpy() - ref["beta"]) < 1e-3 * ref["beta_se"])
     np.testing.assert_allclose(fe["std_error"], ref["beta_se"], rtol=1e-3)
     np.testing.assert_allclose(vc["sd"].to_numpy(), [*ref["re_sd"], ref["sigma"]], rtol=1e-3)
     assert abs(vc.loc[("Subject", "Intercept"), "Days"] - ref["re_corr"]) < 1e-3
-    same, _ = _fit(fb.models.linear_mixed_effects, data, fb.FedMM())
+    same, conv = _fit(fb.models.linear_mixed_effects, data, fb.FedMM())
+    assert conv == [] and same.converged
     for k in ("beta", "scale_tril", "sigma"):
         np.testing.assert_allclose(same.params[k], res.params[k], rtol=1e-10, atol=1e-10)
 
@@ -222,7 +224,8 @@ def test_uncorrelated_slopes_equal_the_closed_form_mle():
     df = rd.sleepstudy()
     model, data = fb.from_formula("Reaction ~ Days + (Days || Subject)", df)
     beta, tau, sigma = _diagonal_mml(data, 2)
-    res, _ = _fit(model, data, fb.FedMM())
+    res, conv = _fit(model, data, fb.FedMM())
+    assert conv == [] and res.converged
     se = np.asarray(res.standard_errors["beta"])
     assert np.all(np.abs(np.asarray(res.params["beta"]) - beta) < 1e-3 * se)
     np.testing.assert_allclose(res.params["tau"], tau, rtol=1e-3)
