@@ -76,7 +76,8 @@ def outcomes(tests: list[str]) -> dict[str, str]:
         report = Path(tmp) / "report.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", os.environ.get("WORKERS", "2"),
                "-m", "slow or heavy or not slow", f"--junitxml={report}", *tests]
-        subprocess.run(cmd, cwd=ROOT, env={**os.environ, "MPLBACKEND": "Agg"}, check=False)
+        # pytest's own report goes to stderr: stdout is the tables
+        subprocess.run(cmd, cwd=ROOT, env={**os.environ, "MPLBACKEND": "Agg"}, check=False, stdout=sys.stderr)
         found: dict[str, str] = {}
         for case in ET.parse(report).getroot().iter("testcase"):
             module = case.get("classname", "").replace(".", "/") + ".py"
