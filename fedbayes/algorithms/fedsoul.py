@@ -135,7 +135,8 @@ ACCEPTANCE_TARGET = 0.574
 optimal rate of MALA in high dimension (Roberts and Rosenthal 1998). Each round the step's factor
 a_i <= 1 on ``step_scale / L_i`` moves as log a_i <- min(0, log a_i + (k + 1)^-0.6 (acc_k - target)), acc_k the
 mean acceptance probability of the client's k-th round (a diminishing adaptation: every round's kernel is still
-MALA with a fixed step, which leaves the local posterior invariant at any step)."""
+MALA with a fixed step, which leaves the local posterior invariant at any step). The final draws' chains adapt
+their own factor the same way during their warm-up, per move, and keep it fixed for the draws."""
 
 METRIC_BATCH = 64
 """The set-up's exact Hessian diagonal (one Hessian-vector product per local coordinate) is taken this many
@@ -1051,7 +1052,12 @@ class FedSOULRun(FederatedRun):
         :func:`start_spread` (q) times the metric's root times N(0, I) draws, overdispersed about the bulk;
         otherwise draws from p(z | theta)),
         ``({site: (chains, S, ...)}, step size, mean acceptance probability after warm-up)``. The kernel is
-        :meth:`_adapt`'s at the anchor, moved to the mode at ``theta`` first (5 Newton steps) when dense."""
+        :meth:`_adapt`'s at the anchor, moved to the mode at ``theta`` first (5 Newton steps) when dense. With
+        MALA and the automatic step each chain's warm-up also backs its step off towards
+        :data:`ACCEPTANCE_TARGET` (log a <- min(0, log a + (m + 1)^-0.6 (acc_m - target)) per move m), and the
+        kept draws use the step it ends with: a fresh start that landed where the client's step was rejected
+        (a 136-coordinate head's chain started 150 nats below the bulk accepted none of its moves) comes back.
+        The returned step is the client's, before that factor."""
         fm, cfg = self._fm, self.cfg
         n_steps = warmup + num_samples * cfg.thinning
         k_starts, k_chains = jax.random.split(key)
@@ -1073,12 +1079,21 @@ class FedSOULRun(FederatedRun):
         log_joint = self._log_joint_fn(fm, theta, client)
         evaluate = lambda z: (*jax.value_and_grad(log_joint)(z), ())  # noqa: E731
 
-        def chain(kc, z0):
-            def body(point, k):
-                point, prob = self._move(k, point, evaluate, step, root, self._final_adjusted)
-                return point, (point.x, prob)
+        adapt = self._final_adjusted and self._auto_step  # each chain's warm-up backs off to ACCEPTANCE_TARGET
 
-            return jax.lax.scan(body, LangevinPoint(z0, *evaluate(z0)), move_keys(jax.random.split(kc, n_steps)))[1]
+        def chain(kc, z0):
+            def body(carry, xs):
+                point, log_a = carry
+                k, m = xs
+                point, prob = self._move(k, point, evaluate, step * jnp.exp(log_a), root, self._final_adjusted)
+                if adapt:  # during the warm-up only: the kept draws' kernel has one fixed step
+                    moved = log_a + (m + 1.0) ** -0.6 * (prob - ACCEPTANCE_TARGET)
+                    log_a = jnp.where(m < warmup, jnp.minimum(0.0, moved), log_a)
+                return (point, log_a), (point.x, prob)
+
+            init = (LangevinPoint(z0, *evaluate(z0)), jnp.zeros((), step.dtype))
+            xs = (move_keys(jax.random.split(kc, n_steps)), jnp.arange(n_steps))
+            return jax.lax.scan(body, init, xs)[1]
 
         zs, probs = jax.vmap(chain)(jax.random.split(k_chains, cfg.num_chains), starts)
         keep = lambda a: a[:, warmup + cfg.thinning - 1 :: cfg.thinning]  # noqa: E731
