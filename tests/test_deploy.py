@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import ssl
 import sys
@@ -94,10 +95,11 @@ class Federation:
 
 
 @pytest.fixture(scope="module")
-def fed() -> Iterator[Federation]:
+def fed(request: pytest.FixtureRequest) -> Iterator[Federation]:
     if (reason := _skip_reason()) is not None:
         pytest.skip(reason)
     root = Path(tempfile.mkdtemp(prefix="fedbayes-deploy-"))
+    failed_before = request.session.testsfailed
     t0 = time.monotonic()
     with dh.deployment(root, NUM_CLIENTS) as dep:
         dep.start_superlink()
@@ -114,7 +116,11 @@ def fed() -> Iterator[Federation]:
         _log(f"federation up in {time.monotonic() - t0:.1f} s: SuperLink https://{dep.address}, "
              f"SuperNodes {ids} online")
         yield federation
-    _log(f"every process stopped by pid; logs were in {root}")
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(root, ignore_errors=True)
+        _log("every process stopped by pid")
+    else:  # the processes' logs tell what went wrong
+        _log(f"every process stopped by pid; logs kept in {root}")
 
 
 def _wait(check: Callable[[], bool], timeout: float, what: str) -> None:
