@@ -29,9 +29,10 @@ Q, ROWS, CHAINS = 12, 30, 2000
 
 
 def gaussian_head(x, y=None):
+    """z ~ N(m 1, I) in R^q (q = the design's columns), y_j ~ N(x_j^T z, 1)."""
     m = numpyro.param("m", jnp.zeros(()))
     with fb.local():
-        z = numpyro.sample("z", dist.Normal(m, 1.0).expand([Q]).to_event(1))
+        z = numpyro.sample("z", dist.Normal(m, 1.0).expand([x.shape[-1]]).to_event(1))
     with numpyro.plate("rows", x.shape[0]):
         numpyro.sample("y", dist.Normal(x @ z, 1.0), obs=y)
 
@@ -155,14 +156,6 @@ def test_a_new_client_adapts_the_diagonal_metric_before_its_draws(problem):
 HEAD, CURV = 160, 3.0  # a network head's size; the likelihood's curvature per coordinate
 
 
-def wide_head(x, y=None):
-    m = numpyro.param("m", jnp.zeros(()))
-    with fb.local():
-        z = numpyro.sample("z", dist.Normal(m, 1.0).expand([HEAD]).to_event(1))
-    with numpyro.plate("rows", x.shape[0]):
-        numpyro.sample("y", dist.Normal(x @ z, 1.0), obs=y)
-
-
 def test_mala_s_automatic_step_backs_off_to_its_acceptance_target_and_stays_exact():
     """A 160-coordinate Gaussian local posterior N(X^T y / (1 + c), I / (1 + c)) (X = sqrt(c) I): at the automatic
     step step_scale / L = 1 / (1 + c) every MALA proposal is an independent N(0, 2 / (1 + c)) draw, and in 160
@@ -174,7 +167,7 @@ def test_mala_s_automatic_step_backs_off_to_its_acceptance_target_and_stays_exac
     y = x @ rng.normal(size=HEAD) + rng.normal(size=HEAD)
     data = fb.FederatedData({"x": [x], "y": [y]})
     mean, sd = x.T @ y / (1.0 + CURV), np.full(HEAD, 1.0 / np.sqrt(1.0 + CURV))
-    run, states = chains(data, 60, model=wide_head)
+    run, states = chains(data, 60, model=gaussian_head)
     assert run.local_metric == "identity" and run.local_kernel == "mala"
     client = jax.tree_util.tree_map(lambda a: a[0], stack_clients(data))
     theta = {"m": jnp.zeros(())}
@@ -210,7 +203,7 @@ def test_the_final_draws_fresh_chains_start_where_mala_can_bring_them_in():
     data = fb.FederatedData({"x": [x], "y": [y]})
     mean, sd = x.T @ y / (1.0 + CURV), 1.0 / np.sqrt(1.0 + CURV)
     copies = 200
-    run = fb.FedSOUL(local_metric="dense", num_chains=2).build(Problem(FedModel(wide_head, data), data, 10))
+    run = fb.FedSOUL(local_metric="dense", num_chains=2).build(Problem(FedModel(gaussian_head, data), data, 10))
     client = jax.tree_util.tree_map(lambda a: a[0], stack_clients(data))
     theta = {"m": jnp.zeros(())}
     keys = jax.random.split(jax.random.PRNGKey(2), copies)
