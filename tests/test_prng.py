@@ -93,7 +93,10 @@ def test_a_fit_is_the_same_without_the_fast_compilation(monkeypatch) -> None:
     # XLA's fusions and LLVM's instruction selection (a multiply-add fused or not), so a fit agrees with the plain
     # compilation to float rounding, not bit for bit: in float64 the differences were 2e-15 (params), 5e-14
     # (local draws) and 3e-10 on information entries of order 1e5, i.e. a few ulps carried through 20 rounds
-    # of chains. rtol 1e-10 is 5 orders above that and 6 below any change of the draws themselves.
+    # of chains. rtol 1e-10 is 5 orders above that and 6 below any change of the draws themselves. An entry
+    # that is a sum of large terms of both signs carries the rounding of those terms, not of itself: on CI's
+    # CPU an information entry of -0.47, next to entries of order 10, differed by 9e-11 (rtol 2e-10). So the
+    # absolute floor is 1e-10 times the array's largest entry, the scale its rounding errors are relative to.
     import contextlib
 
     from fedbayes import engine
@@ -108,7 +111,9 @@ def test_a_fit_is_the_same_without_the_fast_compilation(monkeypatch) -> None:
 
     fast, plain = fedsoul_twice(30, 20, plainly)
     for got, want in paired_outputs(fast, plain):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-10, atol=1e-12)
+        want = np.asarray(want)
+        scale = max(float(np.max(np.abs(want))), 1.0) if want.size else 1.0
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-10, atol=1e-10 * scale)
 
 
 def test_the_keys_a_fit_splits_on_the_host_are_jax_random_s() -> None:
