@@ -50,14 +50,14 @@ from .errors import (
     TooFewClientsError,
     require_int,
 )
-from .errors import CallbackError, CheckpointWarning, is_real
+from .errors import COUNT_MAX, CallbackError, CheckpointWarning, is_real
 from .faults import FaultPolicy, Faults
 from .introspect import FedModel, serialized
 from .protocol import FederatedRun, FitParts
 from .result import Result
 
 
-MAX_ROUNDS = 2**31 - 1
+MAX_ROUNDS = COUNT_MAX
 """The most rounds a fit may plan (``num_rounds``): the device counts rounds in 32-bit integers."""
 
 
@@ -195,12 +195,7 @@ def validate_fit(
             data = FederatedData(data)
         else:
             raise DataError(f"data must be fb.FederatedData or a dict of per-client lists, got {type(data).__name__}")
-    require_int(num_rounds, "num_rounds", 1)
-    if num_rounds > MAX_ROUNDS:
-        raise ConfigError(
-            f"num_rounds must be at most {MAX_ROUNDS:,} (2^31 - 1: the rounds are counted in 32-bit integers on the "
-            f"device), got {num_rounds:,}"
-        )
+    require_int(num_rounds, "num_rounds", 1, MAX_ROUNDS)
     if chunk_size is not None:
         require_int(chunk_size, "chunk_size", 1)
     seed = require_seed(seed)

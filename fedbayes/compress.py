@@ -111,8 +111,8 @@ def _sparsity(func: str, k: object, fraction: object) -> tuple[int | None, float
         raise ConfigError(f"{func} needs exactly one of k (coordinates kept) or fraction (share)")
     if k is not None:
         k = _integer(k, "k")
-        if k < 1:
-            raise ConfigError(f"{func} keeps k >= 1 coordinates, got k={k}")
+        if not 1 <= k <= _INT32_MAX:
+            raise ConfigError(f"{func} keeps 1 <= k <= 2^31 - 1 coordinates (message sizes are int32), got k={k}")
         return k, None
     if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
         raise ConfigError(f"fraction must be a number in (0, 1], got {fraction!r}")
@@ -1130,8 +1130,8 @@ def qsgd(levels: int, *, float_bits: int = 32, contractive: bool = False) -> Com
     1 / (1 + omega), which is contractive with alpha = 1 / (1 + omega) and biased.
     """
     levels = _integer(levels, "levels")
-    if levels < 1:
-        raise ConfigError(f"qsgd needs levels >= 1 quantisation levels, got {levels}")
+    if not 1 <= levels <= _INT32_MAX:
+        raise ConfigError(f"qsgd needs 1 <= levels <= 2^31 - 1 quantisation levels (int32 level indices), got {levels}")
     c = _QSGD(levels, _float_bits(float_bits))
     return _Scaled(c) if _flag(contractive, "contractive") else c
 

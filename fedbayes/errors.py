@@ -6,6 +6,7 @@ with a message that says what is wrong and how to fix it.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, TypeGuard
 
 if TYPE_CHECKING:
@@ -98,12 +99,21 @@ class ConvergenceWarning(UserWarning):
     fit are not to be trusted as they are."""
 
 
-def require_int(value: object, what: str, minimum: int = 1) -> int:
-    """``value`` as an int, or ConfigError if it is not an integer >= ``minimum`` (bools refused)."""
+COUNT_MAX = 2**31 - 1
+"""The largest count an option takes (rounds, steps, draws, chains, iterations, ...): fedbayes' compiled programs
+count in JAX's default 32-bit integers. Seeds are not counts (:func:`fedbayes.seeds.require_seed`)."""
+
+
+def require_int(value: object, what: str, minimum: int = 1, maximum: int | None = COUNT_MAX) -> int:
+    """``value`` as an int, or ConfigError if it is not an integer in ``[minimum, maximum]`` (bools refused;
+    ``maximum`` :data:`COUNT_MAX` unless given, None for no bound)."""
     import numbers
 
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        bound = "2^31 - 1: counts are 32-bit integers in the compiled programs" if maximum == COUNT_MAX else "its bound"
+        raise ConfigError(f"{what} must be at most {maximum:,} ({bound}), got {value:,}")
     return int(value)
 
 
@@ -112,6 +122,31 @@ def is_real(value: object) -> TypeGuard[float]:
     import numbers
 
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def require_real(
+    value: object,
+    what: str,
+    low: float = -math.inf,
+    high: float = math.inf,
+    *,
+    open_low: bool = False,
+    open_high: bool = False,
+    allow_none: bool = False,
+) -> object:
+    """``value`` a real scalar (not a bool, a string or an array) in the interval from ``low`` to ``high``
+    (closed ends unless ``open_low`` / ``open_high``; NaN is in no interval), or ConfigError naming it."""
+    if allow_none and value is None:
+        return value
+    inside = (
+        is_real(value)
+        and (low < value if open_low else low <= value)
+        and (value < high if open_high else value <= high)
+    )
+    if not inside:
+        ends = f"{'(' if open_low else '['}{low:g}, {high:g}{')' if open_high else ']'}"
+        raise ConfigError(f"{what} must be a number in {ends}{' or None' if allow_none else ''}, got {value!r}")
+    return value
 
 
 def require_fraction(value: object, what: str, *, closed_high: bool = False, allow_none: bool = False) -> object:

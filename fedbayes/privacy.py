@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import ConfigError, is_real, require_int
+from .errors import ConfigError, is_real, require_choice, require_int
 from .seeds import require_seed, seed_key
 
 ACCOUNTANTS = ("rdp", "pld")
@@ -325,10 +325,8 @@ class DP:
             raise ConfigError(f"epsilon must be > 0, got {self.epsilon}")
         if self.delta is not None and not 0 < self.delta < 1:
             raise ConfigError(f"delta must be in (0, 1), got {self.delta}")
-        if self.mode not in ("central", "distributed"):
-            raise ConfigError(f"mode must be 'central' or 'distributed', got {self.mode!r}")
-        if self.accountant not in ACCOUNTANTS:
-            raise ConfigError(f"accountant must be one of {ACCOUNTANTS}, got {self.accountant!r}")
+        require_choice(self.mode, "DP mode", ("central", "distributed"))
+        require_choice(self.accountant, "DP accountant", tuple(ACCOUNTANTS))
         if self.noise_seed is not None:
             require_seed(self.noise_seed, "noise_seed")
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import xarray as xr
 
-from .seeds import seed_key
+from .seeds import require_seed, seed_key
 from .data import FederatedData
 from .errors import ModelError, require_int
 from .introspect import FedModel, serialized
@@ -57,9 +57,9 @@ def nuts(
         ("num_warmup", num_warmup, 0),
         ("num_samples", num_samples, 1),
         ("num_chains", num_chains, 1),
-        ("seed", seed, 0),
     ):
         require_int(value, what, low)
+    require_seed(seed)
     fm = FedModel(model, data, model_kwargs)
     params = [n for n in fm.global_names if fm.sites[n].role == "param"]
     if params:

@@ -32,7 +32,7 @@ def require_seed(seed: object, what: str = "seed") -> int:
         other than JAX's default threefry, or a batch of keys.
     """
     seed = _key_as_int(seed, what)
-    value = require_int(seed, what, 0)
+    value = require_int(seed, what, 0, maximum=None)
     if value >= SEED_LIMIT:
         raise ConfigError(f"{what} must be below 2**64, got {seed!r}; reduce it, e.g. {what} % 2**64")
     return value

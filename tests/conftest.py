@@ -21,6 +21,7 @@ compiled by one worker is loaded by the other. Two processes writing one directo
 import atexit
 import importlib.util
 import os
+import sys
 import shutil
 import tempfile
 
@@ -52,6 +53,14 @@ _FUZZ_ENV = "FEDBAYES_FUZZ_REPORT_DIR"
 if _FUZZ_ENV not in os.environ:
     os.environ[_FUZZ_ENV] = tempfile.mkdtemp(prefix="fedbayes-fuzz-")
     atexit.register(shutil.rmtree, os.environ[_FUZZ_ENV], ignore_errors=True)
+
+
+def pytest_runtest_teardown(item):
+    """The fuzzing harness' counts of the test just run reach the report folder (it writes at most twice a
+    second on its own)."""
+    harness = sys.modules.get("fuzz_harness")
+    if harness is not None:
+        harness.save()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -6,18 +6,23 @@ The data domain lives in tests/test_fuzz_regressions.py with the data regression
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
+import pytest
 import numpyro.distributions as dist
 from hypothesis import given
 from hypothesis import strategies as st
 from numpyro.distributions import constraints
 
 import fedbayes as fb
+from fedbayes.errors import COUNT_MAX
 from fuzz_harness import classify, fuzz_settings
 
 RNG = np.random.default_rng(0)
@@ -46,10 +51,10 @@ def check_fit(res: fb.Result) -> None:
 # ---------------------------------------------------------------------------------- fit arguments
 ALGORITHM_OPTIONS = {
     "step_size": [None, 0.01, 0.01, 0.0, -0.1, math.nan, 1e30],
-    "local_steps": [1, 2, 0, -1, 2.5],
-    "num_chains": [1, 2, 0],
-    "warmup": [0, 1, -1],
-    "thinning": [1, 2, 0],
+    "local_steps": [1, 2, 0, -1, 2.5, 2**31],
+    "num_chains": [1, 2, 0, 2**31],
+    "warmup": [0, 1, -1, 2**63],
+    "thinning": [1, 2, 0, 2**31],
     "p": [None, 0.5, 0.0, 1.0, 1.5],
     "s": [None, 2, 3, 1, 100],
     "eta": [None, 0.5, 0.0, 2.0],
@@ -57,9 +62,9 @@ ALGORITHM_OPTIONS = {
     "compressor": [fb.compress.identity(), fb.compress.top_k(1), fb.compress.qsgd(2), None, "q"],
     "uplink": [fb.compress.identity(), fb.compress.top_k(1), fb.compress.rand_k(1)],
     "downlink": [fb.compress.identity(), fb.compress.natural(), "none"],
-    "num_samples": [4, 0],
-    "m_step_iters": [5, 0],
-    "louis_draws": [10, 0],
+    "num_samples": [4, 0, 2**31, 2**63],
+    "m_step_iters": [5, 0, 2**31],
+    "louis_draws": [10, 0, 2**31],
 }
 ALGORITHMS = {
     "FedSOUL": (fb.FedSOUL, {"num_samples": 4, "warmup": 4, "num_chains": 1, "local_steps": 2}),
@@ -92,20 +97,22 @@ def mostly(valid: list, odd: list) -> st.SearchStrategy:
 
 @fuzz_settings(examples_in_suite=8)
 @given(algorithm=algorithm_choices(),
-       num_rounds=mostly([1, 2], [0, -1, 2.0, None, "2"]),
-       clients_per_round=mostly([None, 2, 3, 0.5], [4, 0, -1, 1.5, math.nan]),
-       seed=mostly([0, 7, 2**32 + 7], [-1, 2**64, 1.5, None]),
-       chunk_size=mostly([1, 2, 50], [0, -3]),
+       num_rounds=mostly([1, 2], [0, -1, 2.0, None, "2", True, 2**31, 2**63]),
+       clients_per_round=mostly([None, 2, 3, 0.5], [4, 0, -1, 1.5, math.nan, True, 2**63]),
+       seed=mostly([0, 7, 2**32 + 7, 2**64 - 1], [-1, 2**64, 1.5, None, True]),
+       chunk_size=mostly([1, 2, 50, 2**31 - 1], [0, -3, True, 2**63]),
        faults=mostly([None, fb.Faults(drop=0.3), fb.Faults(nan=0.5)], ["drop"]),
-       model_kwargs=mostly([None, {}], [{"x": 1.0}, {"unused": 1.0}]))
-def test_fuzz_fit_arguments(algorithm, num_rounds, clients_per_round, seed, chunk_size, faults, model_kwargs):
+       model_kwargs=mostly([None, {}], [{"x": 1.0}, {"unused": 1.0}]),
+       progress=mostly([False], ["no", 1, 0, "False"]))
+def test_fuzz_fit_arguments(algorithm, num_rounds, clients_per_round, seed, chunk_size, faults, model_kwargs,
+                            progress):
     cls, options = algorithm
     outcome, alg = classify("algorithm options", cls, **options)
     if outcome != "success":
         return
     outcome, res = classify("fit arguments", fb.fed_fit, regression, DATA, alg, num_rounds=num_rounds,
                             clients_per_round=clients_per_round, seed=seed, chunk_size=chunk_size, faults=faults,
-                            model_kwargs=model_kwargs, progress=False)
+                            model_kwargs=model_kwargs, progress=progress)
     if outcome == "success":
         assert len(res.history["bits_up"]) == num_rounds
         check_fit(res)
@@ -118,7 +125,7 @@ COMPRESSORS = {
                                     "float_bits": [32, 16, 7]}),
     "top_k": (fb.compress.top_k, {"k": [None, 1, 3, 0, -1, 10**9], "fraction": [None, 0.25, 0.0, 2.0],
                                   "float_bits": [32, 16, 64]}),
-    "qsgd": (fb.compress.qsgd, {"levels": [1, 2, 255, 0, -1, 2**20, 2**40, 1.5], "float_bits": [32, 16],
+    "qsgd": (fb.compress.qsgd, {"levels": [1, 2, 255, 0, -1, 2**20, 2**31 - 1, 2**40, 1.5], "float_bits": [32, 16],
                                 "contractive": [False, True, "yes"]}),
     "natural": (fb.compress.natural, {"float_bits": [32, 16, 64, 12], "contractive": [False, True, 1]}),
 }
@@ -220,3 +227,243 @@ def test_fuzz_model_structures(globals_, local, likelihood, algorithm):
     outcome, res = classify("model structure", fb.fed_fit, model, DATA, cls(**small), num_rounds=2, progress=False)
     if outcome == "success":
         check_fit(res)
+
+
+# ---------------------------------------------------------------------------------- option types
+# Every public configuration, its options read from its signature: the frozen dataclasses fedbayes exports
+# (algorithms, fault models and policies, aggregation), fb.privacy.DP and the compressor factories. A new
+# option is fuzzed the day it lands. (FitParts and FormulaModel are built by fedbayes, not by users;
+# CustomStatistics and Symmetry take functions, checked where they are called.)
+NOT_OPTIONS = {"FitParts", "FormulaModel", "CustomStatistics", "Symmetry"}
+CONFIGURATIONS = {
+    **{n: getattr(fb, n) for n in fb.__all__
+       if isinstance(getattr(fb, n), type) and dataclasses.is_dataclass(getattr(fb, n)) and n not in NOT_OPTIONS},
+    "privacy.DP": fb.privacy.DP,
+    **{f"compress.{n}": getattr(fb.compress, n) for n in ("identity", "rand_k", "rand_k_unscaled", "top_k", "qsgd", "natural")},
+}
+REQUIRED = {"privacy.DP": {"clip": 1.0, "noise_multiplier": 1.0}, "compress.qsgd": {"levels": 2}}
+# what a user passes by mistake: the wrong type, the wrong kind of number, extremes, NumPy scalars and arrays
+CONFUSED = [True, False, None, "1", "", b"x", 0, 1, -1, 2, 1.5, 0.0, -0.0, math.nan, math.inf, -math.inf,
+            2**31, 2**63, 2**70, -(2**70), 1e308, 5e-324, 1 + 2j, np.float32(0.5), np.float64(2.0), np.int64(3),
+            np.int32(2), np.uint8(1), np.bool_(True), np.array(1.0), np.array([1.0, 2.0]), [1], (1,), {}, object()]
+
+
+def option_kinds(make) -> dict[str, str]:
+    """Each option of ``make``: "seed", "flag" (annotated ``bool``), "count" (an int), "number" (a float, or an int or
+    float) or "other"."""
+    kinds = {}
+    for name, par in inspect.signature(make).parameters.items():
+        if name == "name":
+            continue
+        ann = str(par.annotation)
+        words = set(ann.replace("|", " ").split())
+        if name.endswith("seed"):
+            kinds[name] = "seed"
+        elif words == {"bool"}:
+            kinds[name] = "flag"
+        elif "int" in words and words <= {"int", "None"}:
+            kinds[name] = "count"
+        elif words and words <= {"int", "float", "None"}:
+            kinds[name] = "number"
+        else:
+            kinds[name] = "other"
+    return kinds
+
+
+def check_option(config: str, option: str, kind: str, value) -> None:
+    """Construct ``config`` with ``option=value``: a documented error, or an object; a flag takes a bool only,
+    a count an integer up to ``COUNT_MAX``, a seed one below 2^64, a number a real scalar only (no bool, string, complex, array or
+    container)."""
+    make = CONFIGURATIONS[config]
+    outcome, _ = classify("option types", make, **{**REQUIRED.get(config, {}), option: value})
+    if outcome == "success" and kind == "flag":
+        assert isinstance(value, bool), f"{config}({option}={value!r}) accepted as a flag"
+    if outcome == "success" and kind == "count":  # an integer the compiled programs can count to
+        assert value is None or (isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+                                 and value <= COUNT_MAX), f"{config}({option}={value!r}) accepted as a count"
+    if outcome == "success" and kind == "seed":
+        assert value is None or (isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+                                 and 0 <= value < 2**64), f"{config}({option}={value!r}) accepted as a seed"
+    if outcome == "success" and kind == "number":
+        assert value is None or (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))), (
+            f"{config}({option}={value!r}) accepted as a number")
+
+
+def test_every_option_of_every_configuration_takes_only_its_type():
+    """All of CONFUSED against every option of every public configuration (about 12 000 constructions)."""
+    count = 0
+    for config, make in CONFIGURATIONS.items():
+        for option, kind in option_kinds(make).items():
+            for value in CONFUSED:
+                check_option(config, option, kind, value)
+                count += 1
+    assert count > 10_000 and len(CONFIGURATIONS) >= 29, (count, sorted(CONFIGURATIONS))  # none missed by the scan
+
+
+@fuzz_settings(examples_in_suite=50)
+@given(data=st.data(), value=st.one_of(st.integers(), st.floats(), st.text(max_size=3), st.booleans(), st.none(),
+                                       st.complex_numbers(), st.lists(st.floats(), max_size=3)))
+def test_fuzz_option_types(data, value):
+    config = data.draw(st.sampled_from(sorted(CONFIGURATIONS)))
+    kinds = option_kinds(CONFIGURATIONS[config])
+    option = data.draw(st.sampled_from(sorted(kinds)))
+    check_option(config, option, kinds[option], value)
+
+
+# ---------------------------------------------------------------------------------- model classes
+# The classes of model the 2026-12-01 campaign found defects in, each a few members, fitted by every family:
+# degenerate curvature (no curvature, a flat direction, a non-identified sum, extreme scales), validity that
+# depends on the start (a prior whose centre makes a later distribution invalid), and Python control flow on
+# traced values (always a ModelError that names it).
+def _regression_mean(x, scale=1.0):
+    w = numpyro.sample("w", dist.Normal(0.0, scale).expand([2]).to_event(1))
+    return x @ w
+
+
+def _observe(mean, y, scale=1.0):
+    with numpyro.plate("obs", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mean, scale), obs=y)
+
+
+def curvature_masked(x, y, c):  # a param the likelihood never sees: no curvature at all
+    w = numpyro.param("w", jnp.zeros(2))
+    with numpyro.handlers.mask(mask=False):
+        _observe(x @ w, y)
+
+
+def curvature_unused_param(x, y, c):  # a flat direction next to an identified one
+    numpyro.param("a", 0.0)
+    _observe(_regression_mean(x), y)
+
+
+def curvature_sum(x, y, c):  # only a + b is identified
+    _observe(numpyro.param("a", 0.0) + numpyro.param("b", 0.0), y)
+
+
+def curvature_stiff(x, y, c):  # curvature 1e12
+    _observe(1e6 * _regression_mean(x), y)
+
+
+def curvature_flat(x, y, c):  # a prior of scale 1e8 and a likelihood of curvature 1e-12
+    _observe(1e-6 * _regression_mean(x, 1e8), y)
+
+
+def curvature_zero_likelihood(x, y, c):  # the prior's curvature only
+    _observe(0.0 * _regression_mean(x), y)
+
+
+def curvature_local_flat(x, y, c):  # a local latent the likelihood does not read
+    w = numpyro.param("w", jnp.zeros(2))
+    with fb.local():
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    _observe(x @ w + 0.0 * b, y)
+
+
+def start_negative_scale(x, y, c):  # the prior's centre 0 is an invalid scale
+    _observe(0.0, y, numpyro.sample("s", dist.Normal(0.0, 1.0)))
+
+
+def start_param_negative_scale(x, y, c):
+    _observe(0.0, y, numpyro.param("s", -1.0))
+
+
+def start_probability_outside(x, y, c):  # valid at the start, invalid past 1
+    p = numpyro.sample("p", dist.Normal(0.5, 1.0))
+    with numpyro.plate("obs", c.shape[0]):
+        numpyro.sample("c", dist.Bernoulli(probs=p), obs=c)
+
+
+def start_log_of_centre(x, y, c):  # log(0) at the start
+    _observe(jnp.log(numpyro.sample("a", dist.Normal(0.0, 1.0))), y)
+
+
+def start_local_negative_scale(x, y, c):
+    w = numpyro.param("w", jnp.zeros(2))
+    with fb.local():
+        s = numpyro.sample("s", dist.Normal(0.0, 1.0))
+    _observe(x @ w, y, s)
+
+
+def traced_if(x, y, c):
+    mean = _regression_mean(x)
+    _observe(mean if mean[0] > 0 else -mean, y)
+
+
+def traced_float(x, y, c):
+    mean = _regression_mean(x)
+    _observe(mean, y, float(mean[0]) ** 2 + 1.0)
+
+
+def traced_int_of_data(x, y, c):
+    _observe(_regression_mean(x) + int(jnp.sum(y > 0)), y)
+
+
+def traced_numpy(x, y, c):
+    _observe(np.asarray(_regression_mean(x)), y)
+
+
+def traced_item(x, y, c):
+    mean = _regression_mean(x)
+    _observe(mean, y, 1.0 + mean.sum().item() ** 2)
+
+
+def traced_range(x, y, c):
+    mean = _regression_mean(x)
+    total = 0.0
+    for _ in range(y.shape[0] if y[0] > 0 else 1):
+        total = total + mean
+    _observe(total, y)
+
+
+def traced_local_if(x, y, c):
+    w = numpyro.param("w", jnp.zeros(2))
+    with fb.local():
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    _observe(x @ w + (b if b > 0 else 0.0), y)
+
+
+MODEL_CLASSES = {
+    "degenerate curvature": [curvature_masked, curvature_unused_param, curvature_sum, curvature_stiff,
+                             curvature_flat, curvature_zero_likelihood, curvature_local_flat],
+    "start validity": [start_negative_scale, start_param_negative_scale, start_probability_outside,
+                       start_log_of_centre, start_local_negative_scale],
+    "traced control flow": [traced_if, traced_float, traced_int_of_data, traced_numpy, traced_item, traced_range,
+                            traced_local_if],
+}
+FAMILIES = {**{n: ALGORITHMS[n] for n in ("GD", "TAMUNA", "Scaffnew", "FedAvg", "LMC", "DELF", "FedSOUL", "FedMM")},
+            "JointLMC": (fb.JointLMC, {"num_chains": 1})}
+
+
+@pytest.mark.filterwarnings("ignore::fedbayes.ConvergenceWarning")  # three rounds: only the outcome is judged
+@fuzz_settings(examples_in_suite=12)
+@given(domain=st.sampled_from(sorted(MODEL_CLASSES)), data=st.data(), family=st.sampled_from(sorted(FAMILIES)))
+def test_fuzz_model_classes(domain, data, family):
+    model = data.draw(st.sampled_from(MODEL_CLASSES[domain]), label="model")
+    cls, small = FAMILIES[family]
+    outcome, res = classify(domain, fb.fed_fit, model, DATA, cls(**small), num_rounds=3, progress=False)
+    if domain == "traced control flow":  # never a fit, and the error says why
+        assert outcome == "error" and isinstance(res, fb.ModelError), (model.__name__, family, res)
+    elif outcome == "success":
+        check_fit(res)
+
+
+# ---------------------------------------------------------------------------------- private fits
+@pytest.mark.filterwarnings("ignore::fedbayes.ConvergenceWarning")  # a noisy fit's warning is the point
+@fuzz_settings(examples_in_suite=3)
+@given(noise=st.sampled_from([0.0, 0.1, 1.0, 10.0, 1e3, 1e6]), clip=st.sampled_from([0.1, 1.0, 10.0]),
+       noise_seed=st.integers(0, 2**32), family=st.sampled_from(["GD", "FedAvg", "LMC", "DELF"]))
+def test_fuzz_private_fits(noise, clip, noise_seed, family):
+    """A private fit ends in a documented error or a fit whose convergence verdict covers its noise: a point
+    estimate's table holds the privacy-noise row (a converged fit passed it), a sampler reports its epsilon."""
+    cls, small = ALGORITHMS[family]
+    dp = fb.privacy.DP(clip=clip, noise_multiplier=noise, noise_seed=noise_seed)
+    outcome, algo = classify("private fits", cls, **small, step_size=0.05, privacy=dp)  # no step: a release
+    if outcome != "success":
+        return
+    outcome, res = classify("private fits", fb.fed_fit, regression, DATA, algo, num_rounds=20, progress=False)
+    if outcome == "success":
+        check_fit(res)
+        assert res.privacy is not None and np.isfinite(res.privacy["epsilon"]) == (noise > 0), res.privacy
+        if family in ("GD", "FedAvg") and noise > 0:
+            row = res.diagnostics.set_index("check").loc["privacy_noise"]
+            assert bool(row["ok"]) == (row["value"] <= 1.0) and (res.converged <= bool(row["ok"]))

@@ -440,9 +440,9 @@ def test_joint_lmc_refuses_what_it_cannot_sample():
         fb.fed_fit(hierarchical, data, fb.JointMALA(batch_size=2), **kw)
     with pytest.raises(fb.ConfigError, match="joint mode"):
         fb.fed_fit(hierarchical, data, fb.JointLMC(init="map"), **kw)
-    with pytest.raises(fb.ConfigError, match="target_accept must lie in"):
+    with pytest.raises(fb.ConfigError, match="target_accept must be a number in"):
         fb.JointMALA(target_accept=1.0)
-    with pytest.raises(fb.ConfigError, match="step_jitter must lie in"):
+    with pytest.raises(fb.ConfigError, match="step_jitter must be a number in"):
         fb.JointHMC(step_jitter=1.0)
     with pytest.raises(fb.ConfigError, match="not a multiple of num_steps=8"):
         fb.fed_fit(hierarchical, data, fb.JointHMC(), **kw)

@@ -44,7 +44,7 @@ from .. import minibatch
 from ..minibatch import check_batch_size
 from ..compress import Compressor, identity, require_unbiased
 from ..engine import client_key, final_exchange, run_jit, stack_clients
-from ..errors import ConfigError, ModelError, require_choice, require_fraction, require_int
+from ..errors import ConfigError, ModelError, require_choice, require_fraction, require_int, require_real
 from ..protocol import ClientData, FederatedRun, FitParts, Message, Problem, RoundInfo, dense_message
 from .expfam import CustomStatistics, Derived, derive
 from ..faults import fault_weight
@@ -230,6 +230,15 @@ class FedMM:
         require_choice(self.uncertainty, f"{self.name} uncertainty", (None, True, False))
         require_choice(self.population_start, f"{self.name} population_start", (None, True, False))
         require_int(self.langevin_steps, f"{self.name} langevin_steps", 1)
+        require_real(
+            self.langevin_step,
+            f"{self.name} langevin_step",
+            0.0,
+            np.inf,
+            open_low=True,
+            open_high=True,
+            allow_none=True,
+        )
         require_int(self.burn_in, f"{self.name} burn_in", 0)
         if self.burn_in >= self.langevin_steps:
             raise ConfigError(f"{self.name} burn_in ({self.burn_in}) must be < langevin_steps ({self.langevin_steps})")

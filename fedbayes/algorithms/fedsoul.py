@@ -380,6 +380,11 @@ class FedSOUL:
         require_int(self.power_iters, "FedSOUL power_iters")
         require_choice(self.local_metric, "FedSOUL local_metric", ("auto", "identity", "dense", "diagonal"))
         require_choice(self.local_kernel, "FedSOUL local_kernel", (None, "mala", "ula"))
+        if not isinstance(self.exact_sites, (tuple, list)) or not all(isinstance(n, str) for n in self.exact_sites):
+            raise ConfigError(
+                f"{self.name} exact_sites must be a tuple of global site names, e.g. ('beta',), "
+                f"got {self.exact_sites!r}"
+            )
         check_batch_size(self.batch_size, self.name)
         require_int(self.num_samples, "FedSOUL num_samples")
         require_int(self.warmup, "FedSOUL warmup", 0)
@@ -394,11 +399,7 @@ class FedSOUL:
                 f"FedSOUL step_scale must lie in (0, 2) (ULA is unstable beyond 2), got {self.step_scale!r}"
             )
         if self.step_size is not None:
-            try:
-                steps = np.asarray(self.step_size, dtype=float)
-            except (TypeError, ValueError):
-                steps = np.asarray([np.nan])
-            if steps.ndim > 1 or not np.all(np.isfinite(steps)) or np.any(steps <= 0):
+            if not _positive_steps(self.step_size):
                 raise ConfigError(
                     "FedSOUL step_size must be a positive float or a 1-d sequence of them (one per client)"
                 )
@@ -1348,6 +1349,19 @@ class LocalOnlyRun(FedSOULRun):
             "LocalOnly fits each client alone: a client unseen in training has no model (fit it on "
             "its own data, e.g. fb.fed_fit on a FederatedData of that one client)"
         )
+
+
+def _positive_steps(value: object) -> bool:
+    """``value`` a finite positive real, or a non-empty 1-d sequence / array of them (no bools, no strings)."""
+    if is_real(value):
+        return 0 < value < np.inf
+    if not (isinstance(value, (list, tuple)) or hasattr(value, "__array__")):
+        return False
+    try:
+        entries = np.asarray(value, dtype=object)
+    except (TypeError, ValueError):  # a ragged sequence
+        return False
+    return entries.ndim == 1 and entries.size > 0 and all(is_real(v) and 0 < v < np.inf for v in entries.tolist())
 
 
 def diagonal_root(metric: jax.Array) -> jax.Array:

@@ -44,7 +44,7 @@ from jax.flatten_util import ravel_pytree
 
 from .. import minibatch
 from ..engine import final_exchange, split_server_key, stack_clients
-from ..errors import ConfigError, ConvergenceWarning, ModelError, require_choice, require_int
+from ..errors import ConfigError, ConvergenceWarning, ModelError, require_choice, require_int, require_real
 from ..introspect import FedModel
 from ..kernels import curvature
 from ..protocol import ClientData, FitParts, Message, Problem, dense_message, with_final_parts
@@ -145,6 +145,7 @@ class JointLMC(LangevinSampler):
     def __post_init__(self):
         super().__post_init__()
         require_choice(self.adapt_mass_matrix, "adapt_mass_matrix", (True, False))
+        require_choice(self.rescale, f"{self.name} rescale", (True, False))
 
     def _channels(self, dim):
         # EF21's memory even uncompressed: an absent client's last gradient (with every client answering, the
@@ -640,8 +641,7 @@ class JointMALA(JointLMC):
                 f"{self.name} needs exact messages (its Metropolis test uses the gradients sent): "
                 "no uplink / downlink compressor"
             )
-        if not 0.0 < self.target_accept < 1.0:
-            raise ConfigError(f"target_accept must lie in (0, 1), got {self.target_accept!r}")
+        require_real(self.target_accept, f"{self.name} target_accept", 0.0, 1.0, open_low=True, open_high=True)
         require_choice(self.adapt_step, "adapt_step", (True, False))
         require_choice(self.adapt_mass_matrix, "adapt_mass_matrix", (True, False))
 
@@ -994,8 +994,7 @@ class JointHMC(JointMALA):
     def __post_init__(self):
         super().__post_init__()
         require_int(self.num_steps, f"{self.name} num_steps", 1)
-        if not 0.0 <= self.step_jitter < 1.0:
-            raise ConfigError(f"step_jitter must lie in [0, 1), got {self.step_jitter!r}")
+        require_real(self.step_jitter, f"{self.name} step_jitter", 0.0, 1.0, open_high=True)
 
     def _make_run(self, fm: FedModel, problem: Problem) -> JointHMCRun:
         return JointHMCRun(self, fm, problem)
