@@ -499,6 +499,32 @@ class Derived:
                 return len(fn.batch_shape) + frame.dim
         return None
 
+    def _mask_rows(self, site: dict) -> jax.Array | None:
+        """The weight 0 / 1 of each of a site's rows from the masks on its distribution (``numpyro.handlers.mask``
+        and the engine's padding; None: no mask), rows first (one row outside the data plate). A mask that
+        varies within a row (over a non-row axis of the site's batch) is refused: the statistics weigh rows."""
+        fn, masks = site["fn"], []
+        while isinstance(fn, dist.MaskedDistribution):
+            if not (isinstance(fn._mask, bool) and fn._mask):
+                masks.append(fn._mask)
+            fn = fn.base_dist
+        if not masks:
+            return None
+        batch, axis = site["fn"].batch_shape, self._rows(site)
+        for m in masks:
+            shape = (1,) * (len(batch) - jnp.ndim(m)) + tuple(jnp.shape(m))
+            if any(size != 1 for a, size in enumerate(shape) if a != axis):
+                raise ModelError(
+                    f"EM: site '{site['name']}' is masked element by element within its rows (mask shape "
+                    f"{jnp.shape(m)} on batch shape {batch}); EM's statistics weigh whole rows: mask whole "
+                    "rows (a mask over the data plate only)"
+                )
+        keep = jnp.ones(batch, bool)
+        for m in masks:
+            keep = keep & jnp.broadcast_to(jnp.asarray(m, bool), batch)
+        rows = keep.reshape(-1)[:1] if axis is None else jnp.moveaxis(keep, axis, 0).reshape(batch[axis], -1)[:, 0]
+        return rows.astype(jnp.result_type(float))
+
     def _first_row(self, site: dict, arr: jax.Array) -> jax.Array:
         return _first(self._rows(site), arr)
 
@@ -529,6 +555,8 @@ class Derived:
                 continue
             x, _ = self._site_values(tr[t.site])
             rw = w if t.in_plate else jnp.ones((1,), w.dtype)
+            keep = self._mask_rows(tr[t.site])
+            rw = rw if keep is None else rw * keep
             out[t.site] = _family_stats(t.family, tr[t.site]["fn"], x, rw)
         for lin in self.linears:
             out[lin.site] = self._linear_stats(lin, theta_c, latents_c, data, mask, w, component or 0)
@@ -542,17 +570,18 @@ class Derived:
             tr = self._trace({**theta_c, **unravel(beta)}, latents_c, data, mask)
             site = tr[lin.site]
             y, move = self._site_values(site)
-            return move(_param(site["fn"], "loc")).reshape(y.shape[0], -1), y.reshape(y.shape[0], -1)
+            return move(_param(site["fn"], "loc")).reshape(y.shape[0], -1), y.reshape(y.shape[0], -1), site
 
         zero = jnp.zeros_like(beta0)
         G = jax.jacfwd(lambda b: loc(b)[0])(zero)
-        o, y = loc(zero)
-        return G, o, y
+        o, y, site = loc(zero)
+        return G, o, y, self._mask_rows(site)
 
     def _linear_stats(self, lin: _Linear, theta_c, latents_c, data, mask, w, k: int):
-        G, o, y = self._linear_design(lin, theta_c, latents_c, data, mask)
+        G, o, y, keep = self._linear_design(lin, theta_c, latents_c, data, mask)
         rows = G.shape[0]
         rw = w if rows == w.shape[0] else jnp.ones((rows,), w.dtype)
+        rw = rw if keep is None else rw * keep
         Ge = jnp.take_along_axis(G, jnp.asarray(lin.support[k])[None], axis=2)  # (N, E, P_e)
         r = y - o
         return {

@@ -386,6 +386,12 @@ class FedMMRun(FederatedRun):
         flat, self._unravel = ravel_pytree(template)
         self.q = int(flat.size)
         self.dim = int(ravel_pytree(theta)[0].size)
+        if self.q == 0:
+            raise ModelError(
+                f"{cfg.name}: the model's likelihood has no sufficient statistic of its global sites "
+                f"{list(fm.global_names)} (no observed site depends on them), so EM has nothing to estimate; "
+                "check that the observed sites use the globals (and are not masked out)"
+            )
         omega = cfg.compressor.omega(self.q)
         if omega is None:  # FedMM.__post_init__ requires an unbiased compressor
             raise AssertionError(f"{cfg.name}: the compressor {cfg.compressor.name} has no variance constant")
