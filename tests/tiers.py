@@ -112,7 +112,13 @@ SECOND_TIER: dict[str, object] = {
         "test_the_server_expects_the_messages_clients_send",
         "test_the_server_needs_no_client_data",
     ),
-    "tests/test_fuzz.py": ALL,
+    "tests/test_fuzz.py": (  # ~60 s of fits; the option-type scan (constructions only, ~1 s) stays in the first tier
+        "test_fuzz_fit_arguments",
+        "test_fuzz_compressors",
+        "test_fuzz_model_structures",
+        "test_fuzz_model_classes",
+        "test_fuzz_private_fits",
+    ),
     "tests/test_fedrep.py": ALL,
     "tests/test_fedpop_images.py": ("test_fedpop_table_at_ci_size",),  # ~150 s: five NN fits
     "tests/test_fuzz_regressions.py": (
@@ -267,7 +273,6 @@ THIRD_TIER: dict[str, object] = {
         "test_default_fit_in_raw_units_is_the_standardised_fit_mapped",
         "test_adam_is_not_scale_free",  # 50 s, a negative control; moved 2026-11-26 for the FedPop table's CI run
     ),
-    "tests/test_fuzz.py": ALL,  # `make fuzz` runs it longer
     "tests/test_sampler_steps.py": ("test_compressed_samplers_defaults_match_nuts",),  # LMC's stays in CI
     "tests/test_flower.py": (
         "test_ray_simulation_engine_equals_fed_fit",
