@@ -78,6 +78,7 @@ SECOND_TIER: dict[str, object] = {
     "tests/test_expfam.py": (
         "test_gmm_statistics_and_m_step",
         "test_map_m_step_maximises_surrogate_plus_prior",
+        "test_em_statistics_honour_the_models_masks",  # two FedMM fits, ~15 s; the refusal stays in the first tier
     ),
     "tests/test_faults.py": (
         "test_delf_with_faults_keeps_the_exact_stationary_mean",
