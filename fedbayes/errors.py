@@ -111,10 +111,11 @@ def require_int(value: object, what: str, minimum: int = 1, maximum: int | None 
 
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ConfigError(f"{what} must be an integer >= {minimum}, got {value!r}")
-    if maximum is not None and value > maximum:
+    count = int(value)
+    if maximum is not None and count > maximum:
         bound = "2^31 - 1: counts are 32-bit integers in the compiled programs" if maximum == COUNT_MAX else "its bound"
-        raise ConfigError(f"{what} must be at most {maximum:,} ({bound}), got {value:,}")
-    return int(value)
+        raise ConfigError(f"{what} must be at most {maximum:,} ({bound}), got {count:,}")
+    return count
 
 
 def is_real(value: object) -> TypeGuard[float]:
