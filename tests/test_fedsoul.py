@@ -77,7 +77,13 @@ def test_automatic_steps_follow_each_clients_curvature(lme_fit):
     assert ident.settings["step_scale"] == 1.0 and ident.settings["local_kernel"] == "mala"
     lam = np.array([np.linalg.eigvalsh(np.linalg.inv(local_posterior(ident.params, data.client(i))[1])).max()
                     for i in range(data.num_clients)])
-    np.testing.assert_allclose(ident.client_info["step_size"], 1.0 / lam, rtol=1e-4)
+    # The final step is a_i step_scale / lambda_max, with MALA's acceptance factor 0 < a_i <= 1
+    # (fedsoul.ACCEPTANCE_TARGET): it backs off only after moves accepted below 0.574 on average, which
+    # on these 2-d Gaussians with the step 1 / lambda_max is the exception (measured: 4 of 40 clients, by
+    # 0.7-3%). So every ratio is at most 1, and most are 1 to float rounding.
+    ratio = ident.client_info["step_size"] * lam
+    assert np.all((ratio > 0) & (ratio <= 1 + 1e-4)), ratio
+    assert np.mean(np.abs(ratio - 1) < 1e-4) >= 0.75, ratio
     big, small = np.argmax(data.sizes), np.argmin(data.sizes)
     assert ident.client_info["step_size"][big] < ident.client_info["step_size"][small]
 
