@@ -297,6 +297,7 @@ class FedMM:
                 f"{self.name}(init='map') starts from a TAMUNA fit of the model, which fails: {err}. "
                 "Pass init={site: value} (or a previous fit's Result) instead."
             ) from None
+        fm.init_globals(None, init)  # eagerly: a start that makes the model invalid is a ModelError that says so
         run = FedMMRun(dataclasses.replace(self, init=init), fm, stats, problem)
         if run._batches.active and not getattr(stats, "rowwise", False):
             raise ConfigError(
