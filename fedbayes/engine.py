@@ -1178,6 +1178,39 @@ AUTO_RECORD_BYTES = 32 * 2**20
 """The most bytes a timed chunk's buffer of per-round records may take (an estimate: :func:`chunk_capacity`)."""
 
 
+HISTORY_MEMORY_SHARE = 0.5
+"""The largest share of the machine's physical memory that a fit's per-round history may take
+(:func:`check_history_memory`)."""
+
+
+def physical_memory() -> int | None:
+    """The machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_history_memory(name: str, rec: dict[str, np.ndarray], length: int, rounds_left: int) -> None:
+    """ConfigError if the per-round records of the fit's remaining rounds would take more than
+    :data:`HISTORY_MEMORY_SHARE` of the physical memory: ``res.history`` keeps every round's records on the
+    host, so a fit of 2^31 - 1 rounds would otherwise run until the OS kills it for memory, without a word.
+    Measured on the first chunk's records (``length`` rounds), which are what every round records."""
+    memory = physical_memory()
+    if memory is None or length < 1:
+        return
+    per_round = sum(np.asarray(v).nbytes for v in rec.values()) / length
+    need = per_round * rounds_left
+    if need > HISTORY_MEMORY_SHARE * memory:
+        most = int(HISTORY_MEMORY_SHARE * memory / max(per_round, 1.0))
+        raise ConfigError(
+            f"{name}: the history of {rounds_left:,} more rounds would take {need / 2**30:,.1f} GiB on the host "
+            f"({per_round:,.0f} bytes a round), more than {HISTORY_MEMORY_SHARE:.0%} of this machine's "
+            f"{memory / 2**30:,.1f} GiB; run at most {most:,} rounds per fit and continue from its result "
+            "(the algorithm's init=res)"
+        )
+
+
 def chunk_capacity(num_rounds: int, cohort_size: int, server_state: PyTree) -> int:
     """The rounds a timed chunk can hold: at most :data:`AUTO_CHUNK_ROUNDS` and ``num_rounds``, and few enough
     that the buffer of the chunk's per-round records stays within :data:`AUTO_RECORD_BYTES`. A round records
@@ -1556,6 +1589,8 @@ def run_rounds(
             good = dispatch(before, first, bad)[0] if bad else before
             counts = {name: int(rec[name][bad]) for name in ("active", "dropped", "nonfinite", "too_large")}
             raise Stopped(reason, first + bad, good, concat_records(records), counts)
+        if not records:
+            check_history_memory(bar.label, rec, length, num_rounds - first)
         records.append(rec)
         bar.update(first + length)
         if on_chunk is not None:

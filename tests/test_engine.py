@@ -1,6 +1,7 @@
 """Engine pieces: cohorts, cohort sizes, progress reporting, optax-compatible server optimisers."""
 
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -287,3 +288,15 @@ def test_progress_is_one_line_per_chunk_in_a_log_and_one_live_line_on_a_terminal
     bar.finish()
     err = capsys.readouterr().err
     assert err.count("\r") == 4 and err.count("\n") == 1 and err.endswith("\n")
+
+
+def test_a_fit_whose_history_would_not_fit_in_memory_is_refused_after_its_first_round():
+    """num_rounds = 2^31 - 1 is a valid count, but res.history keeps every round's records on the host: the
+    fit used to run until the OS killed it for memory, without a word. The first chunk's records (1 round)
+    measure a round's bytes; 2^31 rounds of them exceed half of any machine's memory."""
+    model = fb.models.linear_regression()
+    data, _ = fb.models.make_glm_clients(3, 2, 10, family="linear", seed=0)
+    t0 = time.perf_counter()
+    with pytest.raises(fb.ConfigError, match=r"history of 2,147,483,64\d more rounds would take .* GiB"):
+        fb.fed_fit(model, data, fb.GD(), num_rounds=fb.api.MAX_ROUNDS, progress=False)
+    assert time.perf_counter() - t0 < 120  # refused after one round, not after running out of memory
