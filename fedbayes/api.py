@@ -258,7 +258,9 @@ def fed_fit(
         An instance such as ``fb.FedSOUL(local_steps=10)`` or ``fb.DELF(uplink=fb.compress.top_k(5))``,
         or a name (``"fedsoul"``, ``"lmc"``, ``"d-elf"``, ``"p-elf"``, ``"b-elf"``) for the defaults.
     num_rounds:
-        Communication rounds, at most ``MAX_ROUNDS`` (2^31 - 1).
+        Communication rounds, at most ``MAX_ROUNDS`` (2^31 - 1), and few enough that the history of every
+        round (``res.history``, on the host) takes at most half the machine's memory: a fit with more stops
+        after its first round with a ConfigError that says how many fit (:func:`fedbayes.engine.check_history_memory`).
     clients_per_round:
         Cohort size per round: an int, a fraction in (0, 1], or None for all clients.
     seed:
