@@ -407,3 +407,26 @@ def test_final_exchange_gradient_and_information_on_a_poisson_random_intercept_m
     plain_var = np.asarray(jax.vmap(plain)(first, clients)).sum(0)
     ratio = plain_var / sd**2
     assert np.all(ratio[:3] > 1000) and ratio[3] > 3, ratio
+
+
+def test_draws_that_would_not_fit_in_memory_are_refused_before_any_computation():
+    """num_samples = 2^30 is a valid count, but 3 clients' draws of it take 24 GiB (float64): refused up front,
+    where the final exchange would have been killed by the OS (found by the fuzzing harness's extreme integers)."""
+    import time
+
+    import numpyro
+    import numpyro.distributions as dist
+
+    data = fb.FederatedData({"y": [np.zeros(3)] * 3})
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with fb.local():
+            b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        with numpyro.plate("obs", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu + b, 1.0), obs=y)
+
+    t0 = time.perf_counter()
+    with pytest.raises(fb.ConfigError, match="personal posteriors' draws .* would take .* GiB"):
+        fb.fed_fit(model, data, fb.FedSOUL(num_samples=2**33 // 8), num_rounds=2, progress=False)
+    assert time.perf_counter() - t0 < 30

@@ -485,6 +485,7 @@ class FedSOUL:
                 "minibatch estimate of the log-density does not leave the local posterior invariant; "
                 "leave local_kernel=None (ULA, i.e. SGLD, with minibatches) or use the full batch"
             )
+        self._check_draws_memory(fm, n)
         return self._run_class()(
             self,
             fm,
@@ -494,6 +495,22 @@ class FedSOUL:
             batches,
             (problem.num_rounds, problem.cohort_size or n),
         )
+
+    def _check_draws_memory(self, fm: FedModel, num_clients: int) -> None:
+        """ConfigError before any computation if the personal posteriors' draws (``res.local_samples``: clients x
+        chains x draws x local coordinates) would take more than half the machine's memory."""
+        from ..engine import HISTORY_MEMORY_SHARE, physical_memory
+
+        memory = physical_memory()
+        q = int(ravel_pytree(fm.zeros_local())[0].size)
+        need = num_clients * self.num_chains * self.num_samples * q * np.dtype(jnp.result_type(float)).itemsize
+        if memory is not None and need > HISTORY_MEMORY_SHARE * memory:
+            raise ConfigError(
+                f"{self.name}: the personal posteriors' draws ({num_clients:,} clients x {self.num_chains} chains x "
+                f"{self.num_samples:,} draws x {q} local coordinates) would take {need / 2**30:,.1f} GiB, more than "
+                f"{HISTORY_MEMORY_SHARE:.0%} of this machine's {memory / 2**30:,.1f} GiB; "
+                "lower num_samples or num_chains"
+            )
 
     def _averaging_start(self, problem: Problem) -> int:
         """The round after which iterates enter the reported average."""
