@@ -55,12 +55,15 @@ if _FUZZ_ENV not in os.environ:
     atexit.register(shutil.rmtree, os.environ[_FUZZ_ENV], ignore_errors=True)
 
 
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item):
     """The fuzzing harness' counts of the test just run reach the report folder (it writes at most twice a
-    second on its own)."""
+    second on its own): after the test's fixtures are torn down (a test may patch ``os.replace``, e.g. to
+    simulate a full disk), and only if the test counted anything."""
+    yield
     harness = sys.modules.get("fuzz_harness")
     if harness is not None:
-        harness.save()
+        harness.save_if_changed()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -37,16 +37,27 @@ _SAVED_AT = [0.0]
 
 
 def _record(domain: str, outcome: str) -> None:
-    """Count one outcome; written to the report folder at most twice a second (and by :func:`save` after each
-    test, conftest.py), as the option-type scan makes some 12 000 calls in one test."""
+    """Count one outcome; written to the report folder at most twice a second (and by :func:`save_if_changed`
+    after each test's teardown, conftest.py), as the option-type scan makes some 12 000 calls in one test."""
     OUTCOMES[(domain, outcome)] += 1
     if time.monotonic() - _SAVED_AT[0] > 0.5:
+        save()
+
+
+_SAVED_COUNTS: collections.Counter = collections.Counter()
+
+
+def save_if_changed() -> None:
+    """:func:`save` if anything was counted since the last save."""
+    if OUTCOMES != _SAVED_COUNTS:
         save()
 
 
 def save() -> None:
     """Write this process' counts to the report folder (replacing its previous file)."""
     _SAVED_AT[0] = time.monotonic()
+    _SAVED_COUNTS.clear()
+    _SAVED_COUNTS.update(OUTCOMES)
     folder = os.environ.get(REPORT_ENV)
     if folder and os.path.isdir(folder):
         rows = [[d, o, n] for (d, o), n in OUTCOMES.items()]
