@@ -358,6 +358,14 @@ class Compressor(abc.ABC):
     def alpha(self, d: int) -> float | None:
         """Contraction constant: E||C(x) - x||^2 <= (1 - alpha) ||x||^2; None if not contractive."""
 
+    def refresh_lag(self, d: int) -> float | None:
+        """Under error feedback, the mean number of rounds a memory's coordinate waits to be brought up to
+        date (:mod:`fedbayes.algorithms.stationary`): (1 - alpha) / alpha, exact for coordinates chosen at
+        random (a geometric wait) and for a memory that moves by a fraction alpha a round; None if not
+        contractive."""
+        alpha = self.alpha(d)
+        return None if alpha is None else (1.0 - alpha) / alpha
+
     @abc.abstractmethod
     def _compress(self, key: jax.Array, x: jax.Array) -> jax.Array:
         """The decoded message C(x) of a 1-D floating vector x (same shape and dtype)."""
@@ -757,6 +765,11 @@ class _TopK(_UnscaledSparsifier):
     def _chosen(self, key: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         _, largest = jax.lax.top_k(jnp.abs(x), self.kept(x.shape[0]))
         return largest, x[largest]
+
+    def refresh_lag(self, d: int) -> float:
+        """(d / k - 1) / 2: the largest residuals go first, so residuals of one scale are sent in turn, as a
+        round robin, each waiting d / k - 1 rounds at most (on Gaussian targets it lagged less still)."""
+        return 0.5 * (d / self.kept(d) - 1.0)
 
 
 class _UnbiasedQuantizer(Compressor):

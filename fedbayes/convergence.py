@@ -79,6 +79,14 @@ Samplers (LMC, D-/P-/B-ELF, QLSD) and the clients' local chains:
     error of the tail quantiles and of R-hat itself is too large to trust them. A single chain is
     split in halves (so R-hat still compares its beginning with its end).
     Fewer than 8 draws per chain give one failed ``draws`` row instead.
+``sd_inflation`` (LMC, D-/P-/B-ELF started at the mode)
+    Chains that mix still sample the unadjusted step's own stationary law, wider than the posterior by
+    the step's discretisation and the compressors' error. ``res.settings["sd_inflation"]`` is its widest
+    sd over the posterior's at the mode, in closed form (:mod:`fedbayes.algorithms.stationary`: ULA's
+    exact Gaussian law, the compressors' error from their declared constants); threshold
+    1 + :data:`fedbayes.algorithms.stationary.INFLATION_LIMIT` = 1.05. The note gives the step that keeps
+    every sd within it (``res.settings["sd_inflation_step"]``). The default step (0.1 in the
+    preconditioned coordinates) gives 1 / sqrt(1 - 0.05) = 1.026 without compression.
 ``local_rhat``
     R-hat of each client's local chains from the final exchange (FedSOUL's personal posteriors;
     ``num_chains`` chains per client), the worst client per site. Threshold 1.01, raised to what chance
@@ -690,7 +698,25 @@ def _sampler_rows(res: Any) -> list[dict[str, Any]]:
                     f"{what} effective sample size (smallest element); {ESS_PER_CHAIN} per chain",
                 )
             )
-    return rows
+    return rows + _inflation_rows(res)
+
+
+def _inflation_rows(res: Any) -> list[dict[str, Any]]:
+    """The ``sd_inflation`` row of a Langevin sampler whose fit computed it (see the module docstring)."""
+    from .algorithms.stationary import INFLATION_LIMIT
+
+    settings = getattr(res, "settings", None) or {}
+    value = settings.get("sd_inflation")
+    if not isinstance(value, float):
+        return []
+    step = settings.get("sd_inflation_step", float("nan"))
+    cfg = res._algorithm_config() if hasattr(res, "_algorithm_config") else None
+    option = "step_size" if getattr(cfg, "step_size", None) is not None else "step_scale"
+    note = (
+        f"{settings.get('sd_inflation_note', 'closed form at the mode')}; {option}={step:.3g} keeps every sd within "
+        f"{INFLATION_LIMIT:.0%}"
+    )
+    return [_row("sd_inflation", JOINT, value, 1.0 + INFLATION_LIMIT, bool(value <= 1.0 + INFLATION_LIMIT), note)]
 
 
 LOCAL_BLOCK = 2048
@@ -828,6 +854,12 @@ def _fix(algorithm: str, check: str) -> str:
             "noise_multiplier (a larger epsilon), fewer global coordinates, or more rounds; the estimate is "
             "the privacy noise's, not the data's, until the signal can exceed it"
         )
+    if check == "sd_inflation":
+        return (
+            "the step the note gives (the closed form's for 5% at the mode: step_scale for the automatic, "
+            "preconditioned step, step_size for a given one), or compressors that keep more; more rounds do not "
+            "narrow a step's stationary law"
+        )
     if check == "local_rhat":
         return (
             "longer local chains after the last round: more num_samples, warmup or thinning (e.g. "
@@ -876,6 +908,7 @@ _CRITERIA = {
     "ess_tail": "the tail effective sample size",
     "local_rhat": "split R-hat of the clients' local chains",
     "privacy_noise": "the privacy noise against the clipped signal",
+    "sd_inflation": "its widest stationary sd over the posterior's",
     "checks": "any check",
 }
 
@@ -904,8 +937,9 @@ def messages(res: Any, table: Any) -> list[str]:
         note = worst.iloc[0]["note"]
         runaway = [r for r in worst.iloc[1:].itertuples() if _RUNAWAY_MARK in r.note]
         note += "".join(f"; {r.site} is{r.note[r.note.index(_RUNAWAY_MARK) + 1 :]}" for r in runaway)
+        verb = "samples a law wider than the posterior, by" if check == "sd_inflation" else "has not converged by"
         out.append(
-            f"{res.algorithm} has not converged by {_CRITERIA.get(check, check)}: {items}{more} ({note}). "
+            f"{res.algorithm} {verb} {_CRITERIA.get(check, check)}: {items}{more} ({note}). "
             f"Fix: {_fix(res.algorithm, check)}.{se_note if check in _POINT_CHECKS else ''} "
             "res.diagnostics has the full table."
         )

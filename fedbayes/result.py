@@ -266,6 +266,19 @@ class Result:
             return f"estimate, standard error and {prob:.0%} interval of the normal approximation"
         return "estimate (this fit has no standard errors)"
 
+    def _bias_line(self) -> str:
+        """The samplers' stationary-law widening (``settings["sd_inflation"]``) where it fails its check, with the
+        step that meets it; "" otherwise."""
+        try:
+            table = self.diagnostics
+        except Exception:  # a summary must print whatever the checks do (the status line says why)
+            return ""
+        row = table[(table["check"] == "sd_inflation") & ~table["ok"]]
+        if row.empty:
+            return ""
+        value, note = row.iloc[0]["value"], row.iloc[0]["note"]
+        return f"step bias: the draws' sds are up to {value - 1:.1%} wider than the posterior's ({note})"
+
     @staticmethod
     def _privacy_line(report: Mapping[str, Any]) -> str:
         nan = float("nan")
@@ -287,6 +300,9 @@ class Result:
         lines = [what, comm, status]
         if self.privacy:
             lines.append(self._privacy_line(self.privacy) + " (client-level DP; res.privacy has the report)")
+        bias = self._bias_line()
+        if bias:
+            lines.append(bias)
         table = self._shown_summary()
         if len(table):
             lines.append(self._estimates_note(0.95) + ":")

@@ -23,7 +23,9 @@ step, x <- x - gamma g + sqrt(2 gamma) Z, between two channels (as Optax chains 
     G = H + (b / |A|) sum_{i in A} Q_i, unbiased under uniform partial participation.
 
 Each channel is a frozen dataclass of pure functions of its own state (a pytree: () when it keeps
-none), so the run carries ``(down, up)`` states and adds no flag of its own.
+none), so the run carries ``(down, up)`` states and adds no flag of its own. Each also declares its
+error's model for the stationary law's report (``stationary_noise``: its share of the gradient error's
+covariance at the mode, :mod:`fedbayes.algorithms.stationary`, or None where it has none).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import jax.numpy as jnp
 from ..compress import Coded, Compressor, identity
 from ..faults import fault_weight
 from ..protocol import Message, RoundInfo, dense_message
+from .stationary import LagTerm, NoiseInputs, NoiseTerm
 
 
 def compress_rows(comp: Compressor, key: jax.Array, v: jax.Array) -> tuple[Coded, jax.Array, jax.Array]:
@@ -44,6 +47,15 @@ def compress_rows(comp: Compressor, key: jax.Array, v: jax.Array) -> tuple[Coded
     sent, the decoded rows, total bits)."""
     coded, out, bits = comp.coded_rows(key, v)
     return coded, out, jnp.sum(bits)
+
+
+def _lag(comp: Compressor, d: int) -> list[NoiseTerm | LagTerm] | None:
+    """Error feedback's lag with a contractive compressor (:meth:`fedbayes.compress.Compressor.refresh_lag`;
+    [] for the identity; None if not contractive; :mod:`fedbayes.algorithms.stationary`)."""
+    if comp == identity():
+        return []
+    lag = comp.refresh_lag(d)
+    return None if lag is None else [LagTerm(lag)]
 
 
 # ----------------------------------------------------------------------------------------- downlinks
@@ -69,6 +81,10 @@ class FullDownlink:
 
     def resync_message(self, state: Any, x: jax.Array) -> Message:
         return Message(jnp.zeros((0,), x.dtype), jnp.asarray(0, jnp.int32))
+
+    def stationary_noise(self, at: NoiseInputs) -> list[NoiseTerm | LagTerm] | None:
+        """No error: the clients compute at x itself."""
+        return []
 
     def resync(self, state: Any, payload: Any) -> Any:
         return state
@@ -110,6 +126,10 @@ class EF21PDownlink:
     def resync(self, w: jax.Array, payload: jax.Array) -> jax.Array:
         return payload
 
+    def stationary_noise(self, at: NoiseInputs) -> list[NoiseTerm | LagTerm] | None:
+        """The clients' copy w lags x by (1 - alpha) / alpha rounds on average (:class:`LagTerm`)."""
+        return _lag(self.compressor, at.dim)
+
 
 # ------------------------------------------------------------------------------------------- uplinks
 
@@ -139,6 +159,17 @@ class DirectUplink:
         the step, while holding x keeps it."""
         return total * fault_weight(info, total.dtype), (), jnp.any(info.active)
 
+    def stationary_noise(self, at: NoiseInputs) -> list[NoiseTerm | LagTerm] | None:
+        """An unbiased Q adds white noise, omega times each coordinate's mean square in x (rand_k's exact
+        diagonal): V_y = S' omega diag(sum_i E[g_i g_i']) S. None for a biased Q (it shifts the law, see
+        :class:`fedbayes.LMC`)."""
+        if self.compressor == identity():
+            return []
+        omega = self.compressor.omega(at.dim)
+        if omega is None or at.grad_sq is None:
+            return None
+        return [NoiseTerm(0, omega * (at.precond.T * at.grad_sq) @ at.precond)]
+
 
 class _MemoryStart:
     """An uplink whose client memory and the server's sum of them start at what the set-up gives."""
@@ -166,6 +197,10 @@ class EF21Uplink(_MemoryStart):
         g = g + total
         return g, g, None
 
+    def stationary_noise(self, at: NoiseInputs) -> list[NoiseTerm | LagTerm] | None:
+        """The memories lag the clients' gradients by (1 - alpha) / alpha rounds on average (:class:`LagTerm`)."""
+        return _lag(self.compressor, at.dim)
+
 
 @dataclass(frozen=True)
 class ClippedEF21Uplink(EF21Uplink):
@@ -192,6 +227,10 @@ class ClippedEF21Uplink(EF21Uplink):
         memories = memories + rows
         return jnp.sum(jax.vmap(lambda m: clip_norm(m, self.clip)[0])(memories), 0), memories, None
 
+    def stationary_noise(self, at: NoiseInputs) -> list[NoiseTerm | LagTerm] | None:
+        """None: the clip shrinks the drift wherever a memory exceeds it, which no error model covers."""
+        return None
+
 
 @dataclass(frozen=True)
 class MemoryUplink(_MemoryStart):
@@ -213,3 +252,7 @@ class MemoryUplink(_MemoryStart):
         weight = info.num_clients / jnp.maximum(jnp.sum(info.active), 1)
         moves = None if self.alpha else jnp.any(info.active)
         return h + weight * total, h + self.alpha * total, moves
+
+    def stationary_noise(self, at: NoiseInputs) -> list[NoiseTerm | LagTerm] | None:
+        """None: the cohort's sampling adds an error that depends on who is drawn, which no model here covers."""
+        return None

@@ -43,7 +43,7 @@ from jax.flatten_util import ravel_pytree
 from .. import minibatch
 from ..compress import Compressor, identity, require_contractive, scale_to_contractive
 from ..engine import run_jit, split_server_key, stack_clients
-from ..errors import ConfigError, ModelError, require_choice, require_int
+from ..errors import ConfigError, ModelError, require_choice, require_int, require_real
 from ..kernels import curvature
 from ..minibatch import check_batch_size
 from ..privacy import LangevinPrivacy, check_dp, folded
@@ -63,6 +63,7 @@ class ServerState(NamedTuple):
     gamma: jax.Array  # () the step, resolved in the set-up
     down: Any  # the downlink channel's state (EF21-P: w, (chains, d); otherwise ())
     up: Any  # the uplink channel's state (EF21: g = sum_i g^i; QLSD: H = sum_i h_i; otherwise ())
+    noise: Any = ()  # diag(sum_i E[g_i g_i']) from the set-up, for the stationary law's report (or ())
 
 
 class ClientState(NamedTuple):
@@ -138,6 +139,13 @@ class LangevinSampler:
         the ELF samplers' first full gradients) uses all rows. With error feedback (D-/B-ELF) the
         memories track the noisy gradients; no result covers that case. A model's
         ``numpyro.plate(..., subsample_size=B)`` sets B the same way.
+    step_scale:
+        The automatic step's gamma lambda_max (None: the sampler's own, 0.1 for LMC and the ELF samplers;
+        ignored with a given ``step_size``). The step is unadjusted: its stationary law is wider than the
+        posterior, at the mode by 1 / sqrt(1 - gamma / 2) in the preconditioned coordinates (2.6% at 0.1),
+        and more with compression. The fit reports the widening (``res.settings["sd_inflation"]``, the
+        ``sd_inflation`` row of ``res.diagnostics``, :mod:`fedbayes.algorithms.stationary`) and, above 5%,
+        warns with the step that would meet it.
     """
 
     step_size: float | None = None
@@ -146,6 +154,7 @@ class LangevinSampler:
     thinning: int = 1
     init: Any = None
     batch_size: int | None = None
+    step_scale: float | None = None
 
     partial_participation = False
     full_participation_reason = (
@@ -160,6 +169,9 @@ class LangevinSampler:
         ):
             raise ConfigError(f"{self.name} step_size must be a positive number or None, got {self.step_size!r}")
         require_int(self.num_chains, f"{self.name} num_chains")
+        require_real(
+            self.step_scale, f"{self.name} step_scale", 0.0, 2.0, open_low=True, open_high=True, allow_none=True
+        )
         if self.warmup is not None:
             require_int(self.warmup, f"{self.name} warmup", 0)
         require_int(self.thinning, f"{self.name} thinning")
@@ -305,6 +317,12 @@ def curvature_step_size(
     return float(scale / jax.jit(run.max_curvature)(stack_clients(fd), run._x0))
 
 
+def _compression_of(run: Any) -> str:
+    """``"uplink top_k(2), downlink identity"``: the run's channels' compressors."""
+    links = (("downlink", run.down), ("uplink", run.up))
+    return ", ".join(f"{name} {getattr(c, 'compressor', identity()).name}" for name, c in links)
+
+
 def _ef_compressor(c: Compressor, rescale: bool, who: str) -> Compressor:
     require_choice(rescale, f"{who} rescale", (True, False))
     return scale_to_contractive(c) if rescale else require_contractive(c, who)
@@ -386,6 +404,8 @@ class LangevinRun(FederatedRun):
 
     def __init__(self, cfg: LangevinSampler, fm: FedModel, problem: Problem):
         self.cfg, self._fm, self.name = cfg, fm, cfg.name
+        if cfg.step_scale is not None:
+            self.step_scale = float(cfg.step_scale)
         self._b = problem.data.num_clients
         self._batches = minibatch.resolve(cfg.batch_size, fm, problem.data.mask.shape[1], cfg.name)
         # a client's gradient is a sum over its masked rows and its state has the parameter's shape: the engine may
@@ -395,6 +415,7 @@ class LangevinRun(FederatedRun):
         self._spread: jax.Array | None = None  # Cholesky factor of H^-1 at the mode: the chains' dispersed starts
         self._precond: jax.Array | None = None  # the same factor S as the Langevin preconditioner (automatic step)
         self.map_bits, self.map_iterations, self.start = (0, 0), 0, "given"
+        self._hessian: np.ndarray | None = None  # H of U at the mode found (the stationary law's report)
         flat, self._unravel = ravel_pytree(fm.init_globals(None))
         self.up, self.down = cfg._channels(int(flat.size))
         auto = cfg.init is None or (isinstance(cfg.init, str) and cfg.init == "map")
@@ -451,6 +472,7 @@ class LangevinRun(FederatedRun):
             return fallback
         self.start = "map"
         hess = np.asarray(sol.hessian, dtype=np.float64)
+        self._hessian = hess
         try:
             chol = np.linalg.cholesky(0.5 * (hess + hess.T))
             self._spread = jnp.asarray(np.linalg.inv(chol).T, sol.x.dtype)  # S S' = H^-1
@@ -552,9 +574,11 @@ class LangevinRun(FederatedRun):
         (QLSD: no gradients at set-up, and x_0 is the first broadcast)."""
         g, curvatures = uploads
         gamma = self._step_from(curvatures)
+        noise = self._noise_inputs(g, curvatures)
         if not self.up.setup_gradient:
             zeros = jnp.zeros_like(x0)
-            return ServerState(x0, gamma, self.down.server_start(x0), self.up.server_start(zeros)), dense_message(x0)
+            state = ServerState(x0, gamma, self.down.server_start(x0), self.up.server_start(zeros), noise)
+            return state, dense_message(x0)
         if self._dp is not None and not self._dp.distributed:  # the first move is a release too
             key, k_dp = jax.random.split(key)
             total = self._dp.noisy(k_dp, self._dp.clipped_sum(g), jnp.ones((), g.dtype))
@@ -563,8 +587,63 @@ class LangevinRun(FederatedRun):
         if self._dp is not None:
             total = total + self._prior_grad(x0)
         start = g if isinstance(self.up, ClippedEF21Uplink) else total  # per-client memories, or their sum
-        state = ServerState(x0, gamma, self.down.server_start(x0), self.up.server_start(start))
+        state = ServerState(x0, gamma, self.down.server_start(x0), self.up.server_start(start), noise)
         return self._move(key, state, total, gamma)
+
+    def _noise_inputs(self, g: Any, curvatures: Any) -> Any:
+        """diag(sum_i E[g_i g_i']) in x from the set-up's gradients, for an unbiased uplink compressor's share
+        of the stationary law's report (:mod:`fedbayes.algorithms.stationary`); () where it cannot be measured.
+        Several chains start at draws of N(mode, H^-1), so the mean over chains of sum_i g_i(x_0)^2 estimates
+        it under the law; one chain starts at the mode, and the spread's diag(sum_i H_i H^-1 H_i) is added
+        from the clients' Hessians (the automatic step's), without which it is not measured."""
+        if isinstance(g, tuple) or self._spread is None:
+            return ()
+        grad_sq = jnp.sum(g**2, axis=(0, 1)) / g.shape[1]
+        if g.shape[1] > 1:
+            return grad_sq
+        if isinstance(curvatures, tuple) or self.dim > DENSE_CURVATURE:
+            return ()
+        return grad_sq + jnp.sum(jnp.einsum("ijk,kl->ijl", curvatures, self._spread) ** 2, axis=(0, 2))
+
+    def stationary_report(self, gamma: float, server: Any) -> dict[str, Any]:
+        """The stationary law's sd inflation at the mode (:mod:`fedbayes.algorithms.stationary`): the largest
+        over the coordinates (``sd_inflation``) and the step that keeps every one within ``INFLATION_LIMIT``
+        (``sd_inflation_step``); where the mode's Hessian is unknown (a given start) or a channel's error has
+        no model, only ``sd_inflation_note``, which says why."""
+        from .stationary import INFLATION_LIMIT, NoiseInputs, sd_inflation, step_for_inflation
+
+        if self._hessian is None:
+            return {"sd_inflation_note": "not computed: the chains did not start at a mode found by fedbayes"}
+        if self._batches.active:
+            return {"sd_inflation_note": "not computed: the minibatches' gradient noise is not measured"}
+        d = self._hessian.shape[0]
+        s = np.eye(d) if self._precond is None else np.asarray(self._precond, dtype=np.float64)
+        grad_sq = np.asarray(server.noise, dtype=np.float64) if len(server.noise) else None
+        at = NoiseInputs(hessian_y=s.T @ self._hessian @ s, precond=s, grad_sq=grad_sq, dim=d)
+        parts = [self.down.stationary_noise(at), self.up.stationary_noise(at)]
+        links = _compression_of(self)
+        if any(p is None for p in parts):
+            return {
+                "sd_inflation_note": (
+                    f"not computed: the compressors' error ({links}) has no model here (a biased compressor "
+                    "without error feedback, QLSD's memories, a clip, or an unbiased one whose set-up measured "
+                    "no gradients)"
+                )
+            }
+        terms = [t for p in parts for t in p]
+        try:
+            precond = None if self._precond is None else s
+            inflation = sd_inflation(self._hessian, gamma, precond, terms)
+            best = step_for_inflation(self._hessian, precond, terms, INFLATION_LIMIT)
+        except ConfigError as err:
+            return {"sd_inflation_note": f"not computed: {err}"}
+        return {
+            "sd_inflation": float(np.max(inflation)),
+            # what to pass for it: the automatic step's gamma lambda_max, or a given (unpreconditioned) step
+            "sd_inflation_step": best if self.cfg.step_size is not None else best * self.step_scale / gamma,
+            "sd_inflation_note": "closed form at the mode: ULA's step"
+            + (f" and the compressors' error ({links})" if terms else ""),
+        }
 
     def _move(self, key, s: _S, g: jax.Array, gamma: jax.Array) -> tuple[_S, Message]:
         """Langevin step x -> x - gamma g + sqrt(2 gamma) Z, sent through the downlink. Under central DP the
@@ -640,6 +719,7 @@ class LangevinRun(FederatedRun):
         samples = {k: np.asarray(v) for k, v in constrain(jnp.asarray(draws)).items()}
         server = carry[0]
         gamma = float(server.gamma)
+        report = self.stationary_report(gamma, server)
         return FitParts(
             global_samples=samples,
             params={k: v.mean(axis=(0, 1)) for k, v in samples.items()},
@@ -652,6 +732,7 @@ class LangevinRun(FederatedRun):
                 "batch_size": self._batches.size if self._batches.active else None,
                 "map_iterations": self.map_iterations,
                 "preconditioned": self._precond is not None,
+                **report,
             },
             final_state=server,
             privacy=None if self._dp is None else self._dp.report(history.get("active")),

@@ -387,6 +387,10 @@ class JointLangevinRun(LangevinRun):
         }
         return parts
 
+    def stationary_report(self, gamma: float, server: Any) -> dict[str, Any]:
+        """No closed form here: the step's bias on the joint law of globals and latents is not modelled."""
+        return {"sd_inflation_note": "not computed: the joint sampler's law over globals and latents is not modelled"}
+
     def finalize(self, key, carry, problem: Problem, history: Mapping[str, np.ndarray] | None = None) -> FitParts:
         """The globals' draws and each client's own draws of its latents (the final exchange)."""
         if history is None:
@@ -672,6 +676,10 @@ class JointMALARun(JointLangevinRun):
     step_scale = MALA_STEP_SCALE
     L = 1  # rounds a decision (JointHMC: num_steps)
     cfg: JointMALA
+
+    def stationary_report(self, gamma: float, server: Any) -> dict[str, Any]:
+        """None: the Metropolis-Hastings correction leaves the posterior stationary at any step."""
+        return {}
 
     def __init__(self, cfg: JointMALA, fm: FedModel, problem: Problem):
         super().__init__(cfg, fm, problem)
