@@ -65,14 +65,20 @@ def chains(data, num_rounds: int, model=gaussian_head, **options):
         return jax.lax.scan(body, state, jax.random.split(k_rounds, num_rounds))[0]
 
     states = jax.jit(jax.vmap(one))(jax.random.split(jax.random.PRNGKey(0), CHAINS))
-    return run, states
+    if run.local_metric != "diagonal":
+        return run, states, None
+    # each copy's metric V at its anchor: the prior's curvature diagonal (1 here) plus the likelihood's running mean
+    full = jax.jit(jax.vmap(lambda a, m: run._diagonal_metric(theta, a, client, m)))(states.anchor, states.metric)
+    return run, states, np.asarray(full, np.float64)
 
 
 def test_the_metric_is_chosen_as_documented(problem):
     data = problem[0]
     build = lambda algo: algo.build(Problem(FedModel(gaussian_head, data), data, 10)).local_metric  # noqa: E731
     assert build(fb.FedSOUL(local_metric="diagonal")) == "diagonal"
-    assert build(fb.FedSOUL()) == "identity"  # q = 12 > LOCAL_DENSE_MAX: see FedSOUL's local_metric
+    assert build(fb.FedSOUL()) == "diagonal"  # q = 12 > LOCAL_DENSE_MAX: see FedSOUL's local_metric
+    assert build(fb.FedRep()) == "identity"  # FedRep's gradient steps keep their 1 / L step
+    assert build(fb.FedSOUL(step_size=0.01)) == "identity"  # a given step is the identity metric's
     with pytest.raises(fb.ConfigError, match="local_metric"):
         fb.FedSOUL(local_metric="adam")
 
@@ -82,7 +88,7 @@ def test_mala_with_the_adapted_diagonal_metric_samples_the_posterior_exactly(pro
     after 60 rounds are independent draws of the chain's law, which must be the posterior N(mean, cov); and
     V, the running mean of Hutchinson's u * (P u), must estimate diag(P) without bias."""
     data, precision, mean, cov = problem
-    run, states = chains(data, 60, local_metric="diagonal")
+    run, states, V = chains(data, 60, local_metric="diagonal")
     z = np.asarray(states.z["z"], np.float64)
     sd = np.sqrt(np.diag(cov))
     # 2 000 independent draws: each coordinate's mean has standard error sd / sqrt(2000); 4.5 standard errors
@@ -96,7 +102,6 @@ def test_mala_with_the_adapted_diagonal_metric_samples_the_posterior_exactly(pro
     assert np.max(np.abs(corr - exact)) < 4.5 / np.sqrt(CHAINS)
     # V: its mean over the copies against diag(P), within 4.5 of its standard errors over the copies; and it spans
     # the curvatures' range, so that the whitened target is well conditioned
-    V = np.asarray(states.metric, np.float64)
     se = V.std(0, ddof=1) / np.sqrt(CHAINS)
     np.testing.assert_array_less(np.abs(V.mean(0) - np.diag(precision)) / se, 4.5)
     assert np.diag(precision).max() / np.diag(precision).min() > 5e3
@@ -108,9 +113,9 @@ def test_ula_with_the_diagonal_metric_has_ula_s_closed_form_law(problem):
     S = A S A^T + 2 gamma R R^T (discrete Lyapunov). At step_scale 1 that law's variances are 1.2-1.26 times the
     posterior's, so the test tells the two apart."""
     data, precision, mean, cov = problem
-    run, states = chains(data, 80, local_metric="diagonal", local_kernel="ula", step_scale=1.0)
+    run, states, V = chains(data, 80, local_metric="diagonal", local_kernel="ula", step_scale=1.0)
     z = np.asarray(states.z["z"], np.float64)
-    root = np.asarray(jax.vmap(fedsoul.diagonal_root)(states.metric), np.float64)  # each copy's metric's root
+    root = np.asarray(jax.vmap(fedsoul.diagonal_root)(V), np.float64)  # each copy's metric's root
     gamma = np.asarray(states.step, np.float64)
     # the copies' metrics and steps differ a little (V is a running mean over 20 rounds): the law of a copy's
     # state is the mixture of the closed forms at each copy's own metric and step
@@ -167,7 +172,7 @@ def test_mala_s_automatic_step_backs_off_to_its_acceptance_target_and_stays_exac
     y = x @ rng.normal(size=HEAD) + rng.normal(size=HEAD)
     data = fb.FederatedData({"x": [x], "y": [y]})
     mean, sd = x.T @ y / (1.0 + CURV), np.full(HEAD, 1.0 / np.sqrt(1.0 + CURV))
-    run, states = chains(data, 60, model=gaussian_head)
+    run, states, _ = chains(data, 60, model=gaussian_head, local_metric="identity")
     assert run.local_metric == "identity" and run.local_kernel == "mala"
     client = jax.tree_util.tree_map(lambda a: a[0], stack_clients(data))
     theta = {"m": jnp.zeros(())}

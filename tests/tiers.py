@@ -124,7 +124,10 @@ SECOND_TIER: dict[str, object] = {
         "test_fuzz_private_fits",
     ),
     "tests/test_fedrep.py": ALL,
-    "tests/test_fedpop_images.py": ("test_fedpop_table_at_ci_size",),  # ~150 s: five NN fits
+    "tests/test_fedpop_images.py": (
+        "test_fedpop_table_at_ci_size",  # ~150 s: five NN fits
+        "test_small_clients_gain_from_the_learned_prior_over_fedrep_and_local_training",  # ~50 s: nine fits
+    ),
     "tests/test_fuzz_regressions.py": (
         "test_a_failing_callback_is_named_and_the_checkpoint_kept",
         "test_fits_of_seeds_2_32_apart_differ_and_small_seeds_are_unchanged",

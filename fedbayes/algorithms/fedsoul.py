@@ -204,15 +204,22 @@ class FedSOUL:
         model's ``numpyro.plate(..., subsample_size=B)`` sets B the same way. B at least every client's
         row count is the full batch, and the fit the full-batch fit bit for bit.
     local_metric:
-        The clients' Langevin preconditioner. "diagonal": M_i = diag(1 / V_i), V_i a running mean over
-        the client's rounds of unbiased estimates of the diagonal of H_i = -grad^2_z log p(D_i, z | theta)
-        at the client's anchor (below): Hutchinson's u * (H_i R u) / r with a Rademacher u and R = diag(r)
-        the current metric's root (probed in the whitened coordinates, the estimate's relative noise is
-        that of the correlations of H_i, not of its scales: a plain u * (H_i u) is swamped where a
-        coordinate of curvature 1 is correlated with one of curvature 1e4), one Hessian-vector product
-        (about two gradients) a round, started at the set-up from H_i's exact diagonal (q products,
-        once). Each coordinate moves on the scale of its own spread, as preconditioned SGLD (Li et al.
-        2016) and a diagonal Laplace metric do, at the cost of a gradient where "dense" costs q of them
+        The clients' Langevin preconditioner. "diagonal": M_i = diag(1 / V_i), V_i = P_i + max(L_i, 0):
+        P_i the exact diagonal of the population prior's curvature -grad^2_z log p(z | theta) at the
+        client's anchor (below; q Hessian-vector products of the prior alone, which costs no likelihood
+        evaluation), and L_i a running mean over the client's rounds of unbiased estimates of the
+        diagonal of the likelihood's curvature -grad^2_z log p(D_i | theta, z) at the anchor: Hutchinson's
+        u * (H R u) / r with a Rademacher u and R = diag(r) the current metric's root (probed in the
+        whitened coordinates, the estimate's relative noise is that of the correlations, not of the
+        scales: a plain u * (H u) is swamped where a coordinate of curvature 1 is correlated with one of
+        curvature 1e4), one Hessian-vector product (about two gradients) a round, started at the set-up
+        from the exact diagonal (q products, once). The clip at 0 is where the estimate's noise is: a
+        log-concave likelihood's diagonal is never negative, and without it a 500-image client's softmax
+        head had a running estimate near 0 in a coordinate correlated with stiffer ones, its V floored
+        there, and the step of every coordinate fell to 2e-4 (the 500-image clients' median on FedPop's
+        digits model; 0.028 with the clip). Each coordinate moves on the scale of its own spread, as
+        preconditioned SGLD (Li et al. 2016) and a diagonal Laplace metric do, at the cost of a gradient
+        where "dense" costs q of them
         and a q x q factorisation. Only V's relative sizes matter: the step is gamma_i =
         step_scale / the largest curvature of the whitened target at the anchor. V is updated at the
         start of a round (rho_k = max(1 / (k + 2), 1 / ``METRIC_WINDOW``) on the k-th visit) from the
@@ -238,11 +245,9 @@ class FedSOUL:
         benchmarks/README.md), and the fit's local R-hat check says so. "auto"
         (default): "dense" when a client has at most ``LOCAL_DENSE_MAX`` (10) local coordinates (a
         q x q Hessian per round, at most as many gradients as the round's 10 moves) and the step is
-        automatic, else "identity" (a given ``step_size`` is the identity metric's; with "dense" or
-        "diagonal" it is the step in the whitened coordinates). "diagonal" is not the default above
-        ``LOCAL_DENSE_MAX``: on FedPop's image model its heads mix, and the fit's predictions are worse at
-        the protocol's budget than with the identity metric's heads, which stay near where their chains
-        began (benchmarks/README.md, "FedPop's image experiment").
+        automatic, else "diagonal" for FedSOUL's Langevin chains and "identity" for FedRep's and
+        LocalOnly's gradient steps (a given ``step_size`` is the identity metric's; with "dense" or
+        "diagonal" it is the step in the whitened coordinates).
     server_lr:
         eta_k: a float or a schedule ``k -> eta_k``; None (default): 1.0 for Fisher scoring, 0.05 for
         "adam" / "sgd" / an optax optimiser.
@@ -306,9 +311,17 @@ class FedSOUL:
         Fraction of the rounds after which iterates enter the reported average.
     init:
         Initial constrained values of global sites (others: param inits / prior medians): a dict, a
-        previous fit ``Result``, or ``"map"``: a TAMUNA fit of the non-personalised model first
-        (every client's latents at their population mean; 300 rounds), the classic warm start of a
-        personalised model from the global one.
+        previous fit ``Result``, ``"map"``: the MAP of the non-personalised model first (every client's
+        latents at their population mean; :func:`fedbayes.algorithms.warmstart.map_estimate`, at most 100
+        iterations of every client's gradient, Newton's step up to 1 000 coordinates), the classic warm
+        start of a personalised model from the global one, or None (the cold start). "auto" (default):
+        "map" when the globals have more than ``information_max_dim`` unconstrained coordinates (a
+        network's shared sites, which the "auto" optimiser moves by Adam) and the fit is not private,
+        else None. From a cold start a network's personal heads begin as prior draws around mu = 0, the
+        shared body fits features to those random heads, and the population mean stays near 0 (FedPop's
+        image model on digits, S = 5, half the clients with 5 images: the small clients' accuracy 0.68
+        with a cold start, 0.97 from the MAP; ``benchmarks/README.md``). FedRep and LocalOnly keep the
+        cold start their papers use.
     num_samples, warmup, thinning, num_chains:
         After the last round each client runs ``num_chains`` ULA chains of ``warmup`` +
         ``num_samples * thinning`` steps at the averaged theta, keeping every ``thinning``-th state:
@@ -357,7 +370,7 @@ class FedSOUL:
     exact_sites: tuple[str, ...] = ()
     bounds: Mapping[str, tuple[float, float]] | None = None
     average_from: float = 0.5
-    init: Any = None
+    init: Any = "auto"
     num_samples: int = 200
     warmup: int = 200
     thinning: int = 5
@@ -406,7 +419,8 @@ class FedSOUL:
         require_fraction(self.average_from, "FedSOUL average_from")
         require_choice(self.stateful, "FedSOUL stateful", (True, False))
         require_choice(self.one_step, "FedSOUL one_step", (True, False))
-        check_init(self.init, "FedSOUL")
+        if not (isinstance(self.init, str) and self.init == "auto"):  # resolved at build: resolved_init
+            check_init(self.init, self.name)
         if self.server_lr is not None:
             optim.as_schedule(self.server_lr, "FedSOUL server_lr")
         if not (isinstance(self.server_optimizer, str) and self.server_optimizer in ("auto", "fisher")):
@@ -490,11 +504,19 @@ class FedSOUL:
             self,
             fm,
             self._averaging_start(problem),
-            resolve_init(self.init, problem),
+            resolve_init(self.resolved_init(fm), problem),
             n,
             batches,
             (problem.num_rounds, problem.cohort_size or n),
         )
+
+    def resolved_init(self, fm: FedModel) -> Any:
+        """``init`` with "auto" resolved: "map" when the globals have more than ``information_max_dim``
+        unconstrained coordinates (a network's shared sites) and the fit is not private, else None."""
+        if not (isinstance(self.init, str) and self.init == "auto"):
+            return self.init
+        wide = ravel_pytree(fm.init_globals(None))[0].size > self.information_max_dim
+        return "map" if wide and self.privacy is None else None
 
     def _check_draws_memory(self, fm: FedModel, num_clients: int) -> None:
         """ConfigError before any computation if the personal posteriors' draws (``res.local_samples``: clients x
@@ -541,6 +563,7 @@ class FedRep(FedSOUL):
     local_kernel: str | None = "ula"
     uncertainty: bool | None = False
     num_chains: int = 1
+    init: Any = None
     name: str = "FedRep"
 
     local_prior: ClassVar[bool] = False
@@ -661,7 +684,9 @@ class FedSOULRun(FederatedRun):
         q = ravel_pytree(fm.zeros_local())[0].size
         auto = cfg.local_metric == "auto" and cfg.step_size is None
         self._dense = cfg.local_metric == "dense" or (auto and 0 < q <= LOCAL_DENSE_MAX)
-        self._diagonal = cfg.local_metric == "diagonal"
+        # a Langevin chain over more coordinates: the diagonal metric (FedRep's and LocalOnly's noise-free
+        # gradient steps keep the identity's 1 / L step, as those methods are defined)
+        self._diagonal = cfg.local_metric == "diagonal" or (auto and q > LOCAL_DENSE_MAX and cfg.local_noise)
         self.local_metric = "dense" if self._dense else ("diagonal" if self._diagonal else "identity")
         self.local_kernel = cfg.local_kernel or ("ula" if batches.active else "mala")
         mala = self.local_kernel == "mala"
@@ -717,6 +742,32 @@ class FedSOULRun(FederatedRun):
         """The local chain's log-density as a function of flat local latents shaped like ``like``."""
         unravel = ravel_pytree(like)[1]
         return lambda x: self._client_log_joint(theta, unravel(x), client.data, client.mask)
+
+    def _flat_term(
+        self, theta: Params, like: Params, client: ClientData, which: int
+    ) -> Callable[[jax.Array], jax.Array]:
+        """One term of the local chain's log-density as a function of flat local latents shaped like ``like``:
+        ``which`` 0 the population prior log p(z | theta) (with the latents' Jacobian; 0 for FedRep, whose
+        chains have no prior), 1 the log-likelihood log p(D_i | theta, z)."""
+        unravel = ravel_pytree(like)[1]
+        fm, prior = self._fm, self.cfg.local_prior
+
+        def term(x):
+            terms = fm.client_log_terms(theta, unravel(x), client.data, client.mask)
+            return terms[which] if (which == 1 or prior) else jnp.zeros((), x.dtype)
+
+        return term
+
+    def _diagonal_metric(self, theta: Params, anchor: Params, client: ClientData, likelihood: jax.Array) -> jax.Array:
+        """The diagonal metric's V at the anchor: the prior's curvature diagonal exactly (its q Hessian-vector
+        products cost q evaluations of the prior alone, not of the likelihood) plus the running mean
+        ``likelihood`` of the likelihood's, clipped at 0. The clip is where an estimate's noise is: a
+        log-concave likelihood's curvature diagonal is never negative, and a single probe's running mean
+        of it, in a coordinate strongly correlated with stiffer ones, fell to near 0, so that V floored
+        there and the step of every coordinate shrank with the whitened curvature's growth (FedPop's digits
+        model: the 500-image clients' median step 2e-4, 0.028 with the clip)."""
+        prior = _exact_diagonal(self._flat_term(theta, anchor, client, 0), ravel_pytree(anchor)[0])
+        return prior + jnp.maximum(likelihood, 0.0)
 
     def _run_chain(
         self,
@@ -821,7 +872,7 @@ class FedSOULRun(FederatedRun):
                 step = self.step_scale / jnp.maximum(lam, 1e-12)
             return unravel(moved), v, step, root
         if self._diagonal:
-            root = diagonal_root(metric)
+            root = diagonal_root(self._diagonal_metric(theta, anchor, client, metric))
             if not self._auto_step:
                 return anchor, v, step, root
             lam, v = curvature(lambda u: f(flat + root * u), jnp.zeros_like(flat), v, iters)
@@ -861,10 +912,8 @@ class FedSOULRun(FederatedRun):
         v0 = jax.random.normal(k_v, (ravel_pytree(fm.zeros_local())[0].size,))
         metric: Any = ()
         visits: Any = ()
-        if self._diagonal:
-            f, flat = self._flat_log_joint(theta, anchor, client), ravel_pytree(anchor)[0]
-            basis = jnp.eye(flat.size, dtype=flat.dtype)
-            metric = jax.lax.map(lambda e: e @ hvp(f, flat, e), basis, batch_size=METRIC_BATCH)
+        if self._diagonal:  # the likelihood's part of the curvature's diagonal, exactly (q products, once)
+            metric = _exact_diagonal(self._flat_term(theta, anchor, client, 1), ravel_pytree(anchor)[0])
         if self._diagonal or self._adapt_acceptance:
             visits = jnp.zeros((), jnp.int32)
         log_scale: Any = jnp.zeros((), v0.dtype) if self._adapt_acceptance else ()
@@ -943,11 +992,12 @@ class FedSOULRun(FederatedRun):
         # log-density; the whole client without minibatches), which none of the moves' drifts uses
         adapt_on = self._batches.take(order, client, 0) if order is not None else client
         metric, visits, log_scale = state.metric, state.visits, state.log_scale
-        if self._diagonal:  # one more estimate of the curvature's diagonal at the anchor into its running mean
-            f = self._flat_log_joint(theta, state.anchor, adapt_on)
+        if self._diagonal:  # one more estimate of the likelihood's curvature diagonal at the anchor into its mean
+            f = self._flat_term(theta, state.anchor, adapt_on, 1)
             flat = ravel_pytree(state.anchor)[0]
             u = jax.random.rademacher(jax.random.fold_in(key, 7), flat.shape, flat.dtype)
-            r = diagonal_root(metric)  # probed in the current metric's coordinates: see local_metric
+            # probed in the current metric's coordinates: see local_metric
+            r = diagonal_root(self._diagonal_metric(theta, state.anchor, adapt_on, metric))
             estimate = u * hvp(f, flat, r * u) / r
             rho = jnp.maximum(1.0 / (visits + 2.0), 1.0 / METRIC_WINDOW)
             metric = jnp.where(jnp.all(jnp.isfinite(estimate)), metric + rho * (estimate - metric), metric)
@@ -1379,6 +1429,12 @@ def _positive_steps(value: object) -> bool:
     except (TypeError, ValueError):  # a ragged sequence
         return False
     return entries.ndim == 1 and entries.size > 0 and all(is_real(v) and 0 < v < np.inf for v in entries.tolist())
+
+
+def _exact_diagonal(f: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    """diag(-grad^2 f(x)) by one Hessian-vector product per coordinate (batches of ``METRIC_BATCH``)."""
+    basis = jnp.eye(x.size, dtype=x.dtype)
+    return jax.lax.map(lambda e: e @ hvp(f, x, e), basis, batch_size=METRIC_BATCH)
 
 
 def diagonal_root(metric: jax.Array) -> jax.Array:

@@ -108,6 +108,9 @@ class _Runtime:
             # the samplers' default search for the mode takes a data-dependent number of exchanges, which
             # the set-up protocol does not have: on a network they start at the prior centre
             fit = fit._replace(algorithm=dataclasses.replace(fit.algorithm, init="prior"))
+        if callable(getattr(fit.algorithm, "resolved_init", None)):  # FedSOUL's init="auto", as fed_fit resolves it
+            start = fit.algorithm.resolved_init(FedModel(fit.model, fit.data, fit.model_kwargs))
+            fit = fit._replace(algorithm=dataclasses.replace(fit.algorithm, init=start))
         if isinstance(getattr(fit.algorithm, "init", None), str) and fit.algorithm.init != "prior":
             raise ConfigError(
                 f"{fit.algorithm.name}: init={fit.algorithm.init!r} runs a fit over every client's data "
