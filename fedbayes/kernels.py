@@ -129,6 +129,7 @@ def langevin_move(
     adjusted: bool = False,
     tame: bool = False,
     noise: bool = True,
+    noise_factor: jax.Array | None = None,
 ) -> tuple[LangevinPoint, jax.Array]:
     """One Langevin move from ``point``, Metropolis-adjusted (MALA) or not (ULA).
 
@@ -150,6 +151,10 @@ def langevin_move(
     ``noise=False`` drops the noise term: the move is a (preconditioned) gradient-ascent step
     u' = u + D(x), taken unadjusted (FedRep's local training, :class:`fedbayes.FedRep`).
 
+    ``noise_factor`` (ULA only): f, per coordinate of u (a scalar or a (q,) vector), the injected noise
+    becomes sqrt(2 gamma) f xi. A caller that knows the move's own excess variance (ULA's discretisation, a
+    stochastic gradient's error) shrinks the noise by it (:class:`fedbayes.FedSOUL`'s rounds).
+
     ``key`` is split in two, the noise's and the acceptance's; a :class:`MoveKeys` (:func:`move_keys`) gives
     the two halves split ahead, the same bits."""
     flat, unravel = ravel_pytree(point.x)
@@ -161,7 +166,10 @@ def langevin_move(
         return d * _tame_factor(d, step_size, TAME) if tame else d
 
     xi = jax.random.normal(k_noise, flat.shape, flat.dtype)
-    du = drift(point.grad) + jnp.sqrt(2.0 * step_size) * xi if noise else drift(point.grad)
+    if noise_factor is not None and adjusted:
+        raise ValueError("noise_factor changes an unadjusted move (ULA): MALA's proposal density assumes 2 gamma")
+    scale = jnp.sqrt(2.0 * step_size) if noise_factor is None else jnp.sqrt(2.0 * step_size) * noise_factor
+    du = drift(point.grad) + scale * xi if noise else drift(point.grad)
     x_new = unravel(flat + (du if root is None else apply_root(root, du)))
     new = LangevinPoint(x_new, *evaluate(x_new))
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in jax.tree_util.tree_leaves(new)]))

@@ -13,10 +13,12 @@ permutation drawn from its own round key (reproducible, and independent of every
 of the round); its m-th batch of the round is B consecutive rows of that order, wrapping around. So the
 rows of one batch are distinct (drawn without replacement), and consecutive batches of a round cover
 every row once before any row is used again (an epoch without replacement); each batch on its own is a
-uniformly random B-subset, so each estimate is unbiased. A client with N_i <= B rows uses all of them
-with weight 1. A batch is a :class:`~fedbayes.protocol.ClientData` of B rows whose ``mask`` holds the
-weights (N_i / B on the chosen rows, 0 on padding): every density of :class:`~fedbayes.FedModel` honours
-such a weighted mask (:class:`~fedbayes.introspect.DataMask` scales the observation sites), so an
+uniformly random B-subset, so each estimate is unbiased. (FedSOUL's Langevin moves draw each batch
+independently instead, :meth:`Minibatch.sample`: its noise correction needs errors that do not cancel over
+an epoch.) A client with N_i <= B rows uses all of them with weight 1. A batch is a
+:class:`~fedbayes.protocol.ClientData` of B rows whose ``mask`` holds the weights (N_i / B on the chosen
+rows, 0 on padding): every density of :class:`~fedbayes.FedModel` honours such a weighted mask
+(:class:`~fedbayes.introspect.DataMask` scales the observation sites), so an
 algorithm evaluates a batch exactly as it evaluates a whole client, on B rows instead of all of them.
 
 The batch size comes from an algorithm's ``batch_size`` option or from the model itself,
@@ -90,6 +92,24 @@ class Minibatch:
         mask = jnp.where(client.mask[idx], weight, jnp.zeros((), dtype))
         data = {k: v[idx] for k, v in client.data.items()}
         return client._replace(data=data, mask=mask)
+
+    def sample(self, key: jax.Array, client: ClientData) -> ClientData:
+        """A batch of B rows drawn uniformly with replacement from the client's N_i real rows (the first N_i
+        rows of a padded client), weight N_i / B: an unbiased estimate independent of every other batch drawn
+        with another key. All N_i rows with weight 1 when N_i <= B; the client itself when batches are not
+        :attr:`active`. FedSOUL's noise-corrected SGLD moves draw their batches so (an epoch's batches, whose
+        errors cancel over the epoch, would make the error's effect on the chain depend on its mixing speed)."""
+        B = self.size
+        if B is None or not self.active:
+            return client
+        n = client.size.astype(jnp.int32)
+        small = n <= B
+        j = jnp.arange(B, dtype=jnp.int32)
+        idx = jnp.where(small, j, jax.random.randint(batch_key(key), (B,), 0, jnp.maximum(n, 1)))
+        dtype = jnp.result_type(float)
+        weight = jnp.where(small, jnp.ones((), dtype), n.astype(dtype) / B)
+        mask = jnp.where(client.mask[idx], weight, jnp.zeros((), dtype))
+        return client._replace(data={k: v[idx] for k, v in client.data.items()}, mask=mask)
 
     def draw(self, key: jax.Array, client: ClientData, weighted: bool = True) -> ClientData:
         """One batch (the first of a fresh order): for algorithms that take one step per round. With

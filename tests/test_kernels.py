@@ -159,6 +159,33 @@ def test_moves_with_their_keys_split_ahead_are_the_same_moves(adjusted):
     assert float(jnp.min(probs)) < 1.0 if adjusted else float(jnp.min(probs)) == 1.0  # MALA rejected some
 
 
+def test_a_noise_factor_scales_ula_s_noise_and_is_refused_by_mala():
+    """``noise_factor=f``: the unadjusted move's noise is sqrt(2 gamma) f xi with the same xi (f = 1 is the plain
+    move bit for bit, f = 0 the gradient step); on the Gaussian target N(0, 1 / lambda) with f^2 = 1 - gamma lambda / 2
+    the AR(1) recursion's stationary variance is exactly 1 / lambda (its closed form); MALA refuses it."""
+    lam, gamma = 2.0, 0.4
+    evaluate = lambda x: (-0.5 * lam * jnp.sum(x * x), -lam * x, ())  # noqa: E731
+    start = LangevinPoint(jnp.asarray([1.5]), *evaluate(jnp.asarray([1.5])))
+    key = jax.random.PRNGKey(3)
+    plain, _ = langevin_move(key, start, evaluate, gamma)
+    same, _ = langevin_move(key, start, evaluate, gamma, noise_factor=jnp.ones(1))
+    step, _ = langevin_move(key, start, evaluate, gamma, noise_factor=jnp.zeros(1))
+    np.testing.assert_array_equal(np.asarray(plain.x), np.asarray(same.x))
+    np.testing.assert_allclose(np.asarray(step.x), 1.5 - gamma * lam * 1.5, rtol=1e-6)
+    f = jnp.sqrt(1.0 - gamma * lam / 2.0)
+
+    def chain(k):
+        return jax.lax.scan(lambda p, kk: (langevin_move(kk, p, evaluate, gamma, noise_factor=f)[0], None), start,
+                            jax.random.split(k, 60))[0].x[0]
+
+    draws = np.asarray(jax.jit(jax.vmap(chain))(jax.random.split(key, 4000)), np.float64)
+    # 4 000 independent copies after 60 moves (the start's weight (1 - gamma lambda)^60 = 1e-24): the variance's
+    # relative sd is sqrt(2 / 3999) = 0.022; plain ULA's would be 1 / (1 - 0.4) = 1.67 times wider
+    assert abs(draws.var() * lam - 1.0) < 4.5 * np.sqrt(2.0 / 3999)
+    with pytest.raises(ValueError, match="noise_factor"):
+        langevin_move(key, start, evaluate, gamma, adjusted=True, noise_factor=f)
+
+
 def test_curvature_power_iteration_finds_largest_eigenvalue():
     A = jnp.diag(jnp.array([1.0, 5.0, 40.0])) + 0.1
     log_density = lambda x: -0.5 * x["a"] @ A @ x["a"]  # noqa: E731

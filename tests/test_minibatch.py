@@ -83,6 +83,30 @@ def test_batches_are_distinct_rows_cover_the_round_and_weigh_n_over_b():
             assert sorted(seen[:3]) == [0, 1, 2]
 
 
+def test_sampled_batches_draw_real_rows_uniformly_and_weigh_n_over_b():
+    """``Minibatch.sample`` (FedSOUL's noise-corrected SGLD moves): B rows drawn with replacement from the N_i real
+    rows, weight N_i / B, every real row equally likely; all rows with weight 1 when N_i <= B."""
+    data = _regression_data([12, 3, 7])
+    clients = stack_clients(data)
+    mb = Minibatch(4, 12)
+    for c in range(3):
+        client = jax.tree_util.tree_map(lambda a: a[c], clients)
+        n = int(data.sizes[c])
+        batches = jax.vmap(lambda k: mb.sample(k, client))(jax.random.split(jax.random.PRNGKey(c), 4000))
+        masks, ys = np.asarray(batches.mask), np.asarray(batches.data["y"])
+        np.testing.assert_allclose(masks.sum(1), n, rtol=1e-6)  # each batch's weights stand for all N_i rows
+        if n <= 4:
+            np.testing.assert_array_equal(ys[:, :n], np.broadcast_to(np.asarray(client.data["y"])[:n], (4000, n)))
+            continue
+        # which real row each draw is (every y of a client is distinct here), by its rank among the real rows' ys
+        rows = np.searchsorted(np.sort(np.asarray(client.data["y"])[:n]), ys)
+        assert np.all(masks > 0) and np.all(np.isin(ys, np.asarray(client.data["y"])[:n]))
+        counts = np.bincount(rows.ravel(), minlength=n)
+        # 16 000 draws over n rows: each count is binomial(16 000, 1 / n); 4.5 sds bound every one
+        expected = 16000 / n
+        np.testing.assert_array_less(np.abs(counts - expected), 4.5 * np.sqrt(expected * (1 - 1 / n)))
+
+
 def test_minibatch_log_likelihood_and_gradient_are_unbiased():
     data = _regression_data([30, 9, 17])
     fm = FedModel(regression, data)
