@@ -110,6 +110,7 @@ class ClientState(NamedTuple):
     metric: Any = ()  # the diagonal metric's running mean V of the curvature's diagonal (q,); () otherwise
     visits: Any = ()  # the rounds the client took part in (the diagonal metric's and the step's average weights)
     log_scale: Any = ()  # MALA with the automatic step: log of the step's factor from the acceptance (<= 0); ()
+    noise: Any = ()  # noise-corrected SGLD: (running mean of the minibatch gradient error's variance (q,), moves)
 
 
 class Upload(NamedTuple):
@@ -137,6 +138,10 @@ a_i <= 1 on ``step_scale / L_i`` moves as log a_i <- min(0, log a_i + (k + 1)^-0
 mean acceptance probability of the client's k-th round (a diminishing adaptation: every round's kernel is still
 MALA with a fixed step, which leaves the local posterior invariant at any step). The final draws' chains adapt
 their own factor the same way during their warm-up, per move, and keep it fixed for the draws."""
+
+NOISE_WINDOW = 100
+"""Noise-corrected SGLD (minibatch rounds): the running mean of the minibatch gradient error's variance forgets at
+rate 1 / NOISE_WINDOW once the client has made that many moves (before, every estimate weighs the same)."""
 
 METRIC_BATCH = 64
 """The set-up's exact Hessian diagonal (one Hessian-vector product per local coordinate) is taken this many
@@ -183,7 +188,11 @@ class FedSOUL:
         extra evaluation), and each chain's stationary law is the local posterior p(z | D_i, theta)
         exactly (FedPop's FedSOUK covers adjusted kernels). "ula": FedPop's FedSOUL, whose local
         stationary law is off by O(gamma); that bias reaches the estimate through the Fisher gradient
-        (on MASS epil at step_scale 0.1 it is within the gradient's Monte Carlo error). Both are tamed
+        (on MASS epil at step_scale 0.1 it is within the gradient's Monte Carlo error). With the dense or
+        diagonal metric the rounds' ULA injects noise of variance 2 gamma (1 - gamma / 2) per whitened
+        coordinate, which makes its law exact on a Gaussian local posterior whose whitened curvature is
+        diagonal (``FedSOULRun._noise_factor``): a learned population scale reads the draws' spread, and
+        ULA's 1 / (1 - gamma / 2) widening made it grow by that factor round after round. Both are tamed
         (:data:`fedbayes.kernels.TAME`): far from the local posterior's bulk no
         move overshoots, and a move to a point where the log-density or a gradient is not finite is
         rejected. The mean acceptance probability of the final draws is in
@@ -191,15 +200,20 @@ class FedSOUL:
     batch_size:
         B, the rows of a client's data each local move sees (None, the default: all of them). Each move
         then evaluates the client's log-likelihood on a fresh minibatch of B rows scaled by N_i / B
-        (:mod:`fedbayes.minibatch`: drawn from the client's round key, without replacement within the
-        round), so its drift and its Fisher-gradient term are unbiased estimates: the local chain is
-        stochastic-gradient Langevin dynamics (SGLD, Welling and Teh 2011; FedPop's own setting). The
-        theory's cost: SGLD's stationary law is the local posterior only as gamma -> 0 (the gradient
-        noise adds a variance of order gamma^2 Var(grad) per move on top of ULA's O(gamma) bias), and
-        it reaches theta* through the Fisher gradient as ULA's bias does; a Metropolis test cannot fix
-        it (a minibatch log-density is not the log-density), so minibatches take the "ula" kernel and
-        ``local_kernel="mala"`` with batches is refused. The kernel's step and metric are adapted on
-        the round's first batch (an unbiased estimate of the client's curvature); the set-up (starts)
+        (:meth:`fedbayes.minibatch.Minibatch.sample`: B rows drawn independently for each move from the
+        client's round key), so its drift and its Fisher-gradient term are unbiased estimates: the local
+        chain is stochastic-gradient Langevin dynamics (SGLD, Welling and Teh 2011; FedPop's own setting).
+        Plain SGLD's stationary law is the local posterior only as gamma -> 0: the gradient's error adds a
+        variance gamma^2 s per move (s its variance in the metric's coordinates, about N_i / B times the
+        curvature) on top of ULA's O(gamma) bias. FedSOUL's rounds remove it: each move also evaluates the
+        batch's two halves, whose difference estimates the error (a running mean of s per client), injects
+        only 2 gamma - gamma^2 (c + s) of noise (noise-corrected SGLD, as Ahn et al. 2012 and Chen et al.
+        2014 correct for B), and caps the step at 1 / (1 + max s) so that there is always noise left to
+        remove. On a Gaussian posterior the law's variances are then within about 10-20% of the
+        posterior's where plain SGLD's were 1.2 to 8 times wider (``tests/test_fedsoul_metric.py``). A
+        Metropolis test cannot fix it (a minibatch log-density is not the log-density), so minibatches take
+        the "ula" kernel and ``local_kernel="mala"`` with batches is refused. The kernel's step and metric
+        are adapted on the round's first batch (an unbiased estimate of the client's curvature); the set-up (starts)
         and the final exchange (personal posteriors, Louis' standard errors, by MALA) use all rows. A
         model's ``numpyro.plate(..., subsample_size=B)`` sets B the same way. B at least every client's
         row count is the full batch, and the fit the full-batch fit bit for bit.
@@ -698,6 +712,12 @@ class FedSOULRun(FederatedRun):
         # MALA's automatic step backs off where its moves are rejected (ACCEPTANCE_TARGET): at step_scale / L_i a
         # chain over a network's head (hundreds of coordinates) accepted 1e-4 of its moves and did not move
         self._adapt_acceptance = self._adjusted and self._auto_step
+        # the rounds' unadjusted moves inject only the noise that keeps their law's variance the target's
+        # (_noise_factor): ULA's own excess under the dense or diagonal metric, and with minibatches the batch
+        # gradient's error, estimated from the batch's two halves (_halves_evaluator)
+        ula = cfg.local_noise and not self._adjusted
+        self._exact_variance = ula and (self._dense or self._diagonal)
+        self._noise_correct = ula and batches.active
 
     @staticmethod
     def _nonlinear_coordinates(fm: FedModel) -> jax.Array:
@@ -782,44 +802,77 @@ class FedSOULRun(FederatedRun):
         information: bool = False,
         root: jax.Array | None = None,
         order: jax.Array | None = None,
+        noise: Any = (),
     ):
         """A chain of ``num_steps`` local moves (:meth:`_move`) from z0; averages grad_theta log p(D, z | theta)
         (and the log joint) over the states after move ``keep_from``. With ``information``, also the complete-data
         information mean_m(-grad^2_theta log p(D, Z_m | theta)) over the same states (flat, unconstrained;
-        None otherwise). Last, the moves' mean acceptance probability (1 for ULA).
+        None otherwise), ``noise`` updated, and last the moves' mean acceptance probability (1 for ULA).
 
         With minibatches (``order``, the round's order of the client's rows, :mod:`fedbayes.minibatch`), the
         chain's start is evaluated on batch 0 and move m's proposal on batch m + 1: each drift and each
         Fisher-gradient term is an unbiased estimate on a batch drawn independently of the state it is
-        evaluated at (SGLD)."""
+        evaluated at (SGLD). Noise-corrected (``noise`` the client's running estimate, see ClientState): each
+        evaluation also estimates the batch gradient's error (:meth:`_halves_evaluator`), whose variance in the
+        metric's coordinates enters the running mean, and each move injects only the noise that the gradient
+        does not already carry (:func:`fedbayes.kernels.langevin_move`'s ``gradient_noise``)."""
         flat, unravel = ravel_pytree(theta)
         d = flat.size if information else 0
-        batch = lambda m: self._batches.take(order, client, m) if order is not None else client  # noqa: E731
+        correct = self._noise_correct and order is not None
+        evaluator = self._halves_evaluator if correct else self._evaluator
+        if correct:  # independent batches (Minibatch.sample), the errors the noise correction assumes
+            k_batches = jax.random.fold_in(key, 11)
+            batch = lambda m: self._batches.sample(jax.random.fold_in(k_batches, m), client)  # noqa: E731
+        else:
+            batch = lambda m: self._batches.take(order, client, m) if order is not None else client  # noqa: E731
 
         def hess(x, z, c):
             return jax.hessian(lambda x, z: self._client_log_joint(unravel(x), z, c.data, c.mask))(x, z)
 
-        start = LangevinPoint(z0, *self._evaluator(theta, batch(0))(z0))
+        def split(point, noise, moved=True):
+            """The point with the Fisher gradient alone as its aux, and the noise estimate updated by its error
+            (not by a rejected, non-finite proposal's)."""
+            if not correct:
+                return point, noise
+            aux, error = point.aux
+            whitened = error if root is None else apply_root(root, error, transpose=True)
+            mean, count = noise
+            rho = jnp.maximum(1.0 / (count + 1.0), 1.0 / NOISE_WINDOW)
+            ok = jnp.all(jnp.isfinite(whitened)) & moved
+            noise = (jnp.where(ok, mean + rho * (whitened * whitened - mean), mean), count + ok.astype(count.dtype))
+            return point._replace(aux=aux), noise
+
+        start, noise = split(LangevinPoint(z0, *evaluator(theta, batch(0))(z0)), noise)
         zeros = jax.tree_util.tree_map(jnp.zeros_like, start.aux)
 
         def body(carry, xs):
-            point, acc, acc_val, acc_h = carry
+            point, acc, acc_val, acc_h, noise = carry
             k, m = xs
             c = batch(m + 1)
-            point, prob = self._move(k, point, self._evaluator(theta, c), step, root)
+            if correct:
+                point = point._replace(aux=(point.aux, jnp.zeros_like(noise[0])))
+            point, prob = self._move(
+                k,
+                point,
+                evaluator(theta, c),
+                step,
+                root,
+                noise_factor=self._noise_factor(step, noise[0] if correct else None),
+            )
+            point, noise = split(point, noise, prob > 0)
             keep = m >= keep_from
             acc = jax.tree_util.tree_map(lambda a, g: a + jnp.where(keep, g, 0.0), acc, point.aux)
             if information:
                 acc_h = acc_h - jnp.where(keep, hess(flat, point.x, c), 0.0)
-            return (point, acc, acc_val + jnp.where(keep, point.log_density, 0.0), acc_h), prob
+            return (point, acc, acc_val + jnp.where(keep, point.log_density, 0.0), acc_h, noise), prob
 
         xs = (move_keys(jax.random.split(key, num_steps)), jnp.arange(num_steps))  # each move's pair, hashed ahead
-        init = (start, zeros, jnp.zeros_like(start.log_density), jnp.zeros((d, d), flat.dtype))
-        (end, acc, acc_val, acc_h), probs = jax.lax.scan(body, init, xs)
+        init = (start, zeros, jnp.zeros_like(start.log_density), jnp.zeros((d, d), flat.dtype), noise)
+        (end, acc, acc_val, acc_h, noise), probs = jax.lax.scan(body, init, xs)
         z = end.x
         n = num_steps - keep_from
         mean = jax.tree_util.tree_map(lambda a: a / n, acc)
-        return z, mean, acc_val / n, (acc_h / n if information else None), jnp.mean(probs)
+        return z, mean, acc_val / n, (acc_h / n if information else None), noise, jnp.mean(probs)
 
     def _evaluator(self, theta: Params, client: ClientData):
         """z -> (log p(D, z | theta), grad_z of it, grad_theta of it): what a local move needs, and the
@@ -833,13 +886,88 @@ class FedSOULRun(FederatedRun):
 
         return evaluate
 
+    def _halves_evaluator(self, theta: Params, batch: ClientData):
+        """:meth:`_evaluator` on a minibatch, with an estimate of its gradient's error as the aux's second part.
+
+        The batch's n real rows are dealt alternately into halves A and B (n_A + n_B = n), each evaluated with
+        its rows re-weighted to stand for the whole client (N_i / n_A, N_i / n_B). The batch's own value and
+        gradients are the exact mixture (n_A X_A + n_B X_B) / n (every term but the likelihood's is the same in
+        both halves, and the likelihood is linear in the rows' weights). Their difference e = g_A - g_B in z has
+        E e e^T = (n / n_A + n / n_B) Cov(g_hat) for the batch's estimate g_hat (rows drawn independently,
+        :meth:`fedbayes.minibatch.Minibatch.sample`), so sqrt(n_A n_B) / n * e has the covariance of g_hat's
+        error; 0 for a batch that is the whole client."""
+        mask = batch.mask
+        real = mask > 0
+        first = real & (jnp.cumsum(real) % 2 == 1)
+        second = real & ~first
+        dtype = mask.dtype
+        n_a, n_b = jnp.sum(first).astype(dtype), jnp.sum(second).astype(dtype)
+        n = n_a + n_b
+        masks = jnp.stack(
+            [
+                jnp.where(first, mask * n / jnp.maximum(n_a, 1.0), 0.0),
+                jnp.where(second, mask * n / jnp.maximum(n_b, 1.0), 0.0),
+            ]
+        )
+        share = jnp.stack([n_a, n_b]) / jnp.maximum(n, 1.0)
+        drawn = (n < batch.size.astype(dtype)).astype(dtype)  # 0: the batch is the client, its gradient exact
+        scale = jnp.sqrt(n_a * n_b * drawn) / jnp.maximum(n, 1.0)
+        grad = jax.value_and_grad(self._client_log_joint, argnums=(0, 1))
+
+        def evaluate(z):
+            vals, (g_theta, g_z) = jax.vmap(lambda w: grad(theta, z, batch.data, w))(masks)
+            mix = lambda t: jnp.tensordot(share.astype(t.dtype), t, axes=1)  # noqa: E731
+            error = ravel_pytree(jax.tree_util.tree_map(lambda t: t[0] - t[1], g_z))[0] * scale
+            return mix(vals), jax.tree_util.tree_map(mix, g_z), (jax.tree_util.tree_map(mix, g_theta), error)
+
+        return evaluate
+
     def _move(
-        self, key, point: LangevinPoint, evaluate, step, root, adjusted: bool | None = None
+        self, key, point: LangevinPoint, evaluate, step, root, adjusted: bool | None = None, noise_factor=None
     ) -> tuple[LangevinPoint, jax.Array]:
         """One local move (:func:`fedbayes.kernels.langevin_move`, tamed): MALA with ``local_kernel="mala"``,
-        plain ULA with ``"ula"`` (``adjusted`` overrides); ``root`` the local metric's root (None: the identity)."""
+        plain ULA with ``"ula"`` (``adjusted`` overrides); ``root`` the local metric's root (None: the identity);
+        ``noise_factor`` the rounds' noise correction (:meth:`_noise_factor`; None: none)."""
         adjusted = self._adjusted if adjusted is None else adjusted
-        return langevin_move(key, point, evaluate, step, root, adjusted=adjusted, tame=True, noise=self.cfg.local_noise)
+        return langevin_move(
+            key,
+            point,
+            evaluate,
+            step,
+            root,
+            adjusted=adjusted,
+            tame=True,
+            noise=self.cfg.local_noise,
+            noise_factor=noise_factor,
+        )
+
+    def _noise_factor(self, step: jax.Array, gradient_noise: jax.Array | None) -> jax.Array | None:
+        """The rounds' ULA noise factor f (``langevin_move``'s ``noise_factor``; None: the plain 2 gamma).
+
+        In the metric's coordinates u a move is u' = u + gamma (grad + e) + sqrt(2 gamma) f xi, e the
+        gradient's error. On a Gaussian target whose whitened curvature is c along u_j (c = 1 where the metric
+        is the curvature's, at the anchor: exactly for "dense", up to the estimate and the floor for
+        "diagonal"), the stationary variance of u_j is (2 gamma f^2 + gamma^2 s_j) / (gamma c (2 - gamma c)),
+        s_j the variance of e_j. It is the target's 1 / c when 2 gamma f^2 = 2 gamma - gamma^2 c - gamma^2 s_j:
+
+            f_j^2 = max(1 - gamma c / 2 - gamma s_j / 2, 0).
+
+        f_j^2 > 0 needs gamma (c + s_j) < 2: with minibatches the round's moves take the step
+        min(gamma, 1 / (1 + max_j s_j)) (:meth:`_local_chain`; s from the client's running estimate at the
+        round's start), at which f_j^2 >= 1 / 2 - gamma c / 2 > 0. (Stretching the metric per coordinate
+        instead, as pSGLD's RMSprop does, was measured worse: the correction is diagonal in the metric's
+        coordinates and the stretch made the gradient error's correlations there matter.)
+
+        Without it the law is wider than the target by ULA's 1 / (1 - gamma c / 2) and by the minibatch
+        gradient's noise, and a population scale learned from the draws grows by that factor round after
+        round (the scale's update sets sigma^2 to the draws' spread, which the widening then exceeds again).
+        With the identity metric (c unknown) only the gradient's noise is corrected."""
+        if not (self._exact_variance or gradient_noise is not None):
+            return None
+        excess = step if self._exact_variance else jnp.zeros_like(step)
+        if gradient_noise is not None:
+            excess = excess + step * gradient_noise
+        return jnp.sqrt(jnp.maximum(1.0 - excess / 2.0, 0.0))
 
     def _adapt(self, theta: Params, anchor: Params, v, step, client: ClientData, iters: int, metric=()):
         """The round's kernel at theta_k: ``(anchor', v, gamma, R)``, R the metric's root (None: identity; a
@@ -917,8 +1045,9 @@ class FedSOULRun(FederatedRun):
         if self._diagonal or self._adapt_acceptance:
             visits = jnp.zeros((), jnp.int32)
         log_scale: Any = jnp.zeros((), v0.dtype) if self._adapt_acceptance else ()
+        noise: Any = (jnp.zeros_like(v0), jnp.zeros((), jnp.int32)) if self._noise_correct else ()
         _, v0, step, _ = self._adapt(theta, anchor, v0, step, client, 50, metric)
-        return ClientState(z0, v0, step, anchor, metric, visits, log_scale)
+        return ClientState(z0, v0, step, anchor, metric, visits, log_scale, noise)
 
     def _start(self, key, theta: Params, client: ClientData) -> tuple[Params, Params]:
         """A client's chain start, a draw from p(z | theta) (FedPop's), and its first anchor: with the
@@ -1004,25 +1133,31 @@ class FedSOULRun(FederatedRun):
         anchor, v, step, root = self._adapt(
             theta, state.anchor, state.v, state.step, adapt_on, self.cfg.power_iters, metric
         )
-        z, grad, objective, info, accepted = self._run_chain(
+        moves_step = self._scaled(step, log_scale)
+        if self._noise_correct and order is not None:
+            # the noise correction injects 2 gamma f^2 = 2 gamma - gamma^2 (c + s): at gamma <= 1 / (1 + max s)
+            # there is always noise left to remove (_noise_factor), s the batch gradient's error (whitened)
+            moves_step = jnp.minimum(moves_step, 1.0 / (1.0 + jnp.max(state.noise[0])))
+        z, grad, objective, info, noise, accepted = self._run_chain(
             fm,
             k_chain,
             theta,
             z0,
-            self._scaled(step, log_scale),
+            moves_step,
             client,
             self.cfg.local_steps,
             self.cfg.burn_in,
             self._fisher,
             root,
             order,
+            state.noise,
         )
         if self._adapt_acceptance:  # ACCEPTANCE_TARGET: the next round's factor from this round's acceptance
             gain = (visits + 1.0) ** -0.6
             log_scale = jnp.minimum(0.0, log_scale + gain * (accepted - ACCEPTANCE_TARGET))
         if self._diagonal or self._adapt_acceptance:
             visits = visits + 1
-        return ClientState(z, v, step, anchor, metric, visits, log_scale), grad, objective, info
+        return ClientState(z, v, step, anchor, metric, visits, log_scale, noise), grad, objective, info
 
     def _scaled(self, step: jax.Array, log_scale: Any) -> jax.Array:
         """The moves' step: the automatic step times the acceptance's factor (:data:`ACCEPTANCE_TARGET`)."""
