@@ -172,6 +172,7 @@ def _minibatch_variance(data, correct: bool, **options):
     return np.asarray(states.z["z"], np.float64).var(0, ddof=1)
 
 
+@pytest.mark.slow  # 32 s: two sets of 2 000 chains over 300 rows
 def test_sgld_rounds_correct_the_minibatch_gradient_s_noise():
     """Minibatch SGLD on a Gaussian local posterior (300 rows, 12 coordinates, 50 rows a move, the dense metric,
     step_scale 0.5). The drift's gradient error adds variance gamma^2 s per whitened coordinate (s about N / B = 6
