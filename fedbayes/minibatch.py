@@ -82,16 +82,7 @@ class Minibatch:
         B = self.size
         if B is None or not self.active:
             return client
-        n = client.size.astype(jnp.int32)
-        small = n <= B
-        j = jnp.arange(B, dtype=jnp.int32)
-        pos = jnp.where(small, j, (jnp.asarray(m, jnp.int32) * B + j) % jnp.maximum(n, 1))
-        idx = order[pos]
-        dtype = jnp.result_type(float)
-        weight = jnp.where(small, jnp.ones((), dtype), n.astype(dtype) / B)
-        mask = jnp.where(client.mask[idx], weight, jnp.zeros((), dtype))
-        data = {k: v[idx] for k, v in client.data.items()}
-        return client._replace(data=data, mask=mask)
+        return self._rows(client, B, lambda n, j: (jnp.asarray(m, jnp.int32) * B + j) % jnp.maximum(n, 1), order)
 
     def sample(self, key: jax.Array, client: ClientData) -> ClientData:
         """A batch of B rows drawn uniformly with replacement from the client's N_i real rows (the first N_i
@@ -102,10 +93,17 @@ class Minibatch:
         B = self.size
         if B is None or not self.active:
             return client
+        return self._rows(client, B, lambda n, j: jax.random.randint(batch_key(key), j.shape, 0, jnp.maximum(n, 1)))
+
+    @staticmethod
+    def _rows(client: ClientData, B: int, pick: Any, order: jax.Array | None = None) -> ClientData:
+        """The batch of positions ``pick(N_i, arange(B))`` (``arange(B)`` when N_i <= B) of ``order`` (None: of
+        the rows themselves), weight N_i / B, or 1 on all N_i rows when N_i <= B (padding rows weigh 0)."""
         n = client.size.astype(jnp.int32)
         small = n <= B
         j = jnp.arange(B, dtype=jnp.int32)
-        idx = jnp.where(small, j, jax.random.randint(batch_key(key), (B,), 0, jnp.maximum(n, 1)))
+        pos = jnp.where(small, j, pick(n, j))
+        idx = pos if order is None else order[pos]
         dtype = jnp.result_type(float)
         weight = jnp.where(small, jnp.ones((), dtype), n.astype(dtype) / B)
         mask = jnp.where(client.mask[idx], weight, jnp.zeros((), dtype))
