@@ -669,8 +669,37 @@ class Result:
 
         return bool(self._fm.local_names) and self.settings.get("local_latents") == POPULATION_MEAN
 
+    def _given_locals(self, local_samples: Mapping[str, Any], clients: np.ndarray | None) -> dict[str, np.ndarray]:
+        """A new client's given local draws ``{site: (S, ...)}`` checked against the model's local sites."""
+        fm = self._fm
+        if self._at_mean:
+            raise DataError(
+                "this fit is of the non-personalised model (every client's locals at their population "
+                "mean): it has no personal draws to predict from"
+            )
+        if clients is not None:
+            raise DataError(
+                "local_samples are a new client's draws: pass them with client=None (a fitted client "
+                "predicts from its own local samples)"
+            )
+        names = set(fm.local_names)
+        if set(local_samples) != names:
+            raise DataError(
+                f"local_samples must hold exactly the model's local sites {sorted(names)}, got "
+                f"{sorted(local_samples)} (res.sample_client(...) returns them)"
+            )
+        out = {k: np.asarray(v) for k, v in local_samples.items()}
+        counts = {v.shape[0] if v.ndim else 0 for v in out.values()}
+        if len(counts) != 1 or 0 in counts:
+            raise DataError("local_samples must be arrays (num_samples, *site_shape) with one number of draws")
+        return out
+
     def _draws(
-        self, clients: np.ndarray | None, num_samples: int | None, seed: int
+        self,
+        clients: np.ndarray | None,
+        num_samples: int | None,
+        seed: int,
+        given: dict[str, np.ndarray] | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
         """Constrained posterior draws for prediction: ``(locals {site: (K, S, ...)}, globals {site: (S, ...)}, S)``.
 
@@ -681,7 +710,10 @@ class Result:
         """
         fm = self._fm
         joint = None  # the draw indices of a joint sampler's paired draws (theta_s, z_s)
-        if clients is None or not fm.local_names or self._at_mean:
+        if given is not None:  # a new client's own draws (res.sample_client)
+            local = {k: v[None] for k, v in given.items()}
+            S = int(next(iter(given.values())).shape[0])
+        elif clients is None or not fm.local_names or self._at_mean:
             # a point estimate and no locals (or the locals at their population mean): one draw
             point = (not fm.local_names or self._at_mean) and not self.global_samples
             S = num_samples or (1 if point else 1000)
@@ -705,7 +737,7 @@ class Result:
                     raise DataError("the fit's global and local draws are not paired (their numbers differ)")
                 idx = joint
             else:
-                idx = np.random.default_rng(seed).choice(total, S)
+                idx = np.random.default_rng(seed).choice(total, size=S)
             glob = {k: v[idx] for k, v in pooled.items()}
         else:
             glob = {k: np.broadcast_to(v, (S,) + v.shape) for k, v in self.params.items()}
@@ -734,14 +766,23 @@ class Result:
 
     @serialized
     def predict(
-        self, new_data: Any, client: Any = None, *, num_samples: int | None = None, seed: int = 0
+        self,
+        new_data: Any,
+        client: Any = None,
+        *,
+        num_samples: int | None = None,
+        seed: int = 0,
+        local_samples: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Posterior predictive draws of the observed and ``numpyro.deterministic`` sites at ``new_data``.
 
         For a known ``client`` i (its index or its name), draws use theta* and client i's local posterior
         samples (p(y | x, D_i) = mean_s p(y | x, theta*, z_s)); for sampled globals, their posterior draws.
         With ``client=None`` the client is new: z is drawn from the population prior p(z | theta*) and then
-        y | z (FedPop section 2's two-step recipe). For a model without local latents every client
+        y | z (FedPop section 2's two-step recipe); with ``local_samples`` (a new client's draws
+        ``{site: (S, ...)}`` of its local latents, e.g. ``res.sample_client(its_data)``: its posterior under the
+        learned prior, for FedSOUL; its locally trained points, for FedRep and FineTune) the predictions
+        average over those draws instead. For a model without local latents every client
         predicts from the globals alone, and so does every client of a fit of the non-personalised model
         (``local_latents="population-mean"``, e.g. ``fb.FedAvg``): its latents at their population mean. Like NumPyro's
         ``Predictive``, deterministic sites are recomputed
@@ -762,7 +803,8 @@ class Result:
         """
         fm = self._fm
         clients, x, mask = self._prediction_inputs(new_data, client)
-        local, glob, S = self._draws(clients, num_samples, seed)
+        given = None if local_samples is None else self._given_locals(local_samples, clients)
+        local, glob, S = self._draws(clients, num_samples, seed, given)
         recorded = getattr(fm, "deterministic", {})
         names = tuple(fm.observed) + tuple(n for n, d in recorded.items() if mask is None or d.paddable)
         out = _prediction_program(fm, names, self._at_mean)(self._draw_keys(clients, S, seed), local, glob, x)
@@ -772,19 +814,27 @@ class Result:
 
     @serialized
     def predictive_probs(
-        self, new_data: Any, client: Any = None, *, num_samples: int | None = None, seed: int = 0
+        self,
+        new_data: Any,
+        client: Any = None,
+        *,
+        num_samples: int | None = None,
+        seed: int = 0,
+        local_samples: Mapping[str, Any] | None = None,
     ) -> Any:
         """Posterior draws of the class probabilities p(y = k | x, theta_s, z_s) of a discrete observed site,
         shape (S, N, K): the input of the calibration and OOD diagnostics (average over S for the
         posterior predictive). ``client`` as in :meth:`predict` (None: z_s from the population prior).
         For all clients at once (``new_data`` a :class:`FederatedData`, or ``client="all"``) a
-        ``numpy.ma.MaskedArray`` (K, S, N_max, K_classes) with padded rows masked, as in :meth:`predict`."""
+        ``numpy.ma.MaskedArray`` (K, S, N_max, K_classes) with padded rows masked, as in :meth:`predict`.
+        ``local_samples`` as in :meth:`predict`: a new client's own draws."""
         fm = self._fm
         if len(fm.observed) != 1:
             raise DataError(f"predictive_probs needs one observed site, the model has {list(fm.observed)}")
         site = fm.observed[0]
         clients, x, mask = self._prediction_inputs(new_data, client)
-        local, glob, S = self._draws(clients, num_samples, seed)
+        given = None if local_samples is None else self._given_locals(local_samples, clients)
+        local, glob, S = self._draws(clients, num_samples, seed, given)
         out = _probability_program(fm, site, self._at_mean)(self._draw_keys(clients, S, seed), local, glob, x)
         return np.asarray(out[0]) if mask is None else self._masked(site, out, mask)
 

@@ -262,3 +262,40 @@ def test_baselines_keep_fitted_points_apart_from_posteriors_and_run_no_chain_che
     assert "local_rhat" not in set(rep.diagnostics["check"])  # no R-hat of a repeated point, no FedSOUL hint
     with pytest.raises(fb.FedbayesError, match="one point per client"):
         rep.extend_idata()
+
+
+def _logistic_intercepts(x, y=None):
+    """y ~ Bernoulli(sigmoid(beta x + b_i)), b_i ~ N(0, tau^2) per client, the logit recorded."""
+    beta = numpyro.param("beta", 0.0)
+    tau = numpyro.param("tau", 1.0, constraint=dist.constraints.positive)
+    with fb.local():
+        b = numpyro.sample("b", dist.Normal(0.0, tau))
+    logit = numpyro.deterministic("logit", beta * x + b)
+    with numpyro.plate("obs", x.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=logit), obs=y)
+
+
+@pytest.mark.slow  # 12-25 s: a fit, a new client's chains and two prediction programs
+def test_a_new_client_predicts_from_its_own_draws():
+    """``local_samples=``: a new client's draws (``res.sample_client``) are what ``predict`` and ``predictive_probs``
+    average over, exactly (the logit is beta* x + b_s for each draw s); fitted clients and wrong sites are refused."""
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=20) for _ in range(6)]
+    data = fb.FederatedData({"x": xs, "y": [(rng.random(20) < 0.5).astype(np.int32) for _ in xs]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fb.ConvergenceWarning)
+        res = fb.fed_fit(_logistic_intercepts, data, fb.FedSOUL(num_samples=10, warmup=10), num_rounds=10,
+                         seed=0, progress=False)
+    new_x = rng.normal(size=8)
+    draws = res.sample_client({"x": new_x, "y": (new_x > 0).astype(np.int32)}, num_samples=12, warmup=20)
+    assert draws["b"].shape == (2 * 12,)  # FedSOUL's two chains, 12 draws each
+    beta = float(res.params["beta"])
+    logit = beta * new_x[None] + draws["b"][:, None]
+    out = res.predict({"x": new_x}, local_samples=draws)
+    np.testing.assert_allclose(out["logit"], logit, rtol=1e-5, atol=1e-5)
+    probs = res.predictive_probs({"x": new_x}, local_samples=draws)
+    np.testing.assert_allclose(probs[..., 1], 1.0 / (1.0 + np.exp(-logit)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(fb.DataError, match="client=None"):
+        res.predict({"x": new_x}, client=0, local_samples=draws)
+    with pytest.raises(fb.DataError, match="local sites"):
+        res.predict({"x": new_x}, local_samples={"z": draws["b"]})
