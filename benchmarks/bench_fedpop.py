@@ -78,7 +78,77 @@ def algorithms(avg: fb.Result) -> dict[str, tuple[object, object]]:
     }
 
 
-def run_setting(S: int, seed: int, rounds: int, small_fraction: float = 0.0, names=None) -> dict[str, dict]:
+NEW_CLIENTS = 20
+"""Held-out clients of FedPop's cheap inference for a new client: 5 training images each."""
+
+
+def ood_images(source: str, dim: int, n: int = 500, seed: int = 0) -> np.ndarray:
+    """Out-of-distribution inputs for FedPop's Figure 4 (MNIST for a Fashion-MNIST fit, which is not available
+    offline): for a Fashion-MNIST fit scikit-learn's handwritten digits upsampled to 28 x 28; for a digits fit
+    grey 8 x 8 patches of scikit-learn's two bundled photographs, both in [0, 1] as the fit's images are."""
+    rng = np.random.default_rng(seed)
+    if source == "fashion-mnist":
+        from sklearn.datasets import load_digits
+
+        digits = load_digits().images[rng.choice(1797, n, replace=False)] / 16.0
+        up = np.kron(digits, np.ones((3, 3)))  # 24 x 24, centred in 28 x 28 as MNIST's digits are
+        return np.pad(up, ((0, 0), (2, 2), (2, 2))).reshape(n, -1).astype(np.float32)
+    from sklearn.datasets import load_sample_images
+
+    grey = [im.mean(-1) / 255.0 for im in load_sample_images().images]
+    side = int(round(np.sqrt(dim)))
+    patches = []
+    for _ in range(n):
+        g = grey[rng.integers(len(grey))]
+        i, j = rng.integers(g.shape[0] - 4 * side), rng.integers(g.shape[1] - 4 * side)
+        patches.append(g[i : i + 4 * side, j : j + 4 * side].reshape(side, 4, side, 4).mean((1, 3)))
+    return np.asarray(patches, np.float32).reshape(n, -1)
+
+
+def ood_auroc(res: fb.Result, test: fb.FederatedData, out: np.ndarray) -> float:
+    """FedPop's Figure 4: each client's predictive entropy on its own test images against the OOD images, the
+    AUROC of telling them apart, averaged over clients."""
+    from fedbayes.diagnostics import ood
+
+    k = test.num_clients
+    p_in = res.predictive_probs(test, client="all", num_samples=50)
+    p_out = res.predictive_probs(fb.FederatedData({"x": [out] * k}), client="all", num_samples=50)
+    scores = []
+    for i in range(k):
+        n = int(test.sizes[i])
+        a = ood.predictive_entropy(np.asarray(p_in[i])[:, :n])
+        b = ood.predictive_entropy(np.asarray(p_out[i]))
+        scores.append(ood.ood_auroc(a, b))
+    return float(np.mean(scores))
+
+
+def new_client_scores(res: fb.Result, name: str, S: int, seed: int) -> dict[str, float]:
+    """FedPop's inference for a new client: NEW_CLIENTS held-out clients with 5 training images each (the same
+    protocol's split, so no test image was trained on), each predicting its 100 test images from its own draws
+    (``res.sample_client``, then ``predictive_probs(..., local_samples=)``): FedSOUL's posterior under the learned
+    prior with the body fixed; FedRep's and FT's local training of the head from the shared body; FedAvg's one
+    classifier. Accuracy and ECE averaged over the new clients (Local cannot predict for a new client)."""
+    from fedbayes.diagnostics.calibration import expected_calibration_error
+
+    if name == "Local":
+        return {}
+    train, test, _ = fb.models.make_fedpop_images(100 + NEW_CLIENTS, S, train_size=5, test_size=100, seed=seed)
+    acc, ece = [], []
+    for i in range(100, 100 + NEW_CLIENTS):
+        x, y = test.client(i)["x"], np.asarray(test.client(i)["y"])
+        if name == "FedAvg":
+            p = res.predictive_probs({"x": x}, num_samples=1).mean(0)
+        else:
+            draws = res.sample_client(train.client(i), num_samples=25, warmup=100, seed=i)
+            p = res.predictive_probs({"x": x}, local_samples=draws).mean(0)
+        p = np.asarray(p, np.float64) / np.sum(p, -1, keepdims=True)
+        acc.append(float(np.mean(p.argmax(-1) == y)))
+        ece.append(expected_calibration_error(p, y, n_bins=10))
+    return {"new_accuracy": float(np.mean(acc)), "new_ece": float(np.mean(ece))}
+
+
+def run_setting(S: int, seed: int, rounds: int, small_fraction: float = 0.0, names=None, extras: bool = False
+                ) -> dict[str, dict]:
     train, test, info = fb.models.make_fedpop_images(100, S, small_fraction=small_fraction, seed=seed)
     kw = dict(num_rounds=rounds, clients_per_round=10, seed=seed, progress=False)
     out = {}
@@ -96,11 +166,15 @@ def run_setting(S: int, seed: int, rounds: int, small_fraction: float = 0.0, nam
             t = time.time()
             runs[name] = (fb.fed_fit(model, train, algo, **kw), time.time() - t)
     small = np.asarray(train.sizes) < 500
+    out_images = ood_images(info["source"], train.client(0)["x"].shape[-1]) if extras else None
     for name, (res, seconds) in runs.items():
         if names is not None and name not in names:
             continue
         scores = fb.models.classification_scores(res, test)
         row = scores.mean().to_dict()
+        if extras:  # FedPop's Figure 4 (OOD) and its new clients
+            row["ood_auroc"] = ood_auroc(res, test, out_images)
+            row.update(new_client_scores(res, name, S, seed))
         if small.any():
             row["small_accuracy"] = float(scores["accuracy"][small].mean())
             row["small_ece"] = float(scores["ece"][small].mean())
@@ -121,14 +195,14 @@ def table(results: list[dict], metrics=("accuracy", "ece", "brier", "nll")) -> s
     for name in names:
         cells = []
         for m in metrics:
-            cells.append(_mean_sd(np.array([r[name][m] for r in results])))
+            cells.append(_mean_sd(np.array([r[name][m] for r in results])) if m in results[0][name] else "-")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def _job(args: tuple) -> dict:
     S, seed, rounds, frac, names = args
-    out = run_setting(S, seed, rounds, small_fraction=frac, names=names)
+    out = run_setting(S, seed, rounds, small_fraction=frac, names=names, extras=frac == 0.0)
     out["_key"] = [S, seed, frac]
     print(json.dumps(out), flush=True)
     return out
@@ -162,6 +236,9 @@ def main() -> None:
         print(f"\nS = {S} classes per client ({results[0]['_source']}; {rounds} rounds, seeds {seeds}); "
               "per-client scores averaged over clients, mean (sd) over seeds\n")
         print(table(results))
+        print(f"\nOOD (FedPop's Figure 4: each client's predictive entropy on its test images against ood_images()'s"
+              f" 500, AUROC averaged over clients) and {NEW_CLIENTS} new clients with 5 images each\n")
+        print(table(results, metrics=("ood_auroc", "new_accuracy", "new_ece")))
         print("\nseconds per fit: " + ", ".join(f"{k} {np.mean([r[k]['seconds'] for r in results]):.0f}"
                                               for k in results[0] if not k.startswith("_")), flush=True)
     if not fractions:

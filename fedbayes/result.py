@@ -978,7 +978,18 @@ class Result:
         client = ClientData(
             {k: v[0] for k, v in one.padded.items()}, one.mask[0], jnp.asarray(one.sizes[0]), jnp.asarray(-1)
         )
-        z = self._live_run().sample_new_client(seed_key(seed), self._theta_u, client, num_samples, warmup)
+        from .engine import run_jit
+
+        run = self._live_run()
+        # compiled once per run and (num_samples, warmup), kept with the run: a second new client of the same
+        # shapes reuses it (built afresh per call, eagerly, each client cost a dozen seconds of tracing)
+        sample = run_jit(
+            run,
+            ("sample_new_client", int(num_samples), int(warmup)),
+            lambda: lambda key, theta, c: run.sample_new_client(key, theta, c, num_samples, warmup),
+            once=1,
+        )
+        z = sample(seed_key(seed), self._theta_u, client)
         return {k: np.asarray(v) for k, v in jax.vmap(self._fm.constrain)(z).items()}
 
     # ------------------------------------------------------------------ saving and loading
