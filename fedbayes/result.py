@@ -699,7 +699,7 @@ class Result:
         clients: np.ndarray | None,
         num_samples: int | None,
         seed: int,
-        given: dict[str, np.ndarray] | None = None,
+        local_samples: Mapping[str, Any] | None = None,
     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
         """Constrained posterior draws for prediction: ``(locals {site: (K, S, ...)}, globals {site: (S, ...)}, S)``.
 
@@ -710,6 +710,7 @@ class Result:
         """
         fm = self._fm
         joint = None  # the draw indices of a joint sampler's paired draws (theta_s, z_s)
+        given = None if local_samples is None else self._given_locals(local_samples, clients)
         if given is not None:  # a new client's own draws (res.sample_client)
             local = {k: v[None] for k, v in given.items()}
             S = int(next(iter(given.values())).shape[0])
@@ -803,8 +804,7 @@ class Result:
         """
         fm = self._fm
         clients, x, mask = self._prediction_inputs(new_data, client)
-        given = None if local_samples is None else self._given_locals(local_samples, clients)
-        local, glob, S = self._draws(clients, num_samples, seed, given)
+        local, glob, S = self._draws(clients, num_samples, seed, local_samples)
         recorded = getattr(fm, "deterministic", {})
         names = tuple(fm.observed) + tuple(n for n, d in recorded.items() if mask is None or d.paddable)
         out = _prediction_program(fm, names, self._at_mean)(self._draw_keys(clients, S, seed), local, glob, x)
@@ -833,8 +833,7 @@ class Result:
             raise DataError(f"predictive_probs needs one observed site, the model has {list(fm.observed)}")
         site = fm.observed[0]
         clients, x, mask = self._prediction_inputs(new_data, client)
-        given = None if local_samples is None else self._given_locals(local_samples, clients)
-        local, glob, S = self._draws(clients, num_samples, seed, given)
+        local, glob, S = self._draws(clients, num_samples, seed, local_samples)
         out = _probability_program(fm, site, self._at_mean)(self._draw_keys(clients, S, seed), local, glob, x)
         return np.asarray(out[0]) if mask is None else self._masked(site, out, mask)
 
