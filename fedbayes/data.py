@@ -368,6 +368,7 @@ class FederatedData:
         self._client_names = (
             tuple(range(num_clients)) if client_names is None else _check_names(client_names, num_clients)
         )
+        self._labels: tuple[str | None, dict[str, tuple[str, ...]]] = (None, {})  # from_dataframe's column names
 
         raw = {
             key: [_to_numpy(a, f"key {key!r}, client {i}") for i, a in enumerate(value)]
@@ -604,6 +605,10 @@ class FederatedData:
             codes,
         )
         out._client_names = names
+        out._labels = (
+            str(client),
+            {key: tuple(map(str, col)) if isinstance(col, (list, tuple)) else (str(col),) for key, col in spec.items()},
+        )
         return out
 
     @property
@@ -647,6 +652,18 @@ class FederatedData:
         taken from string ids by :meth:`from_pooled` or from the client column by
         :meth:`from_dataframe`."""
         return self._client_names
+
+    @property
+    def client_column(self) -> str | None:
+        """The DataFrame column that named the clients (:meth:`from_dataframe`), None otherwise."""
+        return self._labels[0]
+
+    @property
+    def column_names(self) -> dict[str, tuple[str, ...]]:
+        """Each key's DataFrame columns, in the order of its trailing dimension (:meth:`from_dataframe`:
+        ``{"x": ("Intercept", "Days"), "y": ("Reaction",)}``); empty for data not built from a DataFrame.
+        Tables of a fit name coefficients by them (``res.fixed_effects``)."""
+        return dict(self._labels[1])
 
     def client_index(self, name: object) -> int:
         """Position of the client named ``name`` (for :meth:`client`, :meth:`subset` and the
@@ -748,23 +765,28 @@ class FederatedData:
         if not items:
             raise DataError("subset needs at least one client index; got an empty sequence.")
         idx = [_check_index(i, self.num_clients) for i in items]
-        return FederatedData(
+        out = FederatedData(
             {key: [arrays[i] for i in idx] for key, arrays in self._data.items()},
             client_names=[self._client_names[i] for i in idx],
         )
+        out._labels = self._labels
+        return out
 
     def blank(self) -> FederatedData:
         """The same layout (keys, client sizes, trailing shapes, dtypes) with every value zero: what
         a federation's server knows of the data (:mod:`fedbayes.flower` builds its server on it)."""
-        return FederatedData(
+        out = FederatedData(
             {key: [np.zeros_like(a) for a in arrays] for key, arrays in self._data.items()},
             client_names=self._client_names,
         )
+        out._labels = self._labels
+        return out
 
     def __setstate__(self, state: dict) -> None:
         """Unpickling; data pickled before client names existed gets the default names ``0..C-1``."""
         self.__dict__.update(state)
         self.__dict__.setdefault("_client_names", tuple(range(len(self._sizes))))
+        self.__dict__.setdefault("_labels", (None, {}))
 
     def __len__(self) -> int:
         return self.num_clients

@@ -502,3 +502,17 @@ def test_padding_in_blocks_of_clients_equals_one_block(monkeypatch) -> None:
     for key in raw:
         np.testing.assert_array_equal(np.asarray(small.padded[key]), np.asarray(whole.padded[key]))
     np.testing.assert_array_equal(np.asarray(small.mask), np.asarray(whole.mask))
+
+
+def test_from_dataframe_keeps_its_column_names_through_subset_blank_and_pickle():
+    import pickle
+
+    import pandas as pd
+
+    df = pd.DataFrame({"site": ["b", "a", "b"], "one": 1.0, "t": [0.1, 0.2, 0.3], "y": [1.0, 2.0, 3.0]})
+    data = FederatedData.from_dataframe(df, "site", {"x": ["one", "t"], "y": "y"})
+    assert data.client_column == "site" and data.column_names == {"x": ("one", "t"), "y": ("y",)}
+    for other in (data.subset([1]), data.blank(), pickle.loads(pickle.dumps(data))):
+        assert other.client_column == "site" and other.column_names == data.column_names
+    plain = FederatedData({"y": [np.zeros(2)]})
+    assert plain.client_column is None and plain.column_names == {}
