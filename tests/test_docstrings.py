@@ -24,13 +24,15 @@ def _examples(name: str) -> list[doctest.DocTest]:
 
 
 WITH_EXAMPLES = [n for n in _modules() if _examples(n)]
+# modules whose examples fit real data (fedbayes.result: two FedMM fits on sleepstudy, 20 s on 2 cores): second tier
+FITTING = {"fedbayes.result"}
 
 
 def test_the_package_has_examples_to_run():
     assert len(WITH_EXAMPLES) >= 4, WITH_EXAMPLES
 
 
-@pytest.mark.parametrize("name", WITH_EXAMPLES)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in FITTING else n for n in WITH_EXAMPLES])
 def test_docstring_examples_run(name, capsys):
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     with warnings.catch_warnings():

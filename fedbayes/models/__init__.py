@@ -9,6 +9,7 @@ from .fedpop import (
 )
 from .images import classification_scores, fedpop_classifier, load_images, make_fedpop_images, read_idx
 from .formula import FormulaModel, RandomBlock, from_formula
+from .tables import CovarianceBlock, MixedLayout
 from .glm import linear_regression, logistic_map, logistic_regression, make_glm_clients, prior_scale_for_kappa
 from .latent import gaussian_mixture, make_gaussian_mixture, mixture_of_regressions, ppca
 from .mixed import (
@@ -26,6 +27,8 @@ from .mixed import (
 __all__ = [
     "FormulaModel",
     "RandomBlock",
+    "MixedLayout",
+    "CovarianceBlock",
     "from_formula",
     "aligned_head_error",
     "fedpop_synthetic",

@@ -27,6 +27,7 @@ from numpyro.distributions import constraints
 from ..data import FederatedData, _factorize
 from ..errors import ConfigError, DataError
 from ..introspect import local
+from .tables import CovarianceBlock, MixedLayout
 
 FAMILIES = ("gaussian", "binomial", "poisson")
 _LINKS = {"gaussian": "identity", "binomial": "logit", "poisson": "log"}
@@ -126,53 +127,11 @@ class FormulaModel:
                 numpyro.sample("y", dist.Poisson(jnp.exp(eta)), obs=y)
 
     # ------------------------------------------------------------------ reading a fit
-    def fixed_effects(self, result: Any) -> Any:
-        """The fixed effects as statsmodels prints them: a DataFrame of estimate and standard error.
-
-        ``result`` is what ``fb.fed_fit`` returned for this model; the ``std_error`` column is NaN
-        where the algorithm gives no standard errors.
-        """
-        import pandas as pd
-
-        est = np.asarray(result.params["beta"], dtype=float)
-        se = getattr(result, "standard_errors", None) or {}
-        err = np.asarray(se["beta"], dtype=float) if "beta" in se else np.full_like(est, np.nan)
-        return pd.DataFrame({"estimate": est, "std_error": err}, index=pd.Index(self.fixed, name="term"))
-
-    def variance_components(self, result: Any) -> Any:
-        """Random effects as lme4's ``VarCorr`` reads: standard deviations and correlations, by column.
-
-        Returns a DataFrame indexed by ``(group, term)`` with the column ``sd`` and one column per
-        random term holding the correlations within its block (NaN across blocks, where the model has
-        none). The gaussian family adds the residual sd as the row ``("Residual", "")``.
-        """
-        import pandas as pd
-
-        names = self.random
-        sd = np.zeros(len(names))
-        corr = np.full((len(names), len(names)), np.nan)
-        start = 0
-        for _, cov_name, block in self.site_names():
-            q = len(block.columns)
-            value = np.asarray(result.params[cov_name], dtype=float)
-            if block.correlated:
-                cov = value @ value.T
-                s = np.sqrt(np.diag(cov))
-                corr[start : start + q, start : start + q] = cov / np.outer(s, s)
-            else:
-                s = np.broadcast_to(value, (q,))
-                corr[start : start + q, start : start + q] = np.eye(q)
-            sd[start : start + q] = s
-            start += q
-        rows = [(self.group, n) for n in names]
-        table = pd.DataFrame(corr, columns=list(names))
-        table.insert(0, "sd", sd)
-        if self.family == "gaussian":
-            residual = pd.DataFrame({"sd": [float(np.asarray(result.params["sigma"]))]}, columns=table.columns)
-            table = pd.concat([table, residual], ignore_index=True)
-            rows.append(("Residual", ""))
-        table.index = pd.MultiIndex.from_tuples(rows, names=["group", "term"])
-        return table
+    def mixed_layout(self, data: Any = None) -> MixedLayout:
+        """Where the fit's fixed effects and variance components are, by the formula's names: what
+        ``res.fixed_effects`` and ``res.variance_components`` read (:mod:`fedbayes.models.tables`)."""
+        blocks = tuple(CovarianceBlock(cov, block.columns, block.correlated) for _, cov, block in self.site_names())
+        return MixedLayout(self.group, self.fixed, blocks, residual="sigma" if self.family == "gaussian" else None)
 
     def new_data(self, df: Any) -> FederatedData:
         """Code a new DataFrame as the fitted one was (same factor levels and columns): for ``res.predict``.
@@ -282,8 +241,8 @@ def from_formula(
     Returns
     -------
     (FormulaModel, FederatedData)
-        The model (a callable NumPyro model with :meth:`~FormulaModel.fixed_effects`,
-        :meth:`~FormulaModel.variance_components` and :meth:`~FormulaModel.new_data`) and the data
+        The model (a callable NumPyro model with :meth:`~FormulaModel.mixed_layout`, which
+        ``res.fixed_effects`` and ``res.variance_components`` read, and :meth:`~FormulaModel.new_data`) and the data
         with keys ``x`` (fixed design), ``z`` (random design), ``y`` and, where used, ``trials`` and
         ``offset``. The keys are those of ``fb.models.linear_mixed_effects``, which fits the same data.
 
@@ -303,7 +262,7 @@ def from_formula(
     >>> data.num_clients, model.fixed, model.random
     (18, ('Intercept', 'Days'), ('Intercept', 'Days'))
     >>> res = fb.fed_fit(model, data, fb.FedMM(), seed=0)  # doctest: +SKIP
-    >>> model.fixed_effects(res)  # doctest: +SKIP
+    >>> res.fixed_effects  # doctest: +SKIP
     """
 
     if not isinstance(formula, str) or formula.count("~") != 1:
@@ -453,6 +412,7 @@ def _materialise(
     codes, names = _factorize(df[model.group])  # as from_dataframe: integer ids are names, not positions
     out = FederatedData.from_pooled(columns, codes)
     out._client_names = names
+    out._labels = (model.group, {"x": tuple(fixed_names), "z": tuple(c for b in blocks for c in b.columns)})
     return out, fixed_names, blocks
 
 

@@ -11,6 +11,7 @@ from numpyro.distributions import constraints
 
 from ..data import FederatedData
 from ..introspect import local
+from .tables import CovarianceBlock, MixedLayout, column_labels
 
 
 def linear_mixed_effects(x, z, y=None):
@@ -31,6 +32,17 @@ def linear_mixed_effects(x, z, y=None):
         b = numpyro.sample("b", dist.MultivariateNormal(jnp.zeros(q), scale_tril=scale_tril))
     with numpyro.plate("obs", x.shape[0]):
         numpyro.sample("y", dist.Normal(x @ beta + z @ b, sigma), obs=y)
+
+
+def _linear_mixed_effects_layout(data: FederatedData) -> MixedLayout:
+    """linear_mixed_effects' tables: ``beta`` by ``x``'s columns, one dense block over ``z``'s, residual ``sigma``
+    (the names are the DataFrame's where the data came from one, :meth:`FederatedData.from_dataframe`)."""
+    p, q = data.padded["x"].shape[-1], data.padded["z"].shape[-1]
+    random = CovarianceBlock("scale_tril", column_labels(data, "z", q), correlated=True)
+    return MixedLayout(data.client_column or "client", column_labels(data, "x", p), (random,), residual="sigma")
+
+
+linear_mixed_effects.mixed_layout = _linear_mixed_effects_layout  # type: ignore[attr-defined]
 
 
 def make_linear_mixed_effects(
