@@ -48,3 +48,20 @@ def local_posterior(params, client):
     prec = Z.T @ Z / s**2 + np.linalg.inv(L @ L.T)
     S = np.linalg.inv(prec)
     return S @ Z.T @ (y - X @ np.asarray(params["beta"])) / s**2, S
+
+
+def component_standard_errors(data, beta, components) -> np.ndarray:
+    """Standard errors of (beta, sd_0, sd_1, corr, sigma) from the exact Hessian of the closed-form marginal
+    likelihood taken in those coordinates themselves (no delta method: at the maximum the inverse observed
+    information transforms as a covariance), for one 2 x 2 correlated block; ``components`` is
+    (sd_0, sd_1, corr, sigma) at the maximum."""
+    p = len(beta)
+
+    def params(v):
+        s0, s1, r, sigma = v[p], v[p + 1], v[p + 2], v[p + 3]
+        L = jnp.array([[s0, 0.0], [r * s1, s1 * jnp.sqrt(1 - r**2)]])
+        return {"beta": v[:p], "scale_tril": L, "sigma": sigma}
+
+    v = jnp.concatenate([jnp.asarray(beta, float), jnp.asarray(components, float)])
+    hess = jax.hessian(lambda v: marginal_loglik(params(v), data))(v)
+    return np.sqrt(np.diag(np.linalg.inv(-np.asarray(hess))))

@@ -190,7 +190,25 @@ def lme_statsmodels(df: pd.DataFrame | None = None) -> dict[str, np.ndarray]:
     cov = np.asarray(fit.cov_re)
     sd = np.sqrt(np.diag(cov))
     return {"beta": np.asarray(fit.fe_params), "beta_se": np.asarray(fit.bse_fe), "re_sd": sd, "re_corr": cov[0, 1] / (sd[0] * sd[1]),
-            "sigma": float(np.sqrt(fit.scale)), "llf": float(fit.llf), "converged": bool(fit.converged)}
+            "re_corr_se": statsmodels_corr_se(fit), "sigma": float(np.sqrt(fit.scale)), "llf": float(fit.llf),
+            "converged": bool(fit.converged)}
+
+
+def statsmodels_corr_se(fit) -> float:
+    """The standard error of a 2 x 2 random-effect correlation from statsmodels' own information.
+
+    ``fit.cov_params()``'s block after the fixed effects is the inverse Hessian of the profile likelihood
+    (the residual variance profiled out) in the relative covariance Psi = Omega / sigma^2, packed as
+    (Psi_00, Psi_10, Psi_11). The correlation is the same function of Psi as of Omega, so the delta method
+    on that block is its standard error with no assumption about sigma. (``bse_re`` is not used: it scales
+    Psi's standard errors by sigma, not sigma^2.)"""
+    p = fit.fe_params.size
+    block = np.asarray(fit.cov_params())[p : p + 3, p : p + 3]
+    psi = np.asarray(fit.cov_re) / fit.scale
+    a, b, c = psi[0, 0], psi[1, 0], psi[1, 1]
+    r = b / np.sqrt(a * c)
+    grad = np.array([-0.5 * r / a, r / b, -0.5 * r / c])
+    return float(np.sqrt(grad @ block @ grad))
 
 
 def _grouped(df: pd.DataFrame, client: str, columns: list[str], response: str):
@@ -246,7 +264,7 @@ def glmm_mml(df: pd.DataFrame, client: str, columns: list[str], response: str, f
 
     Start: the pooled GLM without random effect (Newton; zeros for the binomial family with ``trials``,
     the column of trial counts) and tau = 0.5. Returns beta, tau, the maximised log-likelihood, the
-    gradient norm at the optimum and standard errors from the Hessian."""
+    gradient norm at the optimum and standard errors from the Hessian (beta's, and tau's by the delta method)."""
     X, Y, M = _grouped(df, client, columns, response)
     X, Y, M = jnp.asarray(X), jnp.asarray(Y), jnp.asarray(M)
     N = None if trials is None else jnp.asarray(_grouped(df, client, columns, trials)[1])
@@ -265,7 +283,8 @@ def glmm_mml(df: pd.DataFrame, client: str, columns: list[str], response: str, f
         u = u - jnp.linalg.solve(H(u), f(u)[1])
     cov = np.linalg.inv(np.asarray(H(u)))
     return {"beta": np.asarray(u[:-1]), "tau": float(np.exp(u[-1])), "llf": -float(f(u)[0]),
-            "grad_norm": float(jnp.linalg.norm(f(u)[1])), "beta_se": np.sqrt(np.diag(cov))[:-1]}
+            "grad_norm": float(jnp.linalg.norm(f(u)[1])), "beta_se": np.sqrt(np.diag(cov))[:-1],
+            "tau_se": float(np.exp(u[-1]) * np.sqrt(cov[-1, -1]))}  # delta method from log tau
 
 
 def glm_newton(x: np.ndarray, y: np.ndarray, family: str, prior_scale: float | None,
