@@ -448,6 +448,12 @@ class Result:
         parts = [f"<div><p><b>{escape(what)}</b><br>{escape(comm)}<br>{status}</p>"]
         if self.privacy:
             parts.append(f"<p>{escape(self._privacy_line(self.privacy))}</p>")
+        if self._mixed_layout() is not None:  # as __str__: lme4's two tables
+            shown = lambda t: t.to_html(float_format=lambda v: f"{v:.4g}")  # noqa: E731
+            parts.append(f"<p>{escape(self._tables_note())} (res.summary() has every global site)</p>")
+            parts.append(f"<p>Fixed effects</p>{shown(self.fixed_effects)}")
+            parts.append(f"<p>Random effects</p>{shown(self.variance_components)}")
+            return "".join(parts) + "</div>"
         table = self._shown_summary()
         if len(table):
             parts.append(f"<p>{escape(self._estimates_note(0.95))}</p>")

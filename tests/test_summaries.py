@@ -52,16 +52,29 @@ def test_summary_of_a_sampler_is_its_draws(lmc_fit):
         res.summary(prob=1.0)
 
 
-def test_text_and_html_summaries(em_fit):
-    res = em_fit
+def test_text_and_html_summaries(lmc_fit):
+    res = lmc_fit
     text, html = str(res), res._repr_html_()
-    assert text.startswith(f"FedMM fit: 60 rounds, 12 clients, seed 0")
+    assert text.startswith("LMC fit: 400 rounds, 4 clients, seed 0")
     assert ("converged (every check passed)" in text) == res.converged
-    assert "communication: up" in text and "estimate, standard error and 95% interval" in text
+    assert "communication: up" in text and "posterior mean, sd and central 95% interval" in text
     first = res.summary().index[0]
     assert first in text and first in html and "<table" in html
     assert f"{res.summary().iloc[0]['estimate']:.4g}" in text
-    assert repr(res).startswith("Result(FedMM, 60 rounds")  # the one-line repr stays
+    assert repr(res).startswith("Result(LMC, 400 rounds")  # the one-line repr stays
+
+
+def test_a_mixed_model_is_summarised_as_lme4_does(em_fit):
+    """A model with a mixed layout: the fixed effects and the variance components (sds, correlation, residual
+    sd) with their standard errors, in the text and the notebook summaries, instead of the raw sites."""
+    res = em_fit
+    text, html = str(res), res._repr_html_()
+    assert "estimate and standard error (observed information" in text
+    for table in (res.fixed_effects, res.variance_components):
+        for value in table["estimate"].to_numpy()[:2]:
+            assert f"{value:.4g}" in text and f"{value:.4g}" in html
+    assert "Random effects" in text and "cor(z[0], z[1])" in text and "cor(z[0], z[1])" in html
+    assert "scale_tril" not in text  # the Cholesky entries are in res.summary()
 
 
 def test_an_unconverged_fit_says_so_in_both_summaries():
