@@ -37,7 +37,7 @@ from .errors import CheckpointError, ConfigError
 FORMAT = 1
 
 
-def _weak_array(value: np.ndarray, dtype: Any) -> jax.Array:
+def weak_array(value: np.ndarray, dtype: Any) -> jax.Array:
     """A weakly-typed array (as a Python scalar would give), so a restored carry traces like the saved one."""
     try:
         from jax._src.lax.lax import _convert_element_type  # no public API makes a weak-typed array
@@ -210,7 +210,7 @@ class Checkpoint:
                     f"checkpoint state array {i} is {saved.dtype}{list(saved.shape)}, the fit's is "
                     f"{fresh.dtype}{list(fresh.shape)}: it was written by a different fit"
                 )
-            out.append(_weak_array(saved, saved.dtype) if weak else jnp.asarray(saved))
+            out.append(weak_array(saved, saved.dtype) if weak else jnp.asarray(saved))
         return jax.tree_util.tree_unflatten(treedef, out)
 
 

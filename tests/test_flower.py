@@ -558,3 +558,61 @@ def test_simulate_validates_its_own_options_before_running(option, match):
     model, data = glm()
     with pytest.raises(fb.ConfigError, match=match):
         flower.simulate(model, data, "lmc", num_rounds=2, **option)
+
+
+def _flower_run(name, seed, folder, unreachable=None, policy=None, **server_options):
+    """One Flower run of CASES[name] over a fresh LocalGrid (fresh node contexts, as after a restart) whose nodes
+    keep state snapshots in ``folder``; the ServerApp's spec holds only the data's layout."""
+    algo, model, data, rounds, cohort = CASES[name]()
+    clients = FlowerSpec(model, data, algo, rounds, cohort, seed=seed, fault_policy=policy)
+    server = FlowerSpec(model, data.blank(), algo, rounds, cohort, seed=seed, fault_policy=policy, **server_options)
+    node_config = {flower.STATE_KEY: str(folder)}
+    grid = LocalGrid(flower.client_app(clients), data.num_clients, unreachable, node_config=node_config)
+    try:
+        with _server_identity():
+            return run_server(server, grid, collect_locals=True)
+    finally:
+        _forget(clients.token)
+        _forget(server.token)
+
+
+@pytest.mark.parametrize("name", ["b-elf", "fedsoul", "tamuna"])
+def test_a_stopped_run_resumes_from_its_checkpoints_bit_for_bit(name, tmp_path):
+    """A member of round 2's cohort is unreachable and the fault policy needs every member (the documented stop:
+    TooFewClientsError, naming the checkpoint). A new run over fresh node contexts with ``resume=True`` restores
+    the server from its checkpoint (after round 1) and each client from its node's newest snapshot of a round
+    <= 1 (the members of round 2 had stepped, and a node keeps its round-2 snapshot beside it), and ends exactly
+    where the uninterrupted run ends: history, ledger, estimate, draws, personal posteriors and Flower's
+    messages, bit for bit. B-ELF's clients keep a copy of the server's w, TAMUNA's control variates and
+    FedSOUL's chains: each a client state the resume must restore."""
+    _, _, data, rounds, cohort = CASES[name]()
+    policy = fb.FaultPolicy(min_clients=cohort or data.num_clients)
+    ref = _flower_run(name, 3, tmp_path / "ref", policy=policy)
+    ckpt = str(tmp_path / "server.ckpt")
+    victim: list[int] = []
+
+    def unreachable(k, c):  # the first member asked in round 2; the others step, their nodes one round ahead
+        if k == 2 and victim in ([], [c]):
+            victim[:] = [c]
+            return True
+        return False
+
+    with pytest.raises(fb.TooFewClientsError, match="round 2.*resume from the checkpoint after round 1"):
+        _flower_run(name, 3, tmp_path / "nodes", unreachable=unreachable, policy=policy, checkpoint=ckpt)
+    assert any(p.name.endswith(".r2.npz") for p in (tmp_path / "nodes").iterdir())  # ahead of the checkpoint
+    res = _flower_run(name, 3, tmp_path / "nodes", policy=policy, checkpoint=ckpt, resume=True)
+    _same(ref, res, exact=True)
+    assert res.flower_messages == ref.flower_messages
+
+
+def test_a_resume_without_the_nodes_snapshots_is_refused_with_the_fix(tmp_path):
+    ckpt = str(tmp_path / "server.ckpt")
+    _flower_run("d-elf", 0, tmp_path / "nodes", checkpoint=ckpt)
+    for node in (tmp_path / "nodes").iterdir():
+        node.unlink()
+    with pytest.raises(fb.CheckpointError, match="client 0 has no state snapshot of round <= 4"):
+        _flower_run("d-elf", 0, tmp_path / "nodes", checkpoint=ckpt, resume=True)
+    with pytest.raises(fb.CheckpointError, match="another fit"):
+        _flower_run("d-elf", 1, tmp_path / "nodes", checkpoint=ckpt, resume=True)
+    with pytest.raises(fb.ConfigError, match="resume=True needs checkpoint"):
+        _flower_run("d-elf", 0, tmp_path / "nodes", resume=True)

@@ -115,6 +115,8 @@ SECOND_TIER: dict[str, object] = {
         "test_flower_run_equals_fed_fit",
         "test_the_server_expects_the_messages_clients_send",
         "test_the_server_needs_no_client_data",
+        "test_a_stopped_run_resumes_from_its_checkpoints_bit_for_bit",  # 80 s (three algorithms, three runs each)
+        "test_a_resume_without_the_nodes_snapshots_is_refused_with_the_fix",  # four D-ELF runs
     ),
     "tests/test_fuzz.py": (  # ~60 s of fits; the option-type scan (constructions only, ~1 s) stays in the first tier
         "test_fuzz_fit_arguments",

@@ -8,6 +8,9 @@
   Flower moves are the ledger's bits, rounded up to whole bytes per message. A run starts with the
   algorithm's set-up exchange and ends with its final exchange (:class:`fedbayes.protocol.FederatedRun`), so the
   server never reads client data; personal posteriors stay on their nodes.
+* Checkpoints: ``FlowerSpec(checkpoint=path)`` writes the server's state after the set-up and every round,
+  and a node whose config names a folder under :data:`STATE_KEY` keeps snapshots of its client state there;
+  ``FlowerSpec(resume=True)`` continues a stopped run from them, bit for bit (:mod:`fedbayes.flower._resume`).
 * :func:`simulate`: the same apps under Flower's simulation engine in this process, returning the
   :class:`fedbayes.Result` that :func:`fedbayes.fed_fit` returns for the same arguments.
 
@@ -22,6 +25,7 @@ __all__ = [
     "FlowerSpec",
     "LocalGrid",
     "OUTPUT_KEY",
+    "STATE_KEY",
     "SecAggPlus",
     "client_app",
     "flwr_available",

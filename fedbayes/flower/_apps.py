@@ -24,11 +24,12 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 
 from .. import engine, wire
-from . import _secagg
+from . import _resume, _secagg
 from ._secagg import SecAggPlus  # noqa: F401 (fedbayes.flower's SecAggPlus comes from here)
+from ._resume import STATE_KEY  # noqa: F401 (fedbayes.flower's STATE_KEY comes from here)
 from ..seeds import seed_key
 from ..algorithms.elf import LangevinSampler
-from ..api import check_progress, fault_table, public_history, validate_fit
+from ..api import _data_digest, _fingerprints, check_progress, fault_table, public_history, validate_fit
 from ..data import FederatedData
 from ..engine import (
     Progress,
@@ -42,7 +43,7 @@ from ..engine import (
     setup_keys,
     stack_clients,
 )
-from ..errors import ConfigError, FedbayesError, TooFewClientsError, is_real
+from ..errors import CheckpointError, ConfigError, FedbayesError, TooFewClientsError, is_real
 from ..faults import FaultPolicy
 from ..introspect import FedModel
 from ..protocol import ClientData, FitParts, Problem, with_final_parts
@@ -57,7 +58,14 @@ NODE_UNAVAILABLE = 5  # flwr.common.constant.ErrorCode.NODE_UNAVAILABLE
 class FlowerSpec:
     """Everything both ends must agree on: the model, the algorithm and its settings, and how a client
     finds its own data (``data`` holds the partitions of a simulation; a deployment's client loads its
-    own). ``token`` names the run in this process's caches."""
+    own). ``token`` names the run in this process's caches.
+
+    ``checkpoint`` (the server's side only) is a file the server rewrites atomically after the set-up
+    exchange and after every round; ``resume=True`` continues the run that wrote it, after its last
+    completed round, with the clients' states from their nodes' snapshots (node config ``fedbayes-state``,
+    :data:`STATE_KEY`). A run stopped by :class:`fedbayes.TooFewClientsError` (a node died and the fault
+    policy's ``min_clients`` was not met), or by the server's own crash, resumes to what the uninterrupted
+    run gives, bit for bit."""
 
     model: Callable
     data: FederatedData
@@ -71,6 +79,8 @@ class FlowerSpec:
     progress: bool | None = None
     secure_aggregation: Any = None
     matmul_precision: str | None = "highest"  # as fed_fit's (fedbayes.engine.matmul_precision), at both ends
+    checkpoint: str | None = None  # the server's checkpoint file, written after the set-up and every round
+    resume: bool = False  # start from ``checkpoint`` (the nodes restore their snapshots: fedbayes.flower._resume)
     token: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
 
@@ -325,6 +335,7 @@ def _header(message: Message) -> dict[str, Any]:
 
 
 _STATE, _PENDING, _META, _LOCAL = "fedbayes.state", "fedbayes.pending", "fedbayes.meta", "fedbayes.local"
+_UPLOAD = _STATE + ".upload"  # a client's last upload, kept until the server's reply
 _SETTINGS = "fedbayes.settings"
 
 
@@ -385,6 +396,42 @@ def _settle(context: Context, rt: _Runtime, accepted: int) -> Any:
             context.state[_STATE] = context.state[_PENDING]
         meta["pending"] = -1
     return _load(context, _STATE, rt.state_def())
+
+
+def _snapshot(context: Context, index: int, round_: int) -> None:
+    """Write this client's state records to its node's snapshot folder (node config ``fedbayes-state``), as
+    after a message of round ``round_`` (-1: the set-up); nothing without that folder."""
+    folder = context.node_config.get(_resume.STATE_KEY)
+    if not folder:
+        return
+    records = {
+        name: _stored(context, name, ArrayRecord).to_numpy_ndarrays()
+        for name in (_STATE, _PENDING, _SETTINGS)
+        if name in context.state
+    }
+    upload = _stored(context, _UPLOAD, ArrayRecord)[""].data if _UPLOAD in context.state else None
+    pending = int(cast(int, _stored(context, _META, ConfigRecord)["pending"])) if _META in context.state else -1
+    _resume.write_snapshot(str(folder), index, round_, records, upload, pending)
+
+
+def _restore(context: Context, index: int, at_most: int) -> int:
+    """Replace this client's state records by its node's newest snapshot of a round <= ``at_most``; its round."""
+    folder = context.node_config.get(_resume.STATE_KEY)
+    if not folder:
+        raise CheckpointError(
+            f"client {index}'s node keeps no state snapshots: start its SuperNode with --node-config "
+            f"'{_resume.STATE_KEY}=\"<folder>\"' (the same folder as in the interrupted run) to resume"
+        )
+    round_, records, upload, pending = _resume.read_snapshot(str(folder), index, at_most)
+    for name in (_STATE, _PENDING, _SETTINGS, _UPLOAD):
+        if name in context.state:
+            del context.state[name]
+    for name, arrays in records.items():
+        context.state[name] = ArrayRecord(arrays)
+    if upload is not None:
+        context.state[_UPLOAD] = ArrayRecord({"": Array(dtype="uint8", shape=(len(upload),), stype="raw", data=upload)})
+    context.state[_META] = ConfigRecord({"pending": pending})
+    return round_
 
 
 OUTPUT_KEY = "fedbayes-output"
@@ -455,7 +502,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
 
         return run
 
-    def _setup_stage(stage: int, data: bytes, context: Context) -> Any:
+    def _setup_stage(stage: int, data: bytes, context: Context, resuming: bool) -> Any:
         """One set-up stage on this client: its state started from its own data and saved; its upload."""
         rt, index = _runtime_of(context), _client_index(context)
         payload = wire.unpack(data, rt.setup_payloads[stage])
@@ -464,6 +511,8 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         state, upload = rt.setup_step[stage](key, payload, state, rt.member(index))
         _save(context, _STATE, state)
         context.state[_META] = ConfigRecord({"pending": -1})
+        if not resuming:  # a resumed run's set-up rebuilds the state's structure; the node's snapshots stand
+            _snapshot(context, index, -1)
         return jax.device_get(upload)
 
     def _step(h: Mapping[str, Any], data: bytes, context: Context) -> tuple[Any, bytes, int]:
@@ -485,9 +534,8 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
             raise FedbayesError(
                 f"{rt.run.name}: the upload's encoding has {bits} bits, its ledger entry {int(upload.bits)}"
             )
-        context.state[_STATE + ".upload"] = ArrayRecord(
-            {"": Array(dtype="uint8", shape=(len(data),), stype="raw", data=data)}
-        )
+        context.state[_UPLOAD] = ArrayRecord({"": Array(dtype="uint8", shape=(len(data),), stype="raw", data=data)})
+        _snapshot(context, index, k)
         return payload, data, bits
 
     @app.train("setup")
@@ -496,12 +544,14 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         """One set-up stage: the server's payload in, this client's state started from its own data,
         its upload back. After the last stage, the client settings (e.g. TAMUNA's step size), kept in
         ``context.state`` for the client's later stages."""
-        rt = _runtime_of(context)
-        stage = int(_header(msg)["stage"])
+        rt, h = _runtime_of(context), _header(msg)
+        stage, resuming = int(h["stage"]), bool(h.get("resume", 0))
         if stage == rt.run.setup_stages:
             _save(context, _SETTINGS, unpack_settings(_data(msg), rt.settings_template))
+            if not resuming:
+                _snapshot(context, _client_index(context), -1)
             return Message(_content(b"", {}), reply_to=msg)
-        data, _ = wire.pack(_setup_stage(stage, _data(msg), context))
+        data, _ = wire.pack(_setup_stage(stage, _data(msg), context, resuming))
         return Message(_content(data, {}), reply_to=msg)
 
     @app.train("step")
@@ -526,7 +576,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
             k[len(_secagg.CONFIG) + 1 :]: v for k, v in cfg.items() if k.startswith(_secagg.CONFIG + ".")
         }
         if h["kind"] == "setup":
-            upload = _setup_stage(int(h["stage"]), h["data"], context)
+            upload = _setup_stage(int(h["stage"]), h["data"], context, bool(h.get("resume", 0)))
             bits = engine.dense_bits(upload)
         else:
             payload, _, bits = _step(h, h["data"], context)
@@ -548,10 +598,11 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
     def resync(msg: Message, context: Context) -> Message:
         """The server's copy of its state (P-/B-ELF's w), re-sent after this client's fault, before its
         next step: the committed state takes it (``resync``)."""
-        rt = _runtime_of(context)
-        state = _settle(context, rt, int(_header(msg)["accepted"]))
+        rt, h = _runtime_of(context), _header(msg)
+        state = _settle(context, rt, int(h["accepted"]))
         state = rt.resync(state, wire.unpack(_data(msg), rt.resync_template))
         _save(context, _STATE, state)
+        _snapshot(context, _client_index(context), int(h["round"]))
         return Message(_content(b"", {}), reply_to=msg)
 
     @app.train("finish")
@@ -564,13 +615,14 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         ctx = wire.Context(k_shared, slot)
         member = rt.member(index, slot, k_shared, rt.settings_of(context))
         reply = wire.unpack(_data(msg), rt.reply_template(), ctx)
-        own = wire.unpack(_stored(context, _STATE + ".upload", ArrayRecord)[""].data, rt.upload_template(), ctx)
+        own = wire.unpack(_stored(context, _UPLOAD, ArrayRecord)[""].data, rt.upload_template(), ctx)
         pending = _load(context, _PENDING, rt.state_def())
         if rt.finish is None:  # the server sends "finish" only to a run with replies
             raise FedbayesError(f"{rt.run.name}: a reply reached a client of a run without replies")
         new_state, _ = rt.finish(reply, pending, member, own)
         _save(context, _STATE, new_state)  # the server accepted the upload: commit
         _stored(context, _META, ConfigRecord)["pending"] = -1
+        _snapshot(context, index, k)
         return Message(_content(b"", {}), reply_to=msg)
 
     @app.train("final")
@@ -606,6 +658,18 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
     def hello(msg: Message, context: Context) -> Message:
         return Message(RecordDict({HEADER: ConfigRecord({"client": _client_index(context)})}), reply_to=msg)
 
+    @app.query("restore")
+    def restore(msg: Message, context: Context) -> Message:
+        """A resumed run (after its set-up exchange): this client's state as its node's newest snapshot of a
+        round <= the server checkpoint's; the reply names that round, or why there is none."""
+        index = _client_index(context)
+        reply: dict[str, int | str] = {"client": index}
+        try:
+            reply["round"] = _restore(context, index, int(_header(msg)["round"]))
+        except CheckpointError as err:
+            reply["error"] = str(err)
+        return Message(RecordDict({HEADER: ConfigRecord(cast(Any, reply))}), reply_to=msg)
+
     return app
 
 
@@ -624,6 +688,12 @@ class _Server:
     """The server loop of :func:`server_app`, round by round as in :func:`fedbayes.engine.make_round`."""
 
     def __init__(self, spec: FlowerSpec, grid: _Grid):
+        if spec.resume is not True and spec.resume is not False:
+            raise ConfigError(f"resume must be True or False, got {spec.resume!r}")
+        if spec.checkpoint is not None and not isinstance(spec.checkpoint, (str, os.PathLike)):
+            raise ConfigError(f"checkpoint must be a file path or None, got {spec.checkpoint!r}")
+        if spec.resume and spec.checkpoint is None:
+            raise ConfigError("resume=True needs checkpoint=<the server's checkpoint file> to resume from")
         self.spec, self.grid, self.rt = spec, grid, _runtime(spec, "server")
         self.accepted = np.full(self.rt.data.num_clients, -1)
         # Clients whose copy of server state is behind (a fault), to be re-sent it before their next step,
@@ -729,6 +799,7 @@ class _Server:
         the client settings (``client_settings``, float64 each); every message's bytes go into ``message_bytes``
         as kind ``"setup"``."""
         rt, run, num = self.rt, self.rt.run, self.rt.data.num_clients
+        resuming = {"resume": 1} if self.spec.resume else {}  # the nodes keep their snapshots of the first run
 
         def exchange(stage: int, k_clients: jax.Array, payload: Any) -> Any:
             data, bits = wire.pack(jax.device_get(payload))
@@ -736,7 +807,8 @@ class _Server:
                 for client in range(num):
                     self.message_bytes.append(("setup", -1, client, len(data), bits))
                 total, answered = self._secure_sum(
-                    -1, {self.node_of[c]: {"kind": "setup", "stage": stage, "data": data} for c in range(num)}
+                    -1,
+                    {self.node_of[c]: {"kind": "setup", "stage": stage, "data": data, **resuming} for c in range(num)},
                 )
                 if total is None or len(answered) < num:
                     raise FedbayesError(
@@ -744,7 +816,9 @@ class _Server:
                         "(secure aggregation), or sent non-finite values; the set-up needs every client"
                     )
                 return _summed(rt.setup_uploads[stage], total, num, 0)
-            uploads = self._to_every_client("setup", -1, data, bits, rt.setup_uploads[stage], {"stage": stage})
+            uploads = self._to_every_client(
+                "setup", -1, data, bits, rt.setup_uploads[stage], {"stage": stage, **resuming}
+            )
             missing = [c for c in range(num) if uploads[c] is None]
             if missing:
                 raise FedbayesError(
@@ -758,7 +832,7 @@ class _Server:
         if jax.tree_util.tree_leaves(settings):
             data = pack_settings(settings)
             acks = self._to_every_client(
-                "setup", -1, data, engine.setting_bits(settings), (), {"stage": run.setup_stages}
+                "setup", -1, data, engine.setting_bits(settings), (), {"stage": run.setup_stages, **resuming}
             )  # empty acknowledgements
             if any(ack is None for ack in acks):
                 raise FedbayesError(f"{run.name}: a client did not acknowledge the client settings")
@@ -943,23 +1017,73 @@ class _Server:
             )
         return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in stacked])
 
+    def _fingerprints(self) -> dict[str, Any]:
+        rt = self.rt
+        return _fingerprints(rt.fit, rt.model, rt.cohort, _data_digest(rt.data))
+
+    def checkpoint(self, k: int) -> None:
+        """Write the server's checkpoint after round ``k`` (-1: the set-up), where the spec names one."""
+        if self.spec.checkpoint is None:
+            return
+        rt = self.rt
+        opened = self.opened if self.opened is not None else rt.server_state
+        extra = {
+            "accepted": self.accepted.tolist(),
+            "stale": sorted(self.stale),
+            "opened": self.opened is not None,
+            "message_bytes": [list(m) for m in self.message_bytes],
+        }
+        trees = (rt.server_state, rt.broadcast, opened)  # on the device: their weak types are recorded
+        _resume.save_server(self.spec.checkpoint, k, self._fingerprints(), trees, _concatenated(self.records), extra)
+
+    def resume(self) -> int:
+        """After the set-up exchange: the server's state from its checkpoint, every client's from its node's
+        snapshots (:mod:`fedbayes.flower._resume`); the round the checkpoint was written after."""
+        rt, path = self.rt, cast(str, self.spec.checkpoint)
+        template = (rt.server_state, rt.broadcast, rt.server_state)
+        k, trees, history, extra = _resume.load_server(path, self._fingerprints(), template)
+        rt.server_state, rt.broadcast, opened = trees
+        self.opened = opened if extra["opened"] else None
+        self.accepted = np.asarray(extra["accepted"], dtype=self.accepted.dtype)
+        self.stale = set(extra["stale"])
+        self.records = [history] if history else []
+        self.message_bytes = [tuple(m) for m in extra["message_bytes"]]  # the set-up's were counted once
+        msgs = [
+            Message(_content(b"", {"round": k}), dst_node_id=node, message_type="query.restore")
+            for node in self.node_of.values()
+        ]
+        replies = {int(_header(r)["client"]): _header(r) for r in self._send(msgs).values()}
+        problems = [
+            f"client {c}: " + str(replies[c]["error"] if c in replies else "no answer")
+            for c in range(rt.data.num_clients)
+            if c not in replies or "error" in replies[c]
+        ]
+        if problems:
+            raise CheckpointError(f"{rt.run.name} on Flower cannot resume after round {k}: " + "; ".join(problems[:5]))
+        return k
+
     def run(self, collect_locals: bool = False) -> Result:
         rt, spec = self.rt, self.spec
         self.connect()
         self.setup()
+        start = self.resume() + 1 if spec.resume else 0
+        if not spec.resume:
+            self.checkpoint(-1)
         bar = Progress(spec.num_rounds, f"{rt.run.name} on Flower", spec.progress)
         t0 = time.perf_counter()
         min_clients = (spec.fault_policy or FaultPolicy()).min_clients
-        for k in range(spec.num_rounds):
+        for k in range(start, spec.num_rounds):
             self.round(k)
             if first_short_round(fault_counts(self.records[-1]), min_clients) is not None:
                 done = self.records[:-1]
                 before = public_history(host_records(_concatenated(done), time.perf_counter() - t0)) if done else {}
                 raise TooFewClientsError(
-                    f"{rt.run.name} on Flower: round {k} left fewer answering clients than min_clients={min_clients}",
+                    f"{rt.run.name} on Flower: round {k} left fewer answering clients than min_clients={min_clients}"
+                    + (f"; resume from the checkpoint after round {k - 1} (resume=True)" if spec.checkpoint else ""),
                     round=k,
                     history=before,
                 )
+            self.checkpoint(k)
             bar.update(k + 1)
         history = host_records(_concatenated(self.records), time.perf_counter() - t0)
         problem = Problem(FedModel(rt.fit.model, rt.data, rt.fit.model_kwargs), rt.data, rt.fit.num_rounds, rt.cohort)

@@ -1,0 +1,171 @@
+"""Checkpoints of a Flower run: the server's file, and each node's own snapshots of its client state.
+
+A deployment's state is split: the server holds its round state, the broadcast that opens the next round,
+the ledger and the history; each client's state (its chains, control variates, copy of the server's
+vector) never leaves its node. So a Flower run is resumed from two kinds of file, each written atomically
+and sealed by a digest (:func:`fedbayes.checkpoint.write_sealed`):
+
+* the server's checkpoint (``FlowerSpec(checkpoint=path)``), written after the set-up exchange and after
+  every round: the round reached, the server's state, the fingerprints of the fit;
+* each node's snapshots (node config ``fedbayes-state = "<folder>"``), ``client-<i>.r<round>.npz``, written
+  after every message that changes the client's state, with the round of that message (-1: the set-up).
+
+A resumed run (``FlowerSpec(resume=True)``) repeats the set-up exchange (deterministic: it rebuilds the
+states' structure), replaces the server's state with the checkpoint's of round K, and asks every node for
+its newest snapshot of a round <= K. Rounds K + 1, ... then run as the uninterrupted run would have run
+them, bit for bit. A node keeps its two newest snapshots: the server writes its checkpoint after every
+round, so no node can be more than one round ahead of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import checkpoint as checkpoint_io
+from ..errors import CheckpointError
+
+STATE_KEY = "fedbayes-state"
+"""The node-config key of a folder where a SuperNode keeps snapshots of its client state, so that a run
+can be resumed (``flower-supernode --node-config 'client-id=3 fedbayes-state="/data/state"'``)."""
+
+FORMAT = 1
+KEEP = 2  # snapshots a node keeps: enough for a server checkpoint one round behind the node
+
+
+def _meta_entry(meta: dict[str, Any]) -> np.ndarray:
+    return np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8)
+
+
+def _snapshot_path(folder: str | os.PathLike, index: int, round_: int) -> Path:
+    return Path(folder) / f"client-{index}.r{round_}.npz"
+
+
+def _snapshot_rounds(folder: str | os.PathLike, index: int) -> list[int]:
+    pattern = re.compile(rf"client-{index}\.r(-?\d+)\.npz$")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for m in map(pattern.match, names) if m)
+
+
+def write_snapshot(
+    folder: str | os.PathLike,
+    index: int,
+    round_: int,
+    records: dict[str, list[np.ndarray]],
+    upload: bytes | None,
+    pending: int,
+) -> Path:
+    """Write client ``index``'s state after a message of round ``round_`` and drop all but its ``KEEP`` newest
+    snapshots. ``records``: the arrays of each state record; ``upload``: its last upload's bytes (kept until
+    the server's reply); ``pending``: the round of its pending step, or -1."""
+    os.makedirs(folder, exist_ok=True)
+    meta = {
+        "format": FORMAT,
+        "client": index,
+        "round": round_,
+        "pending": pending,
+        "records": {name: len(arrays) for name, arrays in records.items()},
+        "upload": upload is not None,
+    }
+    entries = {"meta": _meta_entry(meta)}
+    for name, arrays in records.items():
+        entries.update({f"record/{name}/{i:05d}": np.asarray(a) for i, a in enumerate(arrays)})
+    if upload is not None:
+        entries["upload"] = np.frombuffer(upload, np.uint8)
+    path = _snapshot_path(folder, index, round_)
+    checkpoint_io.write_sealed(path, entries, what="client snapshot")
+    for old in _snapshot_rounds(folder, index)[:-KEEP]:
+        try:
+            os.remove(_snapshot_path(folder, index, old))
+        except OSError:  # another process's clean-up, or read-only: a stale snapshot only costs disk space
+            pass
+    return path
+
+
+def read_snapshot(
+    folder: str | os.PathLike, index: int, at_most: int
+) -> tuple[int, dict[str, list[np.ndarray]], bytes | None, int]:
+    """Client ``index``'s newest snapshot of a round <= ``at_most``: ``(round, records, upload, pending)``.
+
+    Raises
+    ------
+    CheckpointError
+        If there is none (the node kept no snapshots, or only newer ones), or it fails its integrity check.
+    """
+    rounds = [r for r in _snapshot_rounds(folder, index) if r <= at_most]
+    if not rounds:
+        raise CheckpointError(
+            f"client {index} has no state snapshot of round <= {at_most} in {os.fspath(folder)!r} (it has "
+            f"{_snapshot_rounds(folder, index) or 'none'}): the run cannot resume from the server's checkpoint"
+        )
+    meta, entries = checkpoint_io.read_sealed(_snapshot_path(folder, index, rounds[-1]), FORMAT, "client snapshot")
+    records = {
+        name: [entries[f"record/{name}/{i:05d}"] for i in range(count)] for name, count in meta["records"].items()
+    }
+    upload = entries["upload"].tobytes() if meta["upload"] else None
+    return int(meta["round"]), records, upload, int(meta["pending"])
+
+
+def save_server(
+    path: str | os.PathLike,
+    round_: int,
+    fingerprints: dict[str, Any],
+    trees: Any,
+    history: dict[str, np.ndarray],
+    extra: dict[str, Any],
+) -> None:
+    """Write the server's checkpoint after round ``round_`` (-1: after the set-up): ``trees`` (its state, the
+    broadcast, ...), the ``history`` of the rounds done, and JSON-able ``extra`` fields."""
+    leaves = jax.tree_util.tree_leaves(trees)
+    meta = {
+        "format": FORMAT,
+        "round": round_,
+        "fingerprints": fingerprints,
+        "extra": extra,
+        "weak": [isinstance(x, (int, float)) or bool(getattr(x, "weak_type", False)) for x in leaves],
+    }
+    entries = {"meta": _meta_entry(meta)}
+    entries.update({f"tree/{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})
+    entries.update({f"history/{k}": np.asarray(v) for k, v in history.items()})
+    checkpoint_io.write_sealed(path, entries, what="Flower checkpoint")
+
+
+def load_server(
+    path: str | os.PathLike, fingerprints: dict[str, Any], template: Any
+) -> tuple[int, Any, dict[str, np.ndarray], dict[str, Any]]:
+    """The server's checkpoint at ``path``: ``(round, trees in template's structure, history, extra)``.
+
+    Raises
+    ------
+    CheckpointError
+        If it is missing, altered, or written by another fit (model, data layout, algorithm, rounds, cohort
+        or seed differ: the fingerprint that differs is named).
+    """
+    meta, entries = checkpoint_io.read_sealed(path, FORMAT, "Flower checkpoint")
+    saved = meta.get("fingerprints", {})
+    for name, value in fingerprints.items():
+        if saved.get(name) != value:
+            raise CheckpointError(
+                f"the Flower checkpoint {os.fspath(path)!r} was written by another fit (its {name} differs): "
+                "resume it with the same model, data layout, algorithm, num_rounds, clients_per_round and seed"
+            )
+    leaves, treedef = jax.tree_util.tree_flatten(template)
+    stored = [entries[f"tree/{i:05d}"] for i in range(sum(k.startswith("tree/") for k in entries))]
+    if len(stored) != len(leaves) or any(
+        np.shape(a) != np.shape(b) or np.asarray(a).dtype != b.dtype for a, b in zip(leaves, stored)
+    ):
+        raise CheckpointError(f"the Flower checkpoint {os.fspath(path)!r} does not hold this run's server state")
+    restored = [
+        checkpoint_io.weak_array(b, b.dtype) if weak else jax.numpy.asarray(b) for b, weak in zip(stored, meta["weak"])
+    ]
+    history = {k[len("history/") :]: v for k, v in entries.items() if k.startswith("history/")}
+    return int(meta["round"]), jax.tree_util.tree_unflatten(treedef, restored), history, meta["extra"]
