@@ -587,7 +587,9 @@ def test_a_stopped_run_resumes_from_its_checkpoints_bit_for_bit(name, tmp_path):
     FedSOUL's chains: each a client state the resume must restore."""
     _, _, data, rounds, cohort = CASES[name]()
     policy = fb.FaultPolicy(min_clients=cohort or data.num_clients)
-    ref = _flower_run(name, 3, tmp_path / "ref", policy=policy)
+    # the uninterrupted run, with a checkpoint of its own on the same nodes: its snapshots (of every round) sit
+    # beside the next runs' and must not be taken for theirs
+    ref = _flower_run(name, 3, tmp_path / "nodes", policy=policy, checkpoint=str(tmp_path / "ref.ckpt"))
     ckpt = str(tmp_path / "server.ckpt")
     victim: list[int] = []
 
@@ -599,7 +601,7 @@ def test_a_stopped_run_resumes_from_its_checkpoints_bit_for_bit(name, tmp_path):
 
     with pytest.raises(fb.TooFewClientsError, match="round 2.*resume from the checkpoint after round 1"):
         _flower_run(name, 3, tmp_path / "nodes", unreachable=unreachable, policy=policy, checkpoint=ckpt)
-    assert any(p.name.endswith(".r2.npz") for p in (tmp_path / "nodes").iterdir())  # ahead of the checkpoint
+    assert any(p.name.endswith(".r2.npz") for p in (tmp_path / "nodes").rglob("*"))  # ahead of the checkpoint
     res = _flower_run(name, 3, tmp_path / "nodes", policy=policy, checkpoint=ckpt, resume=True)
     _same(ref, res, exact=True)
     assert res.flower_messages == ref.flower_messages
@@ -608,8 +610,8 @@ def test_a_stopped_run_resumes_from_its_checkpoints_bit_for_bit(name, tmp_path):
 def test_a_resume_without_the_nodes_snapshots_is_refused_with_the_fix(tmp_path):
     ckpt = str(tmp_path / "server.ckpt")
     _flower_run("d-elf", 0, tmp_path / "nodes", checkpoint=ckpt)
-    for node in (tmp_path / "nodes").iterdir():
-        node.unlink()
+    for snapshot in (tmp_path / "nodes").rglob("*.npz"):
+        snapshot.unlink()
     with pytest.raises(fb.CheckpointError, match="client 0 has no state snapshot of round <= 4"):
         _flower_run("d-elf", 0, tmp_path / "nodes", checkpoint=ckpt, resume=True)
     with pytest.raises(fb.CheckpointError, match="another fit"):

@@ -398,11 +398,15 @@ def _settle(context: Context, rt: _Runtime, accepted: int) -> Any:
     return _load(context, _STATE, rt.state_def())
 
 
-def _snapshot(context: Context, index: int, round_: int) -> None:
-    """Write this client's state records to its node's snapshot folder (node config ``fedbayes-state``), as
-    after a message of round ``round_`` (-1: the set-up); nothing without that folder."""
+def _snapshot(context: Context, index: int, round_: int, tag: str | None = None) -> None:
+    """Write this client's state records to its node's snapshot folder (node config ``fedbayes-state``), in the
+    run's own subfolder (``tag``: the server's checkpoint's, from the set-up; default: as the set-up stored
+    it), as after a message of round ``round_`` (-1: the set-up); nothing without that folder or a tag (a run
+    whose server keeps no checkpoint)."""
     folder = context.node_config.get(_resume.STATE_KEY)
-    if not folder:
+    if tag is None:
+        tag = str(_stored(context, _META, ConfigRecord).get("tag", "")) if _META in context.state else ""
+    if not folder or not tag:
         return
     records = {
         name: _stored(context, name, ArrayRecord).to_numpy_ndarrays()
@@ -411,10 +415,10 @@ def _snapshot(context: Context, index: int, round_: int) -> None:
     }
     upload = _stored(context, _UPLOAD, ArrayRecord)[""].data if _UPLOAD in context.state else None
     pending = int(cast(int, _stored(context, _META, ConfigRecord)["pending"])) if _META in context.state else -1
-    _resume.write_snapshot(str(folder), index, round_, records, upload, pending)
+    _resume.write_snapshot(Path(str(folder)) / tag, index, round_, records, upload, pending)
 
 
-def _restore(context: Context, index: int, at_most: int) -> int:
+def _restore(context: Context, index: int, at_most: int, tag: str) -> int:
     """Replace this client's state records by its node's newest snapshot of a round <= ``at_most``; its round."""
     folder = context.node_config.get(_resume.STATE_KEY)
     if not folder:
@@ -422,7 +426,7 @@ def _restore(context: Context, index: int, at_most: int) -> int:
             f"client {index}'s node keeps no state snapshots: start its SuperNode with --node-config "
             f"'{_resume.STATE_KEY}=\"<folder>\"' (the same folder as in the interrupted run) to resume"
         )
-    round_, records, upload, pending = _resume.read_snapshot(str(folder), index, at_most)
+    round_, records, upload, pending = _resume.read_snapshot(Path(str(folder)) / tag, index, at_most)
     for name in (_STATE, _PENDING, _SETTINGS, _UPLOAD):
         if name in context.state:
             del context.state[name]
@@ -430,7 +434,7 @@ def _restore(context: Context, index: int, at_most: int) -> int:
         context.state[name] = ArrayRecord(arrays)
     if upload is not None:
         context.state[_UPLOAD] = ArrayRecord({"": Array(dtype="uint8", shape=(len(upload),), stype="raw", data=upload)})
-    context.state[_META] = ConfigRecord({"pending": pending})
+    context.state[_META] = ConfigRecord({"pending": pending, "tag": tag})
     return round_
 
 
@@ -502,7 +506,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
 
         return run
 
-    def _setup_stage(stage: int, data: bytes, context: Context, resuming: bool) -> Any:
+    def _setup_stage(stage: int, data: bytes, context: Context, h: Mapping[str, Any]) -> Any:
         """One set-up stage on this client: its state started from its own data and saved; its upload."""
         rt, index = _runtime_of(context), _client_index(context)
         payload = wire.unpack(data, rt.setup_payloads[stage])
@@ -510,8 +514,8 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         key = setup_client_key(rt.k_clients, jnp.asarray(index), stage)
         state, upload = rt.setup_step[stage](key, payload, state, rt.member(index))
         _save(context, _STATE, state)
-        context.state[_META] = ConfigRecord({"pending": -1})
-        if not resuming:  # a resumed run's set-up rebuilds the state's structure; the node's snapshots stand
+        context.state[_META] = ConfigRecord({"pending": -1, "tag": str(h.get("tag", ""))})
+        if not h.get("resume"):  # a resumed run's set-up rebuilds the state's structure; the node's snapshots stand
             _snapshot(context, index, -1)
         return jax.device_get(upload)
 
@@ -545,13 +549,13 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         its upload back. After the last stage, the client settings (e.g. TAMUNA's step size), kept in
         ``context.state`` for the client's later stages."""
         rt, h = _runtime_of(context), _header(msg)
-        stage, resuming = int(h["stage"]), bool(h.get("resume", 0))
+        stage = int(h["stage"])
         if stage == rt.run.setup_stages:
             _save(context, _SETTINGS, unpack_settings(_data(msg), rt.settings_template))
-            if not resuming:
-                _snapshot(context, _client_index(context), -1)
+            if not h.get("resume"):
+                _snapshot(context, _client_index(context), -1, str(h.get("tag", "")))
             return Message(_content(b"", {}), reply_to=msg)
-        data, _ = wire.pack(_setup_stage(stage, _data(msg), context, resuming))
+        data, _ = wire.pack(_setup_stage(stage, _data(msg), context, h))
         return Message(_content(data, {}), reply_to=msg)
 
     @app.train("step")
@@ -576,7 +580,7 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
             k[len(_secagg.CONFIG) + 1 :]: v for k, v in cfg.items() if k.startswith(_secagg.CONFIG + ".")
         }
         if h["kind"] == "setup":
-            upload = _setup_stage(int(h["stage"]), h["data"], context, bool(h.get("resume", 0)))
+            upload = _setup_stage(int(h["stage"]), h["data"], context, h)
             bits = engine.dense_bits(upload)
         else:
             payload, _, bits = _step(h, h["data"], context)
@@ -664,8 +668,9 @@ def client_app(spec: FlowerSpec | Callable[[Any], FlowerSpec]) -> ClientApp:
         round <= the server checkpoint's; the reply names that round, or why there is none."""
         index = _client_index(context)
         reply: dict[str, int | str] = {"client": index}
+        h = _header(msg)
         try:
-            reply["round"] = _restore(context, index, int(_header(msg)["round"]))
+            reply["round"] = _restore(context, index, int(h["round"]), str(h["tag"]))
         except CheckpointError as err:
             reply["error"] = str(err)
         return Message(RecordDict({HEADER: ConfigRecord(cast(Any, reply))}), reply_to=msg)
@@ -695,6 +700,8 @@ class _Server:
         if spec.resume and spec.checkpoint is None:
             raise ConfigError("resume=True needs checkpoint=<the server's checkpoint file> to resume from")
         self.spec, self.grid, self.rt = spec, grid, _runtime(spec, "server")
+        # names this run's snapshots on the nodes: new for a run with a checkpoint, the checkpoint's on a resume
+        self.tag = "" if spec.checkpoint is None else _resume.run_tag(spec.checkpoint, spec.resume)
         self.accepted = np.full(self.rt.data.num_clients, -1)
         # Clients whose copy of server state is behind (a fault), to be re-sent it before their next step,
         # and the state that opened the previous round, from which that copy is built.
@@ -799,7 +806,8 @@ class _Server:
         the client settings (``client_settings``, float64 each); every message's bytes go into ``message_bytes``
         as kind ``"setup"``."""
         rt, run, num = self.rt, self.rt.run, self.rt.data.num_clients
-        resuming = {"resume": 1} if self.spec.resume else {}  # the nodes keep their snapshots of the first run
+        # with a checkpoint, the run's tag names the nodes' snapshot folders; a resumed run's set-up leaves them
+        resuming = ({"tag": self.tag} if self.tag else {}) | ({"resume": 1} if self.spec.resume else {})
 
         def exchange(stage: int, k_clients: jax.Array, payload: Any) -> Any:
             data, bits = wire.pack(jax.device_get(payload))
@@ -1032,6 +1040,7 @@ class _Server:
             "stale": sorted(self.stale),
             "opened": self.opened is not None,
             "message_bytes": [list(m) for m in self.message_bytes],
+            "tag": self.tag,
         }
         trees = (rt.server_state, rt.broadcast, opened)  # on the device: their weak types are recorded
         _resume.save_server(self.spec.checkpoint, k, self._fingerprints(), trees, _concatenated(self.records), extra)
@@ -1049,7 +1058,7 @@ class _Server:
         self.records = [history] if history else []
         self.message_bytes = [tuple(m) for m in extra["message_bytes"]]  # the set-up's were counted once
         msgs = [
-            Message(_content(b"", {"round": k}), dst_node_id=node, message_type="query.restore")
+            Message(_content(b"", {"round": k, "tag": self.tag}), dst_node_id=node, message_type="query.restore")
             for node in self.node_of.values()
         ]
         replies = {int(_header(r)["client"]): _header(r) for r in self._send(msgs).values()}

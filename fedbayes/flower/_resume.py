@@ -7,8 +7,10 @@ and sealed by a digest (:func:`fedbayes.checkpoint.write_sealed`):
 
 * the server's checkpoint (``FlowerSpec(checkpoint=path)``), written after the set-up exchange and after
   every round: the round reached, the server's state, the fingerprints of the fit;
-* each node's snapshots (node config ``fedbayes-state = "<folder>"``), ``client-<i>.r<round>.npz``, written
-  after every message that changes the client's state, with the round of that message (-1: the set-up).
+* each node's snapshots (node config ``fedbayes-state = "<folder>"``), ``<folder>/<run tag>/client-<i>.r<round>.npz``,
+  written after every message that changes the client's state, with the round of that message (-1: the set-up).
+  The run tag is new for every run that writes a checkpoint (and kept by the checkpoint), so runs sharing a
+  node never mix their snapshots; a finished run's subfolder can be removed.
 
 A resumed run (``FlowerSpec(resume=True)``) repeats the set-up exchange (deterministic: it rebuilds the
 states' structure), replaces the server's state with the checkpoint's of round K, and asks every node for
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,15 @@ can be resumed (``flower-supernode --node-config 'client-id=3 fedbayes-state="/d
 
 FORMAT = 1
 KEEP = 2  # snapshots a node keeps: enough for a server checkpoint one round behind the node
+
+
+def run_tag(path: str | os.PathLike, resume: bool) -> str:
+    """The tag of a run's snapshots on its nodes (a subfolder of each node's ``fedbayes-state`` folder): a new
+    one for a run that writes the checkpoint ``path``, the one ``path`` holds for a run that resumes it."""
+    if not resume:
+        return uuid.uuid4().hex
+    meta, _ = checkpoint_io.read_sealed(path, FORMAT, "Flower checkpoint")
+    return str(meta["extra"]["tag"])
 
 
 def _meta_entry(meta: dict[str, Any]) -> np.ndarray:
