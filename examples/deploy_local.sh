@@ -24,7 +24,8 @@
 #     "local-tls" (address and root certificates); each node's public key is registered with
 #     `flwr supernode register <node>.key.pub local-tls`.
 #  4. One flower-supernode per client, each with its own FLWR_HOME and Runtime API port on 127.0.0.1,
-#     --root-certificates, --auth-supernode-private-key and --node-config "client-id=<i>". The template
+#     --root-certificates, --auth-supernode-private-key and --node-config "client-id=<i> fedbayes-state=<dir>"
+#     (the folder where the node keeps snapshots of its client state, for a resumed run). The template
 #     generates the same synthetic data on every node and each ClientApp reads only its client's part.
 #  5. (SHOW_REFUSALS=1) A SuperNode with an unregistered key (refused: "No SuperNode found with the given
 #     public key", exit code 305) and one with --insecure (plain text; the TLS server drops it).
@@ -197,7 +198,8 @@ read -r -a NODE_PORTS <<<"$(free_ports "$NUM_CLIENTS")"
 NODE_PIDS=()
 for i in $(seq 0 $((NUM_CLIENTS - 1))); do
     start "supernode-$i" flower-supernode --superlink "$ADDRESS" --root-certificates "$PKI/ca.crt" \
-        --auth-supernode-private-key "$PKI/node-$i.key" --node-config "client-id=$i" \
+        --auth-supernode-private-key "$PKI/node-$i.key" \
+        --node-config "client-id=$i fedbayes-state=\"$WORKDIR/state-$i\"" \
         --host 127.0.0.1 --port "${NODE_PORTS[i]}"
     NODE_PIDS+=("$LAST_PID")
 done

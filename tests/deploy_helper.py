@@ -382,8 +382,10 @@ class Deployment:
     def start_supernode(self, name: str, client_id: int, key: NodeKey | None, *, insecure: bool = False,
                         max_retries: int | None = None) -> Proc:
         port = free_ports(1)[0]
+        # each client's state snapshots in a folder of its own, the same for a restarted node of that client
+        state = self.root / f"state-{client_id}"
         cmd = [str(BIN / "flower-supernode"), "--superlink", self.address,
-               "--node-config", f"client-id={client_id}",
+               "--node-config", f'client-id={client_id} fedbayes-state="{state}"',
                # the node's Runtime API, where its SuperExec and ClientApp processes connect: loopback only
                "--host", HOST, "--port", str(port)]
         cmd += ["--insecure"] if insecure else ["--root-certificates", str(self.pki.ca)]

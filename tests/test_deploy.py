@@ -22,7 +22,10 @@ It shows, with Flower 1.42:
   2 x 30 s, Flower's fixed patience and interval), answers the messages to it with NODE_UNAVAILABLE,
   and fedbayes counts the client as dropped in every later round (the default
   ``FaultPolicy(min_clients=1)`` keeps going while one client answers). The printed result is, bit for
-  bit, ``fb.flower.simulate(..., backend="local", unreachable=<that client from round 1 on>)``.
+  bit, ``fb.flower.simulate(..., backend="local", unreachable=<that client from round 1 on>)``;
+* in a third run, under ``min-clients=3`` with the server's checkpoint on, the same kill stops the run with
+  the documented TooFewClientsError after round 0; the SuperNode is restarted (its key, its snapshot folder,
+  ``fedbayes-state``) and ``resume=true`` finishes the run to the uninterrupted run's result, bit for bit.
 
 Flower 1.42 starts one ``flwr-clientapp`` process per message (it imports JAX and fedbayes and traces the
 algorithm each time), so a round costs seconds of CPU per node: the runs are two and three rounds
@@ -264,15 +267,11 @@ def test_template_app_over_tls_equals_fed_fit(fed: Federation) -> None:
          f"ledger {ref.bits_up + ref.bits_down} bits")
 
 
-def test_a_supernode_killed_mid_run_is_a_dropped_client(fed: Federation) -> None:
-    from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
-
-    victim, survivors = fed.nodes[VICTIM], [p for c, p in enumerate(fed.nodes) if c != VICTIM]
-    marks = {p.name: p.mark() for p in fed.nodes}
-    t0 = time.monotonic()
-    run, run_id = _start_run(fed, KILL_ROUNDS)
-    # kill it once its round-0 upload is on the SuperLink: the node is gone from round 1 on, whatever the timing
-    i, _ = victim.wait_for(rf"\[RUN {run_id}, ROUND 0\]", 300, marks[victim.name])
+def _kill_after_round_0(fed: Federation, run_id: str, mark: int, t0: float) -> float:
+    """SIGKILL to the victim's SuperNode once its round-0 upload is on the SuperLink (the node is gone from round
+    1 on, whatever the timing); when."""
+    victim = fed.nodes[VICTIM]
+    i, _ = victim.wait_for(rf"\[RUN {run_id}, ROUND 0\]", 300, mark)
     i, _ = victim.wait_for(r"Sending: train\.step", 300, i)
     victim.wait_for(r"Sent successfully", 60, i)
     os.kill(victim.pid, signal.SIGKILL)
@@ -281,6 +280,25 @@ def test_a_supernode_killed_mid_run_is_a_dropped_client(fed: Federation) -> None
     _log(f"SIGKILL to SuperNode {fed.node_ids[VICTIM]} (client {VICTIM}, pid {victim.pid}) after its round-0 "
          f"upload, {killed_at - t0:.1f} s into run {run_id}: rc={victim.popen.returncode}")
     assert victim.popen.returncode == -signal.SIGKILL
+    return killed_at
+
+
+def _restart_victim(fed: Federation, label: str) -> None:
+    """A new SuperNode process for the victim's client, with its registered key and its snapshot folder."""
+    proc = fed.dep.start_supernode(f"supernode-{VICTIM}-{label}", VICTIM, fed.dep.pki.nodes[VICTIM])
+    fed.nodes[VICTIM] = proc
+    _wait(lambda: fed.dep.nodes() == {i: "online" for i in fed.node_ids}, 120, "the restarted SuperNode online")
+    _log(f"SuperNode {fed.node_ids[VICTIM]} (client {VICTIM}) restarted as pid {proc.pid}: every node online")
+
+
+def test_a_supernode_killed_mid_run_is_a_dropped_client(fed: Federation) -> None:
+    from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
+
+    victim, survivors = fed.nodes[VICTIM], [p for c, p in enumerate(fed.nodes) if c != VICTIM]
+    marks = {p.name: p.mark() for p in fed.nodes}
+    t0 = time.monotonic()
+    run, run_id = _start_run(fed, KILL_ROUNDS)
+    killed_at = _kill_after_round_0(fed, run_id, marks[victim.name], t0)
 
     # the references, while the SuperLink waits for the dead node's heartbeat
     spec = _spec(KILL_ROUNDS)
@@ -315,3 +333,37 @@ def test_a_supernode_killed_mid_run_is_a_dropped_client(fed: Federation) -> None
     assert faults == [(k, VICTIM) for k in range(1, KILL_ROUNDS)]
     _log(f"= simulate(unreachable=client {VICTIM} from round 1) bit for bit: dropped (round, client) "
          f"{faults}; the fit went on with {NUM_CLIENTS - 1} clients (FaultPolicy min_clients=1)")
+
+
+def test_a_run_stopped_by_a_killed_supernode_resumes_from_its_checkpoint(fed: Federation, tmp_path: Path) -> None:
+    """The same kill under ``min-clients=3``: round 1 cannot close, and the ServerApp stops with the documented
+    TooFewClientsError, naming the checkpoint it wrote after round 0. The victim's SuperNode is restarted (its
+    key, its snapshot folder), and ``flwr run ... resume=true`` continues from the server's checkpoint and the
+    nodes' snapshots: its result is the uninterrupted run's, bit for bit, ledger and payload bytes included."""
+    if fed.nodes[VICTIM].popen.poll() is not None:  # the previous test's kill
+        _restart_victim(fed, "restarted")
+    ckpt = tmp_path / "server.ckpt"
+    config = f'num-rounds={KILL_ROUNDS} num-clients={NUM_CLIENTS} min-clients={NUM_CLIENTS} checkpoint="{ckpt}"'
+    mark = fed.nodes[VICTIM].mark()
+    t0 = time.monotonic()
+    run = fed.dep.flwr_run(APP, config)
+    _, m = run.wait_for(r"Successfully started run (\d+)", 120)
+    run_id = m.group(1)
+    _kill_after_round_0(fed, run_id, mark, t0)
+    run.wait(timeout=400)
+    _, stopped = run.wait_for(r"fedbayes stopped: (.*)", 1)
+    error = json.loads(stopped.group(1))
+    _log(f"run {run_id} stopped after {time.monotonic() - t0:.1f} s: {error}")
+    assert error["error"] == "TooFewClientsError"
+    assert "round 1 left fewer answering clients than min_clients=3" in error["message"]
+    assert "resume from the checkpoint after round 0" in error["message"] and ckpt.exists()
+
+    _restart_victim(fed, "resumed")
+    t1 = time.monotonic()
+    resumed = fed.dep.flwr_run(APP, config + " resume=true")
+    got = _result(resumed)
+    _log(f"resumed run ({KILL_ROUNDS - 1} rounds after the checkpoint) in {time.monotonic() - t1:.1f} s: {got}")
+    full = _local(_spec(KILL_ROUNDS))
+    _assert_same(got, full, sum(m[3] for m in full.flower_messages))
+    _log(f"= the uninterrupted run bit for bit: params {full.params['w'].tolist()}, "
+         f"ledger {full.bits_up + full.bits_down} bits")

@@ -26,9 +26,15 @@ def load_data(num_clients: int) -> fb.FederatedData:
 
 
 def spec(run_config, role: str = "client") -> FlowerSpec:
-    """Both ends' spec; the server's holds only the data's layout (``data.blank()``: every value zero)."""
+    """Both ends' spec; the server's holds only the data's layout (``data.blank()``: every value zero).
+
+    ``min-clients``: the fault policy's (a round with fewer answers stops the run with TooFewClientsError).
+    ``checkpoint``: the server's checkpoint file ("" for none); ``resume = true`` continues the run that wrote
+    it, each client from the snapshots its node keeps (node config ``fedbayes-state``)."""
     num_clients, num_rounds = int(run_config.get("num-clients", 10)), int(run_config.get("num-rounds", 200))
     data = load_data(num_clients)
+    server = {"checkpoint": str(run_config.get("checkpoint", "")) or None, "resume": bool(run_config.get("resume", False))}
     return FlowerSpec(model=MODEL, data=data.blank() if role == "server" else data, algorithm=algorithm(num_rounds),
                       num_rounds=num_rounds, seed=int(run_config.get("seed", 0)),
-                      token=f"fedbayes-app-{role}")
+                      fault_policy=fb.FaultPolicy(min_clients=int(run_config.get("min-clients", 1))),
+                      token=f"fedbayes-app-{role}", **(server if role == "server" else {}))
