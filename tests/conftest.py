@@ -74,6 +74,21 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("fuzzing harness: outcome of every fuzzed call")
         for line in lines:
             terminalreporter.line(line)
+    # the real federation's evidence (TLS, the refused nodes, the killed and resumed runs) in CI's log, passed or
+    # not: its "[deploy]" lines, from each test's captured output (xdist carries it back from the workers)
+    deploy = [
+        line
+        for outcome in ("passed", "failed")
+        for report in terminalreporter.stats.get(outcome, [])
+        if "test_deploy.py" in report.nodeid and report.when == "call"
+        for _, content in report.sections
+        for line in content.splitlines()
+        if line.startswith("[deploy]")
+    ]
+    if deploy:
+        terminalreporter.section("the real federation (tests/test_deploy.py)")
+        for line in dict.fromkeys(deploy):  # the module fixture's lines come with each of its tests
+            terminalreporter.line(line)
 
 
 def pytest_collection_modifyitems(config, items):
