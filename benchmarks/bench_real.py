@@ -66,15 +66,23 @@ def _statsmodels(name: str) -> dict:
 
 
 def _phases(log: str) -> dict:
-    """Seconds spent in each phase, from ``progress=True``'s lines (each phase line gives the time since the
-    fit began; the first chunk's line its end)."""
-    marks = [(m.group(1), float(m.group(2))) for m in re.finditer(r"\] [^:]+: (.+?) \((\d+\.\d+) s\)", log)]
+    """Seconds spent in each part of the fit, from ``progress=True``'s lines: a phase line gives the time since
+    the fit began, the first chunk's line the end of the chunk that compiled the round, "done" the end."""
+    at = [(m.group(1), float(m.group(2))) for m in re.finditer(r"\] [^:]+: (.+?) \((\d+\.\d+) s\)", log)]
+
+    def when(prefix: str) -> float | None:
+        return next((t for name, t in at if name.startswith(prefix)), None)
+
     first = re.search(r"first chunk \(compilation included\) in (\d+\.\d+) s", log)
     done = re.search(r"done in (\d+\.\d+) s", log)
-    events = marks + ([("first chunk done", float(first.group(1)))] if first else [])
-    events += [("done", float(done.group(1)))] if done else []
-    events.sort(key=lambda e: e[1])
-    return {a: round(t2 - t1, 2) for (a, t1), (_, t2) in zip(events, events[1:])}
+    a, s, r = when("analysing"), when("compiling and running the set-up"), when("compiling the rounds")
+    f, c = when("the final exchange"), when("the convergence checks")
+    if None in (a, s, r, f, c) or first is None or done is None:
+        return {}
+    chunk, end = float(first.group(1)), float(done.group(1))
+    out = {"analysis": s - a, "set-up": r - s, "first chunk": chunk - r, "other rounds": max(f - chunk, 0.0),
+           "final exchange": c - max(f, chunk), "checks": end - c}
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def _fed(name: str, algorithm: str, factor: int) -> dict:
