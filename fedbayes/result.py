@@ -1142,6 +1142,7 @@ class Result:
         state.setdefault("privacy", None)  # saved before fits could be private
         state.setdefault("params_averaged", None)  # saved before FedSOUL's one-step estimate
         state.setdefault("local_point", False)  # saved before the baselines' points were told from draws
+        state.setdefault("_cov_u", None)  # saved before the tables' delta method (it falls back on ``information``)
         self.__dict__.update(state)
 
     def _algorithm_config(self) -> Any:

@@ -129,3 +129,22 @@ def test_linear_mixed_effects_names_its_terms_by_the_dataframe_columns():
     plain = fb.models.make_linear_mixed_effects(3)[0]  # no DataFrame: positional names, the default group
     layout = fb.models.linear_mixed_effects.mixed_layout(plain)
     assert (layout.group, layout.fixed, layout.blocks[0].columns) == ("client", ("x[0]", "x[1]"), ("z[0]", "z[1]"))
+
+
+def test_a_result_saved_before_the_tables_falls_back_on_its_information():
+    """A result pickled before ``_cov_u`` existed: the standard errors come from inverting ``information``."""
+    fm = FedModel(_model, fm_data)
+    theta = fm.unconstrain(fm.constrain({"beta": jnp.array([1.0, -2.0]), "tau_0": jnp.array(0.2),
+                                         "scale_tril_1": jnp.arange(6.0) / 10, "sigma": jnp.array(0.1)}))
+    d = ravel_pytree(theta)[0].size
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=(d, d))
+    cov = a @ a.T / d + np.eye(d)
+    params = fm.constrain(theta)
+    res = _result(fm, theta=theta, params=params, params_last=params, cov_unconstrained=cov,
+                  information=np.linalg.inv(cov))
+    state = res.__getstate__()
+    del state["_cov_u"]
+    old = fb.Result.__new__(fb.Result)
+    old.__setstate__(state)
+    pd.testing.assert_frame_equal(old.variance_components, res.variance_components, rtol=1e-8)
