@@ -601,7 +601,11 @@ def test_a_stopped_run_resumes_from_its_checkpoints_bit_for_bit(name, tmp_path):
 
     with pytest.raises(fb.TooFewClientsError, match="round 2.*resume from the checkpoint after round 1"):
         _flower_run(name, 3, tmp_path / "nodes", unreachable=unreachable, policy=policy, checkpoint=ckpt)
-    assert any(p.name.endswith(".r2.npz") for p in (tmp_path / "nodes").rglob("*"))  # ahead of the checkpoint
+    from fedbayes import checkpoint as checkpoint_io
+    from fedbayes.flower import _resume
+
+    tag = checkpoint_io.read_sealed(ckpt, _resume.FORMAT)[0]["extra"]["tag"]  # the stopped run's snapshots
+    assert any(p.name.endswith(".r2.npz") for p in (tmp_path / "nodes" / tag).iterdir())  # ahead of the checkpoint
     res = _flower_run(name, 3, tmp_path / "nodes", policy=policy, checkpoint=ckpt, resume=True)
     _same(ref, res, exact=True)
     assert res.flower_messages == ref.flower_messages
@@ -618,3 +622,7 @@ def test_a_resume_without_the_nodes_snapshots_is_refused_with_the_fix(tmp_path):
         _flower_run("d-elf", 1, tmp_path / "nodes", checkpoint=ckpt, resume=True)
     with pytest.raises(fb.ConfigError, match="resume=True needs checkpoint"):
         _flower_run("d-elf", 0, tmp_path / "nodes", resume=True)
+    res = _flower_run("d-elf", 0, tmp_path / "other", checkpoint=str(tmp_path / "server.ckpt"))
+    res.save(tmp_path / "result.fbr")  # a saved result is a sealed file too, but not a Flower checkpoint
+    with pytest.raises(fb.CheckpointError, match="is not a Flower checkpoint"):
+        _flower_run("d-elf", 0, tmp_path / "nodes", checkpoint=str(tmp_path / "result.fbr"), resume=True)

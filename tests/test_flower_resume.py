@@ -58,3 +58,19 @@ def test_the_server_checkpoint_restores_its_trees_and_refuses_another_fit(tmp_pa
         _resume.load_server(path, {**prints, "options": "other"}, template)
     with pytest.raises(fb.CheckpointError, match="does not hold this run's server state"):
         _resume.load_server(path, prints, ({"x": jnp.ones(4), "k": jnp.asarray(0)}, (jnp.ones((2, 2)), 1.0)))
+
+
+def test_a_restore_drops_the_stopped_runs_later_rounds_and_tags_name_no_other_path(tmp_path):
+    """After a resume from round K the node's snapshots of later rounds are the stopped run's: removed, so that a
+    client absent from the replayed round K + 1 cannot keep one and have it restored by a later resume. A run tag
+    is 32 hexadecimal digits: anything else would name a path outside the node's folder."""
+    for k in (0, 1, 2):
+        _resume.write_snapshot(tmp_path, 0, k, _records(k), upload=None, pending=-1)
+    assert _resume.read_snapshot(tmp_path, 0, at_most=1)[0] == 1
+    _resume.drop_after(tmp_path, 0, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["client-0.r1.npz"]
+    good = "0123456789abcdef" * 2
+    assert _resume.snapshot_folder(tmp_path, good) == tmp_path / good
+    for bad in ("../x", "/etc", "", good.upper(), good + "0"):
+        with pytest.raises(fb.CheckpointError, match="32 hexadecimal digits"):
+            _resume.snapshot_folder(tmp_path, bad)

@@ -415,7 +415,7 @@ def _snapshot(context: Context, index: int, round_: int, tag: str | None = None)
     }
     upload = _stored(context, _UPLOAD, ArrayRecord)[""].data if _UPLOAD in context.state else None
     pending = int(cast(int, _stored(context, _META, ConfigRecord)["pending"])) if _META in context.state else -1
-    _resume.write_snapshot(Path(str(folder)) / tag, index, round_, records, upload, pending)
+    _resume.write_snapshot(_resume.snapshot_folder(str(folder), tag), index, round_, records, upload, pending)
 
 
 def _restore(context: Context, index: int, at_most: int, tag: str) -> int:
@@ -426,7 +426,9 @@ def _restore(context: Context, index: int, at_most: int, tag: str) -> int:
             f"client {index}'s node keeps no state snapshots: start its SuperNode with --node-config "
             f"'{_resume.STATE_KEY}=\"<folder>\"' (the same folder as in the interrupted run) to resume"
         )
-    round_, records, upload, pending = _resume.read_snapshot(Path(str(folder)) / tag, index, at_most)
+    where = _resume.snapshot_folder(str(folder), tag)
+    round_, records, upload, pending = _resume.read_snapshot(where, index, at_most)
+    _resume.drop_after(where, index, at_most)  # the stopped run's later rounds: replayed, never to be restored
     for name in (_STATE, _PENDING, _SETTINGS, _UPLOAD):
         if name in context.state:
             del context.state[name]
@@ -701,13 +703,16 @@ class _Server:
             raise ConfigError("resume=True needs checkpoint=<the server's checkpoint file> to resume from")
         self.spec, self.grid, self.rt = spec, grid, _runtime(spec, "server")
         # names this run's snapshots on the nodes: new for a run with a checkpoint, the checkpoint's on a resume
-        self.tag = "" if spec.checkpoint is None else _resume.run_tag(spec.checkpoint, spec.resume)
+        self.tag = (
+            "" if spec.checkpoint is None else _resume.run_tag(spec.checkpoint, spec.resume, self._fingerprints())
+        )
         self.accepted = np.full(self.rt.data.num_clients, -1)
         # Clients whose copy of server state is behind (a fault), to be re-sent it before their next step,
         # and the state that opened the previous round, from which that copy is built.
         self.stale: set[int] = set()
         self.opened: Any = None
         self.records: list[dict[str, np.ndarray]] = []
+        self.seconds: list[float] = []  # each round's wall time
         self.message_bytes: list[tuple[str, int, int, int, int]] = []  # (kind, round, client, bytes, ledger bits)
         self.secure: _secagg.SecureSum | None = None
         cfg = spec.secure_aggregation
@@ -1029,6 +1034,13 @@ class _Server:
         rt = self.rt
         return _fingerprints(rt.fit, rt.model, rt.cohort, _data_digest(rt.data))
 
+    def _history(self, records: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The rounds' host history, with each round's own wall time (a resumed run's earlier rounds' from the
+        checkpoint)."""
+        history = host_records(records, 0.0)
+        history["seconds"] = np.asarray(self.seconds[: len(history["seconds"])], dtype=np.float64)
+        return history
+
     def checkpoint(self, k: int) -> None:
         """Write the server's checkpoint after round ``k`` (-1: the set-up), where the spec names one."""
         if self.spec.checkpoint is None:
@@ -1040,6 +1052,7 @@ class _Server:
             "stale": sorted(self.stale),
             "opened": self.opened is not None,
             "message_bytes": [list(m) for m in self.message_bytes],
+            "seconds": self.seconds,
             "tag": self.tag,
         }
         trees = (rt.server_state, rt.broadcast, opened)  # on the device: their weak types are recorded
@@ -1057,6 +1070,7 @@ class _Server:
         self.stale = set(extra["stale"])
         self.records = [history] if history else []
         self.message_bytes = [tuple(m) for m in extra["message_bytes"]]  # the set-up's were counted once
+        self.seconds = [float(x) for x in extra["seconds"]]
         msgs = [
             Message(_content(b"", {"round": k, "tag": self.tag}), dst_node_id=node, message_type="query.restore")
             for node in self.node_of.values()
@@ -1068,7 +1082,9 @@ class _Server:
             if c not in replies or "error" in replies[c]
         ]
         if problems:
-            raise CheckpointError(f"{rt.run.name} on Flower cannot resume after round {k}: " + "; ".join(problems[:5]))
+            raise CheckpointError(
+                f"{rt.run.name} on Flower cannot resume after {_after(k)}: " + "; ".join(problems[:5])
+            )
         return k
 
     def run(self, collect_locals: bool = False) -> Result:
@@ -1079,22 +1095,23 @@ class _Server:
         if not spec.resume:
             self.checkpoint(-1)
         bar = Progress(spec.num_rounds, f"{rt.run.name} on Flower", spec.progress)
-        t0 = time.perf_counter()
         min_clients = (spec.fault_policy or FaultPolicy()).min_clients
         for k in range(start, spec.num_rounds):
+            t0 = time.perf_counter()
             self.round(k)
             if first_short_round(fault_counts(self.records[-1]), min_clients) is not None:
                 done = self.records[:-1]
-                before = public_history(host_records(_concatenated(done), time.perf_counter() - t0)) if done else {}
+                before = self._history(_concatenated(done)) if done else {}
                 raise TooFewClientsError(
                     f"{rt.run.name} on Flower: round {k} left fewer answering clients than min_clients={min_clients}"
-                    + (f"; resume from the checkpoint after round {k - 1} (resume=True)" if spec.checkpoint else ""),
+                    + (f"; resume from the checkpoint after {_after(k - 1)} (resume=True)" if spec.checkpoint else ""),
                     round=k,
-                    history=before,
+                    history=public_history(before) if done else {},
                 )
+            self.seconds.append(time.perf_counter() - t0)
             self.checkpoint(k)
             bar.update(k + 1)
-        history = host_records(_concatenated(self.records), time.perf_counter() - t0)
+        history = self._history(_concatenated(self.records))
         problem = Problem(FedModel(rt.fit.model, rt.data, rt.fit.model_kwargs), rt.data, rt.fit.num_rounds, rt.cohort)
         parts: FitParts | dict[str, Any]
         if rt.run.final_exchange:
@@ -1121,6 +1138,11 @@ class _Server:
         # a Flower run's extra attribute (Result declares it, unset elsewhere)
         result.flower_messages = self.message_bytes
         return result
+
+
+def _after(k: int) -> str:
+    """What a checkpoint written after round ``k`` follows: that round, or (-1) the set-up."""
+    return "the set-up" if k < 0 else f"round {k}"
 
 
 def _concatenated(records: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

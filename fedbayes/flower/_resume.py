@@ -42,13 +42,54 @@ FORMAT = 1
 KEEP = 2  # snapshots a node keeps: enough for a server checkpoint one round behind the node
 
 
-def run_tag(path: str | os.PathLike, resume: bool) -> str:
+TAG = re.compile(r"[0-9a-f]{32}")  # a run tag: uuid4().hex, the only name a node takes for a subfolder
+
+
+def _server_meta(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A Flower checkpoint's verified metadata and entries; another sealed file of fedbayes' (a ``fed_fit``
+    checkpoint, a saved result) is refused as what it is not."""
+    meta, entries = checkpoint_io.read_sealed(path, FORMAT, "Flower checkpoint")
+    if meta.get("kind") != "flower-server":
+        raise CheckpointError(
+            f"{os.fspath(path)!r} is not a Flower checkpoint (it is another fedbayes file: a fed_fit checkpoint, "
+            "which fb.resume reads, or a saved result); give FlowerSpec(checkpoint=) the file its server wrote"
+        )
+    return meta, entries
+
+
+def _check_fingerprints(path: str | os.PathLike, meta: dict[str, Any], fingerprints: dict[str, Any]) -> None:
+    saved = meta.get("fingerprints", {})
+    for name, value in fingerprints.items():
+        if saved.get(name) != value:
+            raise CheckpointError(
+                f"the Flower checkpoint {os.fspath(path)!r} was written by another fit (its {name} differs): "
+                "resume it with the same model, data layout, algorithm, num_rounds, clients_per_round and seed"
+            )
+
+
+def run_tag(path: str | os.PathLike, resume: bool, fingerprints: dict[str, Any]) -> str:
     """The tag of a run's snapshots on its nodes (a subfolder of each node's ``fedbayes-state`` folder): a new
-    one for a run that writes the checkpoint ``path``, the one ``path`` holds for a run that resumes it."""
+    one for a run that writes the checkpoint ``path``; for a run that resumes it, the one ``path`` holds, once
+    the checkpoint is known to be this fit's (before any message is sent)."""
     if not resume:
         return uuid.uuid4().hex
-    meta, _ = checkpoint_io.read_sealed(path, FORMAT, "Flower checkpoint")
+    meta, _ = _server_meta(path)
+    _check_fingerprints(path, meta, fingerprints)
     return str(meta["extra"]["tag"])
+
+
+def snapshot_folder(folder: str | os.PathLike, tag: str) -> Path:
+    """``folder/tag``, for a tag of the form a server makes (refused otherwise: it names a path on the node)."""
+    if not isinstance(tag, str) or TAG.fullmatch(tag) is None:
+        raise CheckpointError(f"a run tag must be 32 hexadecimal digits, got {tag!r}: not a fedbayes server's")
+    return Path(folder) / tag
+
+
+def drop_after(folder: str | os.PathLike, index: int, round_: int) -> None:
+    """Remove client ``index``'s snapshots of rounds after ``round_``: a resumed run replays those rounds, and
+    the stopped run's versions of them must never be taken for its own."""
+    for later in (r for r in _snapshot_rounds(folder, index) if r > round_):
+        os.remove(_snapshot_path(folder, index, later))
 
 
 def _meta_entry(meta: dict[str, Any]) -> np.ndarray:
@@ -82,6 +123,7 @@ def write_snapshot(
     os.makedirs(folder, exist_ok=True)
     meta = {
         "format": FORMAT,
+        "kind": "flower-client",
         "client": index,
         "round": round_,
         "pending": pending,
@@ -120,6 +162,10 @@ def read_snapshot(
             f"{_snapshot_rounds(folder, index) or 'none'}): the run cannot resume from the server's checkpoint"
         )
     meta, entries = checkpoint_io.read_sealed(_snapshot_path(folder, index, rounds[-1]), FORMAT, "client snapshot")
+    if meta.get("kind") != "flower-client" or meta.get("client") != index:
+        raise CheckpointError(
+            f"{os.fspath(_snapshot_path(folder, index, rounds[-1]))!r} is not client {index}'s snapshot"
+        )
     records = {
         name: [entries[f"record/{name}/{i:05d}"] for i in range(count)] for name, count in meta["records"].items()
     }
@@ -140,6 +186,7 @@ def save_server(
     leaves = jax.tree_util.tree_leaves(trees)
     meta = {
         "format": FORMAT,
+        "kind": "flower-server",
         "round": round_,
         "fingerprints": fingerprints,
         "extra": extra,
@@ -162,14 +209,8 @@ def load_server(
         If it is missing, altered, or written by another fit (model, data layout, algorithm, rounds, cohort
         or seed differ: the fingerprint that differs is named).
     """
-    meta, entries = checkpoint_io.read_sealed(path, FORMAT, "Flower checkpoint")
-    saved = meta.get("fingerprints", {})
-    for name, value in fingerprints.items():
-        if saved.get(name) != value:
-            raise CheckpointError(
-                f"the Flower checkpoint {os.fspath(path)!r} was written by another fit (its {name} differs): "
-                "resume it with the same model, data layout, algorithm, num_rounds, clients_per_round and seed"
-            )
+    meta, entries = _server_meta(path)
+    _check_fingerprints(path, meta, fingerprints)
     leaves, treedef = jax.tree_util.tree_flatten(template)
     stored = [entries[f"tree/{i:05d}"] for i in range(sum(k.startswith("tree/") for k in entries))]
     if len(stored) != len(leaves) or any(
