@@ -147,6 +147,17 @@ def write_sealed(path: str | os.PathLike, entries: dict[str, np.ndarray], what: 
         pass
 
 
+def meta_entry(meta: dict[str, Any]) -> np.ndarray:
+    """A file's JSON metadata as the ``meta`` entry of :func:`write_sealed` (NumPy scalars as numbers)."""
+    return np.frombuffer(json.dumps(meta, sort_keys=True, default=_plain).encode(), np.uint8)
+
+
+def weak_flags(leaves: list[Any]) -> list[bool]:
+    """Which of a state's leaves are weakly typed (a Python scalar, or an array made from one), for
+    :meth:`Checkpoint.restore_carry` to restore them so."""
+    return [isinstance(x, (int, float)) or bool(getattr(x, "weak_type", False)) for x in leaves]
+
+
 def save(
     path: str | os.PathLike, meta: dict[str, Any], spec: bytes, carry: Any, history: dict[str, np.ndarray]
 ) -> None:
@@ -160,9 +171,9 @@ def save(
         and no temporary file is left behind.
     """
     leaves = jax.tree_util.tree_leaves(carry)
-    meta = dict(meta, format=FORMAT, weak=[bool(getattr(x, "weak_type", False)) for x in leaves])
+    meta = dict(meta, format=FORMAT, weak=weak_flags(leaves))
     entries = {
-        "meta": np.frombuffer(json.dumps(meta, sort_keys=True, default=_plain).encode(), np.uint8),
+        "meta": meta_entry(meta),
         "spec": np.frombuffer(spec, np.uint8),
     }
     entries.update({f"carry/{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})

@@ -21,7 +21,6 @@ round, so no node can be more than one round ahead of it.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import uuid
@@ -92,10 +91,6 @@ def drop_after(folder: str | os.PathLike, index: int, round_: int) -> None:
         os.remove(_snapshot_path(folder, index, later))
 
 
-def _meta_entry(meta: dict[str, Any]) -> np.ndarray:
-    return np.frombuffer(json.dumps(meta, sort_keys=True).encode(), np.uint8)
-
-
 def _snapshot_path(folder: str | os.PathLike, index: int, round_: int) -> Path:
     return Path(folder) / f"client-{index}.r{round_}.npz"
 
@@ -130,7 +125,7 @@ def write_snapshot(
         "records": {name: len(arrays) for name, arrays in records.items()},
         "upload": upload is not None,
     }
-    entries = {"meta": _meta_entry(meta)}
+    entries = {"meta": checkpoint_io.meta_entry(meta)}
     for name, arrays in records.items():
         entries.update({f"record/{name}/{i:05d}": np.asarray(a) for i, a in enumerate(arrays)})
     if upload is not None:
@@ -190,9 +185,9 @@ def save_server(
         "round": round_,
         "fingerprints": fingerprints,
         "extra": extra,
-        "weak": [isinstance(x, (int, float)) or bool(getattr(x, "weak_type", False)) for x in leaves],
+        "weak": checkpoint_io.weak_flags(leaves),
     }
-    entries = {"meta": _meta_entry(meta)}
+    entries = {"meta": checkpoint_io.meta_entry(meta)}
     entries.update({f"tree/{i:05d}": np.asarray(x) for i, x in enumerate(leaves)})
     entries.update({f"history/{k}": np.asarray(v) for k, v in history.items()})
     checkpoint_io.write_sealed(path, entries, what="Flower checkpoint")
@@ -207,18 +202,17 @@ def load_server(
     ------
     CheckpointError
         If it is missing, altered, or written by another fit (model, data layout, algorithm, rounds, cohort
-        or seed differ: the fingerprint that differs is named).
+        or seed differ: the fingerprint that differs is named; a state of other shapes).
     """
     meta, entries = _server_meta(path)
     _check_fingerprints(path, meta, fingerprints)
-    leaves, treedef = jax.tree_util.tree_flatten(template)
     stored = [entries[f"tree/{i:05d}"] for i in range(sum(k.startswith("tree/") for k in entries))]
-    if len(stored) != len(leaves) or any(
-        np.shape(a) != np.shape(b) or np.asarray(a).dtype != b.dtype for a, b in zip(leaves, stored)
-    ):
-        raise CheckpointError(f"the Flower checkpoint {os.fspath(path)!r} does not hold this run's server state")
-    restored = [
-        checkpoint_io.weak_array(b, b.dtype) if weak else jax.numpy.asarray(b) for b, weak in zip(stored, meta["weak"])
-    ]
     history = {k[len("history/") :]: v for k, v in entries.items() if k.startswith("history/")}
-    return int(meta["round"]), jax.tree_util.tree_unflatten(treedef, restored), history, meta["extra"]
+    # fed_fit's checkpoints restore a state the same way: its shapes, dtypes and weak types checked and kept
+    try:
+        trees = checkpoint_io.Checkpoint(meta, b"", stored, history).restore_carry(template)
+    except CheckpointError as err:
+        raise CheckpointError(
+            f"the Flower checkpoint {os.fspath(path)!r} does not hold this run's server state: {err}"
+        ) from err
+    return int(meta["round"]), trees, history, meta["extra"]
